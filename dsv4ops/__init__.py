@@ -1,0 +1,13 @@
+"""dsv4ops: DeepSeek-V4 attention and router operators for PyTorch.
+
+Importing registers the `dsv4::` ops with their reference kernels and fakes; it touches no GPU and
+imports neither triton nor cutlass (GPU backends load on first use).
+"""
+
+from dsv4ops import ops  # noqa: F401  (defines the dsv4:: ops)
+from dsv4ops import _meta  # noqa: F401  (registers their fakes)
+from dsv4ops.config import DSV4AttentionConfig
+from dsv4ops.layers import DeepseekV4Attention
+from dsv4ops.reference.numerics import Numerics
+
+__all__ = ["DSV4AttentionConfig", "DeepseekV4Attention", "Numerics"]

@@ -1,0 +1,1 @@
+"""Benchmarks (`python -m dsv4ops bench`) and the demo (`python -m dsv4ops`)."""

@@ -1,0 +1,102 @@
+"""Numerics modes of the reference: every rounding point, once.
+
+Main KV mode (`kv`) and indexer mode (`indexer`) are independent. `exact` everywhere is Hugging
+Face transformers' `DeepseekV4Attention` (no quantization; activations in the model dtype). The
+other modes follow DeepSeek's official inference code (`inference/model.py`, `kernel.py`).
+
+| where                              | exact (HF)              | kv=fp8 / indexer=fp8         | indexer=mxfp4                 |
+|------------------------------------|-------------------------|------------------------------|-------------------------------|
+| projections q_a, q_b, kv, o_a, o_b | model dtype             | model dtype                  | model dtype                   |
+| norms, softmaxes                   | fp32, cast to dtype     | fp32, cast to dtype          | fp32, cast to dtype           |
+| compressor a, z (x @ W^T)          | model dtype             | fp32 (official keeps fp32)   | fp32                          |
+| compressor pool                    | fp32 -> model dtype     | fp32 -> bf16 before the norm | fp32 -> bf16 before the norm  |
+| window / compressed KV nope (448)  | model dtype             | bf16, then e4m3, UE8M0 / 64  | (main KV: per `kv`)           |
+| window / compressed KV rope (64)   | model dtype             | bf16                         |                               |
+| indexer key (128)                  | model dtype             | bf16, then e4m3, one pow2    | Hadamard-128, E2M1, UE8M0/32  |
+|                                    |                         | fp32 scale per entry         |                               |
+| indexer query (H_I x 128)          | model dtype             | bf16, e4m3, pow2 scale per   | Hadamard-128, E2M1, UE8M0/32  |
+|                                    |                         | (token, head) folded into w  |                               |
+| indexer head weights w             | fp32                    | fp32 (x q-scale)             | fp32                          |
+| attention QK, PV                   | model dtype, P -> dtype | model dtype, P -> dtype      | model dtype, P -> dtype       |
+| inverse RoPE of o                  | model dtype             | model dtype                  | model dtype                   |
+
+UE8M0 scale = 2^ceil(log2(max(amax, 1e-4) / 448)) for e4m3 and 2^ceil(log2(max(amax, 6*2^-126) / 6))
+for E2M1. Casts round to nearest even. FP8 quantizers see bf16 values (the official activations
+are bf16), so the stored value is e4m3 x 2^k, exact in bf16.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dsv4ops.quant.reference import (
+    FP8_AMAX_FLOOR,
+    FP8_BLOCK,
+    FP8_MAX,
+    fp8_roundtrip,
+    hadamard,
+    mxfp4_roundtrip,
+    pow2_scale_exponent,
+)
+
+KV_MODES = ("exact", "fp8")
+INDEXER_MODES = ("exact", "fp8", "mxfp4")
+
+
+@dataclass(frozen=True)
+class Numerics:
+    kv: str = "exact"
+    indexer: str = "exact"
+
+    def __post_init__(self):
+        if self.kv not in KV_MODES:
+            raise ValueError(f"kv: expected one of {KV_MODES}, got {self.kv!r}")
+        if self.indexer not in INDEXER_MODES:
+            raise ValueError(f"indexer: expected one of {INDEXER_MODES}, got {self.indexer!r}")
+
+
+def compressor_dtype(mode: str, model_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the compressor projections a, z for a mode."""
+    return model_dtype if mode == "exact" else torch.float32
+
+
+def entry_dtype(mode: str, model_dtype: torch.dtype) -> torch.dtype:
+    """dtype a pooled entry is cast to before its RMSNorm (and in which norm and RoPE return)."""
+    return model_dtype if mode == "exact" else torch.bfloat16
+
+
+def round_kv(kv: Tensor, mode: str, rope_dim: int) -> Tensor:
+    """The main-KV value a query reads back (window and compressed entries alike)."""
+    if mode == "exact":
+        return kv
+    nope = fp8_roundtrip(kv[..., :-rope_dim].to(torch.bfloat16), FP8_BLOCK)
+    rope = kv[..., -rope_dim:].to(torch.bfloat16)
+    return torch.cat([nope, rope], -1).to(kv.dtype)
+
+
+def fp8_row_scale(x: Tensor) -> Tensor:
+    """One power-of-two fp32 scale per row (last dim), the 132-B indexer entry's scale."""
+    return torch.exp2(pow2_scale_exponent(x.abs().amax(-1, keepdim=True), FP8_MAX, FP8_AMAX_FLOOR).float())
+
+
+def round_indexer_key(k: Tensor, mode: str) -> Tensor:
+    if mode == "exact":
+        return k
+    if mode == "fp8":
+        v = k.to(torch.bfloat16).float()
+        s = fp8_row_scale(v)
+        return ((v / s).to(torch.float8_e4m3fn).float() * s).to(k.dtype)
+    return mxfp4_roundtrip(hadamard(k.float())).to(k.dtype)
+
+
+def quantize_indexer_query(q: Tensor, weights: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+    """(q', w') such that sum_h w'_h relu(q'_h . k) is the mode's score. q [..., H, d], weights
+    [..., H] fp32 (already x d^-1/2 x H^-1/2). fp8 folds the per-(token, head) scale into w'."""
+    if mode == "exact":
+        return q, weights
+    if mode == "fp8":
+        v = q.to(torch.bfloat16).float()
+        s = fp8_row_scale(v)
+        return (v / s).to(torch.float8_e4m3fn).float(), weights * s.squeeze(-1)
+    return mxfp4_roundtrip(hadamard(q.float())), weights

@@ -1,0 +1,50 @@
+"""Pure-PyTorch V4 router kernels: the CPU kernels of the `dsv4::` router ops and the oracle for
+every router backend. Semantics follow transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def sqrt_softplus(logits: Tensor) -> Tensor:
+    """The V4 router score: sqrt(softplus(x)), computed in fp32."""
+    return F.softplus(logits.float()).sqrt()
+
+
+def stable_topk(values: Tensor, k: int) -> Tensor:
+    """Indices of the k largest entries along the last dim; exact ties pick the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def renormalize(scores: Tensor, indices: Tensor, routed_scaling_factor: float) -> Tensor:
+    weights = scores.gather(-1, indices)
+    # 1e-20 keeps an all-zero row finite, as in transformers.
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * routed_scaling_factor
+
+
+def gate_topk(logits: Tensor, bias: Tensor, weights_out: Tensor, indices_out: Tensor, routed_scaling_factor: float):
+    """Bias only steers the selection; the weights come from the unbiased scores."""
+    scores = sqrt_softplus(logits)
+    indices = stable_topk(scores + bias.float(), indices_out.shape[-1])
+    weights_out.copy_(renormalize(scores, indices, routed_scaling_factor))
+    indices_out.copy_(indices)
+
+
+def hash_route(
+    logits: Tensor, token_ids: Tensor, tid2eid: Tensor, weights_out: Tensor, indices_out: Tensor,
+    routed_scaling_factor: float,
+):
+    scores = sqrt_softplus(logits)
+    indices = tid2eid[token_ids.long()].long()
+    weights_out.copy_(renormalize(scores, indices, routed_scaling_factor))
+    indices_out.copy_(indices)
+
+
+def router_gate(
+    x: Tensor, weight: Tensor, bias: Tensor, logits_out: Tensor, weights_out: Tensor, indices_out: Tensor,
+    routed_scaling_factor: float,
+):
+    """Gate GEMM (fp32 accumulate, fp32 logits) followed by gate_topk."""
+    logits = F.linear(x.float(), weight.float())
+    logits_out.copy_(logits)
+    gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
