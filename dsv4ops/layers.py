@@ -4,10 +4,19 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dsv4ops.cache.config import CacheConfig
+from dsv4ops.cache.manager import KVCacheManager
+from dsv4ops.cache.pools import LayerCache
+from dsv4ops.cache.step import StepMeta, visible_entries
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
-from dsv4ops.reference.numerics import Numerics
+from dsv4ops.reference.functional import grouped_output, rms_norm
+from dsv4ops.reference.numerics import Numerics, compressor_dtype
+
+
+_KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "inv_freq", "state")
 
 
 class RMSNorm(nn.Module):
@@ -86,14 +95,90 @@ class DeepseekV4Attention(nn.Module):
         self.compressor = None if self.layer_type == SLIDING else Compressor(cfg, cfg.compress_ratio(layer_idx))
         self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
 
-    @property
-    def is_csa(self) -> bool:
-        return self.layer_type == CSA
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` keeps the tensors transformers keeps in fp32 (sinks, position biases, norm
+        weights) and the fp32 RoPE table and compressor states in fp32."""
+        super()._apply(fn, recurse)
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            if name.endswith(_KEEP_FP32) and t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+        return self
 
-    def forward(self, hidden_states: Tensor, step=None) -> Tensor:
-        from dsv4ops import reference
+    def attach_cache(self, manager) -> None:
+        """Give the layer its pools (sized by the manager's CacheConfig) before compiling; the
+        serving forward then reads and writes them in place."""
+        cfg = manager.cfg
+        if cfg.numerics() != self.numerics:
+            raise ValueError(f"manager: cache modes kv={cfg.kv_cache!r}, indexer={cfg.indexer_cache!r} give numerics "
+                             f"{cfg.numerics()}, the layer computes {self.numerics}")
+        self.cache = LayerCache(self.config, self.layer_idx, cfg, device=self.q_a_proj.weight.device)
 
+    def forward(self, hidden_states: Tensor, step: StepMeta | None = None) -> Tensor:
+        """step=None: hidden_states [B, S, hidden], each row a sequence from position 0 (a private
+        cache is built for the call). With a step: hidden_states [T, hidden], the step's flat batch
+        (padded to its bucket), reading and writing the attached cache."""
         if step is not None:
-            raise NotImplementedError("step: the serving path is not built yet")
-        return reference.attention(dict(self.named_parameters()), self.config, self.layer_idx, hidden_states,
-                                   self.numerics)
+            return _attend(self, hidden_states, step, self.cache)
+        b, s, _ = hidden_states.shape
+        cfg = CacheConfig.for_numerics(self.numerics, hidden_states.dtype, max_requests=b, max_context=s,
+                                       max_step_tokens=b * s, max_request_step_tokens=s, buckets=(b * s,))
+        manager = KVCacheManager(self.config, cfg, device=hidden_states.device)
+        cache = LayerCache(self.config, self.layer_idx, cfg, device=hidden_states.device)
+        for r in range(b):
+            manager.admit(r)
+        step = manager.prepare_step({r: s for r in range(b)})
+        return _attend(self, hidden_states.reshape(b * s, -1), step, cache).view(b, s, -1)
+
+
+def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerCache) -> Tensor:
+    """kv insert -> compressors (before attention) -> indexer -> sparse attention -> output, through
+    the dsv4:: ops; no host sync, no data-dependent branch."""
+    cfg, ops = layer.config, torch.ops.dsv4
+    eps, pos, req = cfg.rms_norm_eps, step.positions, step.req_slots
+    t = x.shape[0]
+    qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
+    q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
+    kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
+    q_rot = torch.empty_like(q)
+    ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps)
+
+    comp_cache, comp_idx = cache.window, torch.empty(t, 0, dtype=torch.int32, device=x.device)
+    if layer.compressor is not None:
+        c, kind = layer.compressor, layer.layer_type
+        _compress(c, x, step, kind, layer.inv_freq, cache.state, cache.comp, layer.numerics.kv, eps)
+        comp_cache = cache.comp
+        if kind == CSA:
+            _compress(c.indexer, x, step, kind, layer.inv_freq, cache.index_state, cache.index, layer.numerics.indexer,
+                      eps)
+            comp_idx = _select(c.indexer, x, qr, step, layer, cache)
+        else:
+            comp_idx = visible_entries(step, cfg.compress_ratio(layer.layer_idx), cache.cfg.block_size)
+
+    o = torch.empty_like(q_rot)
+    ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, layer.sinks, o, cfg.head_dim**-0.5,
+                    cfg.window, cache.ring_size)
+    o_rot = torch.empty_like(o)
+    ops.inv_rope(o, pos, layer.inv_freq, o_rot)
+    return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
+
+
+def _compress(c, x, step, kind, inv_freq, state, pool, mode, eps):
+    cdt = compressor_dtype(mode, x.dtype)
+    a = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt))
+    z = F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
+    torch.ops.dsv4.compressor_update(a, z, c.position_bias, step.positions, step.req_slots, step.entry_slots(kind),
+                                     c.kv_norm.weight, inv_freq, state, pool, eps)
+
+
+def _select(indexer, x, qr, step, layer, cache):
+    cfg, t = layer.config, x.shape[0]
+    q = F.linear(qr, indexer.q_b_proj.weight).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    w = F.linear(x, indexer.scorer.weights_proj.weight)
+    q_dtype = torch.float8_e4m3fn if layer.numerics.indexer == "fp8" else q.dtype
+    q_out = torch.empty(q.shape, dtype=q_dtype, device=x.device)
+    w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
+    torch.ops.dsv4.indexer_q_prep(q, w, step.positions, layer.inv_freq, q_out, w_out)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, step.positions, step.req_slots, cache.index, step.block_table(CSA), idx,
+                                cfg.csa_ratio)
+    return idx

@@ -10,8 +10,20 @@ backends attach with `register_kernel("cuda")` (Python) or `TORCH_LIBRARY_IMPL(d
 from torch import Tensor
 from torch.library import custom_op
 
+from dsv4ops.compressor import checks as _compressor_checks
+from dsv4ops.compressor import reference as _compressor
+from dsv4ops.indexer import checks as _indexer_checks
+from dsv4ops.indexer import reference as _indexer
+from dsv4ops.kv_insert import checks as _kv_insert_checks
+from dsv4ops.kv_insert import reference as _kv_insert
+from dsv4ops.output import checks as _output_checks
+from dsv4ops.output import reference as _output
+from dsv4ops.quant import checks as _quant_checks
+from dsv4ops.quant import reference as _quant
 from dsv4ops.router import checks as _router_checks
 from dsv4ops.router import reference as _router
+from dsv4ops.sparse_attn import checks as _sparse_attn_checks
+from dsv4ops.sparse_attn import reference as _sparse_attn
 
 
 # ---- router ------------------------------------------------------------------------------------
@@ -43,3 +55,81 @@ def router_gate(
     """logits = x @ weight.T (fp32), then gate_topk; one kernel for decode-sized batches on GPU."""
     _router_checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
     _router.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
+
+
+# ---- quant: cache entries ----------------------------------------------------------------------
+@custom_op("dsv4::pack_kv", mutates_args=("cache",))
+def pack_kv(x: Tensor, slots: Tensor, cache: Tensor) -> None:
+    """Store rows x [N, d] at global slots of a page pool (-1: skipped). uint8 pools hold FP8 entries
+    (d = 512: the 584-B entry; d = 128: the 132-B indexer entry); float pools hold the rows as is."""
+    _quant_checks.pack_kv(x, slots, cache)
+    _quant.pack_kv(x, slots, cache)
+
+
+@custom_op("dsv4::unpack_kv", mutates_args=("out",))
+def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor) -> None:
+    """Read the entries at slots into out [N, d] (dequantized); rows with slot -1 become 0."""
+    _quant_checks.unpack_kv(cache, slots, out)
+    _quant.unpack_kv(cache, slots, out)
+
+
+# ---- kv_insert ---------------------------------------------------------------------------------
+@custom_op("dsv4::qkv_prep", mutates_args=("q_out", "window_cache"))
+def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_freq: Tensor, q_out: Tensor,
+             window_cache: Tensor, ring_size: int, eps: float) -> None:
+    """q_out = RoPE(weightless per-head RMSNorm(q)); the kv row, RoPE'd, goes to slot
+    req * ring_size + position % ring_size of the window pool (nothing for request -1)."""
+    _kv_insert_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size)
+    _kv_insert.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps)
+
+
+# ---- compressor --------------------------------------------------------------------------------
+@custom_op("dsv4::compressor_update", mutates_args=("state", "cache"))
+def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
+                      entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
+                      eps: float) -> None:
+    """Save every token's (a, z + ape) in its request's state ring; tokens that close a block pool
+    it (CSA: 8-slot overlap; HCA: 128), RMSNorm, RoPE at w*m and store the entry at entry_slots."""
+    _compressor_checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq,
+                                         state, cache)
+    _compressor.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
+                                  cache, eps)
+
+
+# ---- indexer -----------------------------------------------------------------------------------
+@custom_op("dsv4::indexer_q_prep", mutates_args=("q_out", "w_out"))
+def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tensor, q_out: Tensor,
+                   w_out: Tensor) -> None:
+    """q_out = RoPE(q) (e4m3 with a per-(token, head) pow2 scale if q_out is float8_e4m3fn);
+    w_out = weights x d^-1/2 x H^-1/2 (x that scale)."""
+    _indexer_checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out)
+    _indexer.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out)
+
+
+@custom_op("dsv4::indexer_topk", mutates_args=("idx_out",))
+def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
+                 block_table: Tensor, idx_out: Tensor, ratio: int) -> None:
+    """Top-k entries (global slots; ties to the lower entry; -1 fill) of sum_h w_h relu(q_h . k)
+    over the visible entries w < (t + 1) // ratio of each token's request."""
+    _indexer_checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio)
+    _indexer.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio)
+
+
+# ---- sparse_attn -------------------------------------------------------------------------------
+@custom_op("dsv4::sparse_attn", mutates_args=("out",))
+def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
+                comp_idx: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int, ring_size: int) -> None:
+    """MQA with sink over each query's window (ring of its request, itself included) and the
+    compressed entries in comp_idx (-1 = none); K = V; padding tokens get zeros."""
+    _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, window,
+                                    ring_size)
+    _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, scale, window,
+                             ring_size)
+
+
+# ---- output ------------------------------------------------------------------------------------
+@custom_op("dsv4::inv_rope", mutates_args=("out",))
+def inv_rope(o: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor) -> None:
+    """out = o with its trailing rope dims rotated by -position x theta."""
+    _output_checks.inv_rope(o, positions, inv_freq, out)
+    _output.inv_rope(o, positions, inv_freq, out)

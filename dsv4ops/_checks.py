@@ -1,0 +1,92 @@
+"""Metadata checks shared by every op and its fake: `torch._check` only (no host sync, works on
+symbolic shapes). Each error names the argument, what was expected and what came."""
+
+import torch
+from torch import Tensor
+
+from dsv4ops.quant.reference import (
+    INDEXER_DIM,
+    MAIN_DIM,
+    indexer_block_bytes,
+    indexer_block_size,
+    main_block_bytes,
+    main_block_size,
+)
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+INDEX = (torch.int32,)
+
+
+def ndim(name: str, t: Tensor, n: int, layout: str):
+    torch._check(t.dim() == n, lambda: f"{name}: expected {n}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def dtype(name: str, t: Tensor, allowed: tuple):
+    torch._check(t.dtype in allowed, lambda: f"{name}: expected dtype in {list(allowed)}, got {t.dtype}")
+
+
+def size(name: str, t: Tensor, dim: int, expect, what: str):
+    torch._check(t.shape[dim] == expect, lambda: f"{name}: expected size {expect} ({what}) at dim {dim}, got {t.shape[dim]}")
+
+
+def same_device(name: str, t: Tensor, ref: Tensor, ref_name: str):
+    torch._check(t.device == ref.device, lambda: f"{name}: expected device {ref.device} (as {ref_name}), got {t.device}")
+
+
+def last_dim_contiguous(name: str, t: Tensor):
+    torch._check(t.stride(-1) == 1, lambda: f"{name}: expected a contiguous last dim, got strides {t.stride()}")
+
+
+def contiguous(name: str, t: Tensor):
+    torch._check(t.is_contiguous(), lambda: f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def index_vector(name: str, t: Tensor, n, ref: Tensor, ref_name: str):
+    """A 1-D int32 per-token vector (positions, request slots, slot mappings)."""
+    ndim(name, t, 1, "[tokens]")
+    dtype(name, t, INDEX)
+    size(name, t, 0, n, f"tokens of {ref_name}")
+    same_device(name, t, ref, ref_name)
+
+
+def like(name: str, t: Tensor, ref: Tensor, ref_name: str):
+    torch._check(
+        t.shape == ref.shape, lambda: f"{name}: expected shape {tuple(ref.shape)} (as {ref_name}), got {tuple(t.shape)}"
+    )
+    same_device(name, t, ref, ref_name)
+
+
+def rope_table(inv_freq: Tensor, width: int, ref: Tensor):
+    ndim("inv_freq", inv_freq, 1, "[rope_dim / 2]")
+    dtype("inv_freq", inv_freq, (torch.float32,))
+    torch._check(
+        2 * inv_freq.shape[0] <= width,
+        lambda: f"inv_freq: expected at most {width // 2} frequencies (head dim {width}), got {inv_freq.shape[0]}",
+    )
+    same_device("inv_freq", inv_freq, ref, "q")
+
+
+def paged_cache(name: str, cache: Tensor, width: int, ref: Tensor) -> int:
+    """A page pool for `width`-d rows: uint8 [blocks, bytes] of FP8 entries (512-d: 584 B,
+    128-d: 132 B) or float [blocks, block_size, width]. Returns the block size."""
+    contiguous(name, cache)
+    same_device(name, cache, ref, "the activations")
+    if cache.dtype == torch.uint8:
+        ndim(name, cache, 2, "[blocks, block bytes] (FP8 entries)")
+        torch._check(
+            width in (MAIN_DIM, INDEXER_DIM),
+            lambda: f"{name}: FP8 entries exist for {MAIN_DIM}-d (584 B) and {INDEXER_DIM}-d (132 B) rows, got {width}-d rows",
+        )
+        main = width == MAIN_DIM
+        bs = (main_block_size if main else indexer_block_size)(cache.shape[1])
+        expect = (main_block_bytes if main else indexer_block_bytes)(max(bs, 1))
+        torch._check(
+            bs >= 1 and cache.shape[1] == expect,
+            lambda: f"{name}: expected a page of whole {'584' if main else '132'}-B entries ({expect} B for "
+            f"{max(bs, 1)} entries), got {cache.shape[1]} B",
+        )
+        return bs
+    dtype(name, cache, FLOATS + (torch.uint8,))
+    ndim(name, cache, 3, "[blocks, block_size, dim]")
+    size(name, cache, 2, width, "row width")
+    return cache.shape[1]

@@ -1,0 +1,153 @@
+"""Cache capacity and modes (separate from the model config), the per-layer pool schema, and the
+memory accounting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
+from dsv4ops.quant.reference import INDEXER_ENTRY_BYTES, indexer_block_bytes, main_block_bytes
+from dsv4ops.reference.numerics import Numerics
+
+CACHE_MODES = ("bf16", "fp8")
+
+
+def _default_buckets(max_step_tokens: int) -> tuple[int, ...]:
+    sizes, b = [], 1
+    while b < max_step_tokens:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes) + (max_step_tokens,)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Capacity of the serving cache.
+
+    max_requests: request slots. max_context: positions per request. max_step_tokens: tokens of one
+    step (all requests; padded to a bucket). max_request_step_tokens: tokens one request may add in
+    one step (sizes the window ring; defaults to max_step_tokens). kv_cache / indexer_cache: "fp8"
+    (584-B / 132-B entries) or "bf16" (unquantized rows of dtype `exact_dtype`; float32 gives a
+    bit-level comparison with an fp32 model). max_total_tokens: context held by all requests at once
+    (sizes the compressed pools; defaults to max_requests x max_context).
+    """
+
+    max_requests: int
+    max_context: int
+    max_step_tokens: int
+    kv_cache: str = "fp8"
+    indexer_cache: str = "fp8"
+    block_size: int = 64
+    exact_dtype: torch.dtype = torch.bfloat16
+    max_request_step_tokens: int | None = None
+    max_total_tokens: int | None = None
+    buckets: tuple[int, ...] = field(default=())
+
+    def __post_init__(self):
+        for name in ("max_requests", "max_context", "max_step_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        for name in ("kv_cache", "indexer_cache"):
+            if getattr(self, name) not in CACHE_MODES:
+                raise ValueError(f"{name}: expected one of {CACHE_MODES}, got {getattr(self, name)!r}")
+        if not self.buckets:
+            object.__setattr__(self, "buckets", _default_buckets(self.max_step_tokens))
+        if max(self.buckets) < self.max_step_tokens:
+            raise ValueError(f"buckets: the largest must be >= max_step_tokens ({self.max_step_tokens}), got {self.buckets}")
+
+    @property
+    def request_step_tokens(self) -> int:
+        return self.max_request_step_tokens or self.max_step_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return self.max_total_tokens or self.max_requests * self.max_context
+
+    def ring_size(self, window: int) -> int:
+        """Window ring per request: W - 1 tokens of history plus a whole step of this request, so no
+        token of the step overwrites a key another token of the same step still reads."""
+        need = window - 1 + self.request_step_tokens
+        return -(-need // self.block_size) * self.block_size
+
+    def numerics(self) -> Numerics:
+        return Numerics(kv="fp8" if self.kv_cache == "fp8" else "exact",
+                        indexer="fp8" if self.indexer_cache == "fp8" else "exact")
+
+    @classmethod
+    def for_numerics(cls, numerics: Numerics, dtype: torch.dtype, **capacity) -> CacheConfig:
+        if numerics.indexer == "mxfp4":
+            raise NotImplementedError("indexer_cache: the MXFP4 (68-B) indexer entry is not implemented in the "
+                                      "ops yet; dsv4ops.reference.attention computes that mode")
+        return cls(kv_cache="fp8" if numerics.kv == "fp8" else "bf16",
+                   indexer_cache="fp8" if numerics.indexer == "fp8" else "bf16", exact_dtype=dtype, **capacity)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def blocks_per_request(cfg: CacheConfig, ratio: int) -> int:
+    entries = -(-cfg.max_context // ratio)
+    return -(-entries // cfg.block_size)
+
+
+def pool_blocks(cfg: CacheConfig, ratio: int) -> int:
+    """Blocks of a compressed pool: every request's partial last block plus the total context."""
+    return -(-cfg.total_tokens // ratio // cfg.block_size) + cfg.max_requests
+
+
+def _page(cfg: CacheConfig, mode: str, dim: int, blocks: int) -> tuple[tuple[int, ...], torch.dtype]:
+    if mode == "fp8":
+        nbytes = main_block_bytes(cfg.block_size) if dim == 512 else indexer_block_bytes(cfg.block_size)
+        return (blocks, nbytes), torch.uint8
+    return (blocks, cfg.block_size, dim), cfg.exact_dtype
+
+
+def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) -> list[PoolSpec]:
+    """The buffers of one layer: sliding = window ring; CSA = ring + compressed pool (m=4) + indexer
+    pool + both compressor states; HCA = ring + compressed pool (m=128) + state."""
+    kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
+    d, di = model.head_dim, model.index_head_dim
+    ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
+    pools = [PoolSpec("window", *_page(cfg, cfg.kv_cache, d, ring_blocks))]
+    if kind == SLIDING:
+        return pools
+    coff = 2 if kind == CSA else 1
+    pools.append(PoolSpec("comp", *_page(cfg, cfg.kv_cache, d, pool_blocks(cfg, ratio))))
+    pools.append(PoolSpec("state", (cfg.max_requests, coff * ratio, 2 * coff * d), torch.float32))
+    if kind == CSA:
+        pools.append(PoolSpec("index", *_page(cfg, cfg.indexer_cache, di, pool_blocks(cfg, ratio))))
+        pools.append(PoolSpec("index_state", (cfg.max_requests, 2 * ratio, 4 * di), torch.float32))
+    return pools
+
+
+def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
+    """Bytes per context token (growth) and fixed bytes per request, over all main layers; paged
+    FP8 main entries count with their page padding (64 entries: 37440 B, 585 B each)."""
+    main = main_block_bytes(cfg.block_size) / cfg.block_size if cfg.kv_cache == "fp8" else 2.0 * model.head_dim
+    idx = INDEXER_ENTRY_BYTES if cfg.indexer_cache == "fp8" else 2.0 * model.index_head_dim
+    per_token = fixed = 0.0
+    for li in range(model.num_layers):
+        kind, ratio = model.layer_type(li), model.compress_ratio(li)
+        fixed += cfg.ring_size(model.window) * main
+        if kind == SLIDING:
+            continue
+        coff = 2 if kind == CSA else 1
+        per_token += main / ratio
+        fixed += coff * ratio * 2 * coff * model.head_dim * 4
+        if kind == CSA:
+            per_token += idx / ratio
+            fixed += 2 * ratio * 4 * model.index_head_dim * 4
+    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed}

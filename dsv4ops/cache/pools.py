@@ -1,0 +1,24 @@
+"""The per-layer cache module: its pools are non-persistent buffers (a strict `load_state_dict`
+of the weights ignores them), allocated once and never reassigned (CUDA graphs keep their address)."""
+
+import torch
+from torch import nn
+
+from dsv4ops.cache.config import CacheConfig, layer_pools
+from dsv4ops.config import DSV4AttentionConfig
+
+
+class LayerCache(nn.Module):
+    """Buffers `window` (ring of every request), and for compressed layers `comp` (paged entries)
+    and `state` (fp32 compressor ring), and for CSA layers `index` and `index_state`."""
+
+    def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.ring_size = cfg.ring_size(model.window)
+        for spec in layer_pools(model, layer_idx, cfg):
+            # Poisoned at birth: FP8 pools with 0xFF (e4m3 NaN), float pools and states with NaN, so
+            # any read of an entry that was never written shows up in the output.
+            fill = 255 if spec.dtype == torch.uint8 else float("nan")
+            self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
+                                 persistent=False)

@@ -1,0 +1,63 @@
+"""Reference kernel of `dsv4::compressor_update` (spec 3.3 and 3.7, engine form).
+
+For every live token p of a request: its row (a_p, z_p + ape[p % m]) goes to the request's fp32
+state ring at row p % (coff*m). Every token with (p + 1) % m == 0 closes entry w = p // m: it pools
+positions [p - coff*m + 1, p] (the step's own rows when they are in this step, the state ring
+otherwise, -inf before position 0), per channel softmax in fp32 (CSA: the first m slots use the
+a-stream [:d], the last m the b-stream [d:]), casts to the entry dtype (the cache's float dtype; bf16
+for FP8 pools), RMSNorm, RoPE at w*m, and stores the entry at entry_slots[token].
+
+Tokens of one request are contiguous in the step with consecutive positions (the step planner's
+invariant); a state row is written only by the last token of the step that maps to it.
+"""
+
+import torch
+from torch import Tensor
+
+from dsv4ops.quant.reference import pack_kv
+from dsv4ops.reference.functional import apply_rope, pool_entry, rms_norm, rope_angles
+
+
+def entry_dtype(cache: Tensor) -> torch.dtype:
+    return torch.bfloat16 if cache.dtype == torch.uint8 else cache.dtype
+
+
+def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
+                      entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
+                      eps: float) -> None:
+    t, width = kv.shape
+    d, m = norm_weight.shape[0], ape.shape[0]
+    rows = (width // d) * m
+    pos, req = positions.long(), req_slots.long()
+    live = req >= 0
+    a = kv.float()
+    z = score.float() + ape.float()[pos % m]
+
+    close = (live & ((pos + 1) % m == 0)).nonzero().flatten()
+    if close.numel():
+        p, r = pos[close, None], req[close, None]
+        q = p - (rows - 1) + torch.arange(rows, device=kv.device)  # [n, rows] positions pooled
+        src = close[:, None] - (rows - 1) + torch.arange(rows, device=kv.device)
+        src_ok = src >= 0
+        src = src.clamp(min=0)
+        in_step = src_ok & (req[src] == r) & (pos[src] == q)
+        held = state[r, q % rows]  # [n, rows, 2 * width]
+        rows_a = torch.where(in_step[..., None], a[src], held[..., :width])
+        rows_z = torch.where(in_step[..., None], z[src], held[..., width:])
+        before_start = (q < 0)[..., None]
+        rows_a = rows_a.masked_fill(before_start, 0.0)
+        rows_z = rows_z.masked_fill(before_start, float("-inf"))
+        if width == 2 * d:  # CSA: previous window's a-stream, current window's b-stream
+            rows_a = torch.cat([rows_a[:, :m, :d], rows_a[:, m:, d:]], 1)
+            rows_z = torch.cat([rows_z[:, :m, :d], rows_z[:, m:, d:]], 1)
+        edt = entry_dtype(cache)
+        entry = rms_norm(pool_entry(rows_a, rows_z).to(edt), norm_weight, eps)
+        cos, sin = rope_angles((pos[close] // m) * m, inv_freq, edt)
+        pack_kv(apply_rope(entry, cos, sin), entry_slots[close], cache)
+
+    nxt = torch.arange(t, device=kv.device) + rows
+    later = nxt < t
+    nxt = nxt.clamp(max=t - 1)
+    later &= (req[nxt] == req) & (pos[nxt] == pos + rows)
+    keep = live & ~later
+    state[req[keep], pos[keep] % rows] = torch.cat([a[keep], z[keep]], -1)

@@ -1,0 +1,31 @@
+"""Metadata rules of `dsv4::sparse_attn`."""
+
+import torch
+from torch import Tensor
+
+from dsv4ops import _checks as c
+
+
+def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
+                comp_idx: Tensor, sinks: Tensor, out: Tensor, window: int, ring_size: int):
+    c.ndim("q", q, 3, "[tokens, heads, head_dim]")
+    c.dtype("q", q, c.FLOATS)
+    c.last_dim_contiguous("q", q)
+    t, h, d = q.shape
+    c.paged_cache("window_cache", window_cache, d, q)
+    c.paged_cache("comp_cache", comp_cache, d, q)
+    c.index_vector("positions", positions, t, q, "q")
+    c.index_vector("req_slots", req_slots, t, q, "q")
+    c.ndim("comp_idx", comp_idx, 2, "[tokens, entries]")
+    c.dtype("comp_idx", comp_idx, c.INDEX)
+    c.size("comp_idx", comp_idx, 0, t, "tokens of q")
+    c.same_device("comp_idx", comp_idx, q, "q")
+    c.ndim("sinks", sinks, 1, "[heads]")
+    c.dtype("sinks", sinks, (torch.float32,))
+    c.size("sinks", sinks, 0, h, "heads of q")
+    c.same_device("sinks", sinks, q, "q")
+    c.like("out", out, q, "q")
+    c.dtype("out", out, (q.dtype,))
+    c.last_dim_contiguous("out", out)
+    torch._check(window > 0, lambda: f"window: expected > 0, got {window}")
+    torch._check(ring_size >= window, lambda: f"ring_size: expected >= window ({window}), got {ring_size}")

@@ -1,0 +1,10 @@
+"""Fake of `dsv4::qkv_prep`."""
+
+import torch
+
+from dsv4ops.kv_insert import checks
+
+
+@torch.library.register_fake("dsv4::qkv_prep")
+def _(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps):
+    checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size)
