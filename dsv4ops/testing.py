@@ -85,3 +85,184 @@ def assert_close_to_ref(out: Tensor, ref64: Tensor, lowp: Tensor, rtol: float = 
     band = 0.0 if out.dtype == torch.float64 else torch.finfo(out.dtype).eps * ref.abs().max().item()
     assert err <= rtol * budget + band, f"{what}: max abs err {err:.3e} > {rtol} x {budget:.3e} + {band:.3e}"
     return err, budget
+
+
+def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: torch.Generator | None = None) -> dict:
+    """Run `schedule` (steps of {request_id: new tokens}) through the layer's serving forward, with
+    x rows taken from `inputs[request_id]` [L, hidden] in order. Returns {request_id: [L, hidden]}
+    outputs. Requests are admitted on first appearance. With `garbage`, padding tokens get random
+    rows and random positions (they must still read and write nothing)."""
+    done = {rid: 0 for rid in inputs}
+    outs = {rid: [] for rid in inputs}
+    for new in schedule:
+        for rid in new:
+            if rid not in manager.slot_of:
+                manager.admit(rid)
+        step = manager.prepare_step(new)
+        rows = [inputs[rid][done[rid]:done[rid] + n] for rid, n in new.items()]
+        x = torch.cat(rows)
+        pad = step.positions.shape[0] - x.shape[0]
+        if garbage is None:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        else:
+            x = torch.cat([x, torch.randn(pad, x.shape[1], generator=garbage).to(x)])
+            step.positions[x.shape[0] - pad:] = torch.randint(0, 1000, (pad,), generator=garbage).to(step.positions)
+        y = layer(x, step)
+        i = 0
+        for rid, n in new.items():
+            outs[rid].append(y[i:i + n])
+            done[rid] += n
+            i += n
+    return {rid: torch.cat(v) for rid, v in outs.items()}
+
+
+# ---- inputs of the dsv4:: ops ------------------------------------------------------------------
+# Tiny valid argument sets, built fresh per call (the ops mutate them), as dicts in schema order.
+# Float pools take rows of any width, so the default rows are 16-d (rope 8); FP8 pools need 512-d
+# (584-B main entries) or 128-d (132-B indexer entries) rows. `fmt` is "fp8" or a float dtype.
+FP8 = "fp8"
+
+
+def page_pool(blocks: int, block_size: int, dim: int, fmt, device=None) -> Tensor:
+    """A poisoned page pool: FP8 entries (uint8, every byte 0xFF, an e4m3 NaN) or float rows (NaN)."""
+    from dsv4ops.quant.reference import MAIN_DIM, indexer_block_bytes, main_block_bytes
+
+    if fmt == FP8:
+        nbytes = (main_block_bytes if dim == MAIN_DIM else indexer_block_bytes)(block_size)
+        return torch.full((blocks, nbytes), 255, dtype=torch.uint8, device=device)
+    return torch.full((blocks, block_size, dim), float("nan"), dtype=fmt, device=device)
+
+
+def fill_pool(pool: Tensor, dim: int) -> Tensor:
+    """Store a random N(0, 1) row in every slot of `pool` (through the reference pack); returns it."""
+    from dsv4ops.quant.api import pool_slots
+    from dsv4ops.quant.reference import pack_kv
+
+    n = pool_slots(pool, dim)
+    pack_kv(torch.randn(n, dim, device=pool.device), torch.arange(n, dtype=torch.int32, device=pool.device), pool)
+    return pool
+
+
+def step_tokens(*runs: tuple[int, int, int], pad: int = 0, device=None) -> tuple[Tensor, Tensor]:
+    """(positions, req_slots) int32 of a flat step: each run (request, first position, count), then
+    `pad` padding tokens (request -1, position 0)."""
+    pos = [p for _, start, n in runs for p in range(start, start + n)] + [0] * pad
+    req = [r for r, _, n in runs for _ in range(n)] + [-1] * pad
+    return (torch.tensor(pos, dtype=torch.int32, device=device), torch.tensor(req, dtype=torch.int32, device=device))
+
+
+def rope_table(rope_dim: int) -> Tensor:
+    """fp32 inverse frequencies of theta 10000 over `rope_dim` trailing channels."""
+    from dsv4ops.config import rope_inv_freq
+
+    return rope_inv_freq(10000.0, rope_dim, None)
+
+
+def _rows(shape, dtype, noncontig: bool) -> Tensor:
+    """randn rows; noncontig: a view whose leading strides have a gap (the last dim stays contiguous)."""
+    if not noncontig:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randn(*shape[:-1], shape[-1] + 8, dtype=dtype)[..., : shape[-1]]
+
+
+def _dims(fmt, dim: int, main: bool = True) -> tuple[int, int]:
+    """(row width, rope dims): FP8 pools fix the width (512 main, 128 indexer) and take 64 rope dims."""
+    if fmt == FP8:
+        return (512 if main else 128), 64
+    return dim, min(8, dim)
+
+
+DEFAULT_RUNS = ((0, 5, 3), (1, 0, 2))  # request 0 continues at position 5, request 1 starts; + padding
+
+
+def pack_kv_args(fmt=torch.float32, dtype=torch.float32, dim=16, main=True, slots=(5, -1, 0), blocks=2,
+                 block_size=4) -> dict:
+    dim, _ = _dims(fmt, dim, main)
+    return dict(x=torch.randn(len(slots), dim, dtype=dtype), slots=torch.tensor(slots, dtype=torch.int32),
+                cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim))
+
+
+def unpack_kv_args(fmt=torch.float32, dtype=torch.float32, dim=16, main=True, slots=(5, -1, 0), blocks=2,
+                   block_size=4) -> dict:
+    dim, _ = _dims(fmt, dim, main)
+    return dict(cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim),
+                slots=torch.tensor(slots, dtype=torch.int32), out=torch.empty(len(slots), dim, dtype=dtype))
+
+
+def qkv_prep_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, ring=8, requests=2,
+                  block_size=4, noncontig=False) -> dict:
+    fmt = fmt or dtype
+    dim, rope = _dims(fmt, dim)
+    positions, req_slots = step_tokens(*runs, pad=pad)
+    t = positions.shape[0]
+    return dict(q=_rows((t, heads, dim), dtype, noncontig), kv=torch.randn(t, dim, dtype=dtype), positions=positions,
+                req_slots=req_slots, inv_freq=rope_table(rope), q_out=torch.empty(t, heads, dim, dtype=dtype),
+                window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim),
+                ring_size=ring, eps=1e-6)
+
+
+def entry_slots_of(positions: Tensor, req_slots: Tensor, ratio: int, per_request: int) -> Tensor:
+    """Pool slot r * per_request + p // ratio for the tokens that close an entry, else -1."""
+    pos, req = positions.long(), req_slots.long()
+    closes = (req >= 0) & ((pos + 1) % ratio == 0)
+    return torch.where(closes, req * per_request + pos // ratio, -1).to(torch.int32)
+
+
+def compressor_update_args(dtype=torch.float32, fmt=None, dim=8, ratio=4, overlap=True, main=True,
+                           runs=((0, 2, 5), (1, 0, 3)), pad=1, requests=2, blocks=4, block_size=4) -> dict:
+    fmt = fmt or dtype
+    d, rope = _dims(fmt, dim, main)
+    rope = min(rope, d // 2)
+    width = (2 if overlap else 1) * d
+    positions, req_slots = step_tokens(*runs, pad=pad)
+    t = positions.shape[0]
+    return dict(
+        kv=torch.randn(t, width, dtype=dtype), score=torch.randn(t, width, dtype=dtype),
+        ape=torch.randn(ratio, width), positions=positions, req_slots=req_slots,
+        entry_slots=entry_slots_of(positions, req_slots, ratio, blocks * block_size // requests),
+        norm_weight=1 + 0.1 * torch.randn(d), inv_freq=rope_table(rope),
+        state=torch.randn(requests, width // d * ratio, 2 * width),
+        cache=fill_pool(page_pool(blocks, block_size, d, fmt), d), eps=1e-6,
+    )
+
+
+def indexer_q_prep_args(dtype=torch.float32, fp8=False, heads=2, dim=16, tokens=3, noncontig=False) -> dict:
+    return dict(q=_rows((tokens, heads, dim), dtype, noncontig), weights=torch.randn(tokens, heads, dtype=dtype),
+                positions=torch.arange(3, 3 + tokens, dtype=torch.int32), inv_freq=rope_table(min(8, dim)),
+                q_out=torch.empty(tokens, heads, dim, dtype=torch.float8_e4m3fn if fp8 else dtype),
+                w_out=torch.empty(tokens, heads))
+
+
+def indexer_topk_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, ratio=2, k=3,
+                      requests=2, table_blocks=2, block_size=4, noncontig=False) -> dict:
+    """Request r owns blocks r * table_blocks ..; q is e4m3 when dtype is torch.float8_e4m3fn."""
+    fmt = fmt or (torch.float32 if dtype == torch.float8_e4m3fn else dtype)
+    dim, _ = _dims(fmt, dim, main=False)
+    positions, req_slots = step_tokens(*runs, pad=pad)
+    t = positions.shape[0]
+    q = _rows((t, heads, dim), torch.float32, noncontig).to(dtype)
+    table = torch.arange(requests * table_blocks, dtype=torch.int32).view(requests, table_blocks)
+    return dict(q=q, weights=torch.randn(t, heads), positions=positions, req_slots=req_slots,
+                cache=fill_pool(page_pool(requests * table_blocks, block_size, dim, fmt), dim), block_table=table,
+                idx_out=torch.empty(t, k, dtype=torch.int32), ratio=ratio)
+
+
+def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, window=4, ring=8,
+                     requests=2, block_size=4, comp_blocks=2, entries=3, noncontig=False) -> dict:
+    """comp_idx rows: random slots of the compressed pool, the last column -1."""
+    fmt = fmt or dtype
+    dim, _ = _dims(fmt, dim)
+    positions, req_slots = step_tokens(*runs, pad=pad)
+    t = positions.shape[0]
+    comp_idx = torch.randint(0, comp_blocks * block_size, (t, entries), dtype=torch.int32)
+    comp_idx[:, -1] = -1
+    return dict(q=_rows((t, heads, dim), dtype, noncontig),
+                window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim),
+                comp_cache=fill_pool(page_pool(comp_blocks, block_size, dim, fmt), dim), positions=positions,
+                req_slots=req_slots, comp_idx=comp_idx, sinks=torch.randn(heads),
+                out=torch.empty(t, heads, dim, dtype=dtype), scale=dim**-0.5, window=window, ring_size=ring)
+
+
+def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=False) -> dict:
+    return dict(o=_rows((tokens, heads, dim), dtype, noncontig), positions=torch.arange(tokens, dtype=torch.int32) * 7,
+                inv_freq=rope_table(min(8, dim)), out=torch.empty(tokens, heads, dim, dtype=dtype))

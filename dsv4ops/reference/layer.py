@@ -47,8 +47,9 @@ def compress(
     n = x.shape[0] // ratio
     cdt = compressor_dtype(mode, x.dtype)
     acc = acc_dtype(x.dtype)
-    a = F.linear(x.to(cdt), kv_weight.to(cdt))[: n * ratio].to(acc).view(n, ratio, -1)
-    z = (F.linear(x.to(cdt), gate_weight.to(cdt))[: n * ratio].to(acc).view(n, ratio, -1) + ape.to(acc))
+    width = kv_weight.shape[0]
+    a = F.linear(x.to(cdt), kv_weight.to(cdt))[: n * ratio].to(acc).view(n, ratio, width)
+    z = F.linear(x.to(cdt), gate_weight.to(cdt))[: n * ratio].to(acc).view(n, ratio, width) + ape.to(acc)
     if a.shape[-1] == 2 * d:
         prev_a = torch.cat([a.new_zeros(1, ratio, d), a[:-1, :, :d]])
         prev_z = torch.cat([z.new_full((1, ratio, d), float("-inf")), z[:-1, :, :d]])

@@ -1,0 +1,59 @@
+"""GPU capability and the one table that picks the CUDA backend of every op per architecture.
+
+Backends: "triton" (portable: sm_90 and sm_100), "csrc" (CUDA C++ built with -gencode for
+sm_90a and sm_100a), "cute_sm90" (CuTe DSL with WGMMA: sm_90a only), "cute_sm100" (CuTe DSL
+with tcgen05: sm_100a only), "reference" (the PyTorch reference kernel, any device). An op whose
+row names several backends picks among them at run time by problem size (see the op's launcher).
+`DSV4OPS_ARCH=sm_90a|sm_100a` overrides the detected GPU (CPU-only compilation, tests).
+"""
+
+import os
+
+import torch
+
+# op -> {compute capability major -> backend(s)}
+ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
+    "qkv_prep": {9: ("triton",), 10: ("triton",)},
+    "compressor_update": {9: ("triton",), 10: ("triton",)},
+    "indexer_q_prep": {9: ("triton",), 10: ("triton",)},
+    "indexer_topk": {9: ("triton",), 10: ("triton",)},
+    "sparse_attn": {9: ("triton",), 10: ("triton",)},
+    "inv_rope": {9: ("triton",), 10: ("triton",)},
+    "pack_kv": {9: ("triton",), 10: ("triton",)},
+    "unpack_kv": {9: ("triton",), 10: ("triton",)},
+    "gate_topk": {9: ("csrc",), 10: ("csrc",)},
+    "hash_route": {9: ("csrc",), 10: ("csrc",)},
+    # <= 64 tokens: the fused GEMM + top-k CuTe kernel; above: cuBLAS GEMM + the csrc gate_topk.
+    "router_gate": {9: ("cute_sm90", "csrc"), 10: ("cute_sm100", "csrc")},
+}
+
+# Backends that only run on one architecture ('a' targets: wgmma / tcgen05 do not exist elsewhere).
+ARCH_ONLY = {"cute_sm90": 9, "cute_sm100": 10}
+
+_ARCH_NAMES = {"sm_90a": (9, 0), "sm_90": (9, 0), "sm_100a": (10, 0), "sm_100": (10, 0)}
+
+
+def capability() -> tuple[int, int] | None:
+    """(major, minor) of the current GPU, the DSV4OPS_ARCH override, or None without a GPU."""
+    name = os.environ.get("DSV4OPS_ARCH")
+    if name:
+        if name not in _ARCH_NAMES:
+            raise ValueError(f"DSV4OPS_ARCH: expected one of {sorted(_ARCH_NAMES)}, got {name!r}")
+        return _ARCH_NAMES[name]
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def backends(op: str, cap: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The CUDA backend(s) of `op` on `cap` (default: this GPU); ("reference",) where none exists."""
+    cap = cap or capability()
+    if op not in ARCH_TABLE:
+        raise KeyError(f"op: {op!r} is not a dsv4:: op with CUDA kernels; known: {sorted(ARCH_TABLE)}")
+    if cap is None:
+        return ("reference",)
+    chosen = ARCH_TABLE[op].get(cap[0], ("reference",))
+    for b in chosen:
+        if ARCH_ONLY.get(b, cap[0]) != cap[0]:
+            raise AssertionError(f"ARCH_TABLE[{op!r}][{cap[0]}] names {b!r}, which runs only on sm_{ARCH_ONLY[b]}x")
+    return chosen

@@ -1,0 +1,232 @@
+"""The serving path: paged cache + step planner + the layer's forward(x, step). Issue: paged KV cache
+and the serving step."""
+
+import random
+
+import pytest
+import torch
+
+from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
+from dsv4ops.cache.config import CacheConfig, layer_pools, memory
+from dsv4ops.cache.manager import CacheFullError, KVCacheManager
+from dsv4ops.config import CSA, HCA, SLIDING
+
+# index_topk >= the entries of the longest request (260 // 4 = 65): the CSA selection keeps every
+# visible entry, so equality does not hinge on near-ties (selection is tested in test_indexer).
+CFG = DSV4AttentionConfig.tiny(index_topk=128)
+LAYER = {SLIDING: 0, CSA: 1, HCA: 2}
+# Lengths: 260 crosses 127 and 255 (mod 128) and 3 mod 4 many times; 131 crosses 127 once; 9 is
+# inside the first CSA windows only.
+LENGTHS = {"a": 260, "b": 131, "c": 9}
+MODES = {"bf16": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
+
+
+def _setup(kind, mode, max_step_tokens=400, seed=0, **capacity):
+    li = LAYER[kind]
+    numerics = MODES[mode]
+    layer = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li)
+    cache_cfg = CacheConfig(
+        max_requests=4, max_context=272, max_step_tokens=max_step_tokens, kv_cache=mode, indexer_cache=mode,
+        exact_dtype=torch.float32, **capacity,
+    )
+    manager = KVCacheManager(CFG, cache_cfg)
+    layer.attach_cache(manager)
+    g = torch.Generator().manual_seed(seed)
+    inputs = {rid: torch.randn(n, CFG.hidden_size, generator=g) for rid, n in LENGTHS.items()}
+    return layer, manager, inputs
+
+
+def _check_against_stateless(layer, inputs, outs, mode):
+    params = dict(layer.named_parameters())
+    p64 = {k: v.double() for k, v in params.items()}
+    for rid, x in inputs.items():
+        ref32 = reference.attention(params, CFG, layer.layer_idx, x[None], MODES[mode])[0]
+        ref64 = reference.attention(p64, CFG, layer.layer_idx, x[None].double(), MODES[mode])[0]
+        testing.assert_close_to_ref(outs[rid], ref64, ref32, what=f"request {rid}")
+
+
+def _one_shot():
+    return [dict(LENGTHS)]
+
+
+def _decode_after(prefill: int):
+    steps = [{rid: min(prefill, n) for rid, n in LENGTHS.items()}]
+    left = {rid: n - min(prefill, n) for rid, n in LENGTHS.items()}
+    while any(left.values()):
+        steps.append({rid: 1 for rid in LENGTHS if left[rid]})
+        left = {rid: max(0, v - 1) for rid, v in left.items()}
+    return steps
+
+
+def _random_chunks(seed: int):
+    """Interleaved chunks of 1..150 tokens (> 8 and > 128 occur), requests joining in random order."""
+    rng = random.Random(seed)
+    left = dict(LENGTHS)
+    steps = []
+    while any(left.values()):
+        active = [rid for rid, n in left.items() if n and rng.random() < 0.8] or [rid for rid, n in left.items() if n]
+        rng.shuffle(active)
+        step = {}
+        for rid in active:
+            step[rid] = min(left[rid], rng.choice([1, 3, 5, 9, 17, 64, 129, 150]))
+            left[rid] -= step[rid]
+        steps.append(step)
+    return steps
+
+
+SCHEDULES = {
+    "one_shot": _one_shot,
+    "chunked": lambda: _random_chunks(1),
+    # token-by-token decode through t = 127 and 255, after a short prefill (the CSA boundaries
+    # t = 3 mod 4 are crossed every 4 steps).
+    "decode": lambda: _decode_after(100),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_serving_equals_stateless(kind, mode, schedule):
+    layer, manager, inputs = _setup(kind, mode)
+    with torch.no_grad():
+        outs = testing.serve_schedule(layer, manager, inputs, SCHEDULES[schedule]())
+    _check_against_stateless(layer, inputs, outs, mode)
+
+
+def _pool_bytes(layer):
+    return {name: buf.clone().view(torch.uint8) for name, buf in layer.cache.named_buffers()}
+
+
+@pytest.mark.parametrize("kind", [CSA, HCA])
+def test_padding_tokens_change_nothing(kind):
+    """Every step padded to 400 tokens; padding rows zero vs random rows at random positions: the
+    real tokens' outputs and every pool are identical to the bit (same GEMM shapes, so any
+    difference is a padding token reading or writing)."""
+    steps = _random_chunks(2)
+    runs = []
+    for garbage in (None, torch.Generator().manual_seed(7)):
+        layer, manager, inputs = _setup(kind, "fp8", buckets=(400,))
+        with torch.no_grad():
+            outs = testing.serve_schedule(layer, manager, inputs, steps, garbage=garbage)
+        runs.append((outs, _pool_bytes(layer)))
+    (o1, p1), (o2, p2) = runs
+    for rid in LENGTHS:
+        assert torch.equal(o1[rid], o2[rid]), rid
+    for name in p1:
+        assert torch.equal(p1[name], p2[name]), name
+
+
+@pytest.mark.parametrize("kind", [CSA, HCA])
+def test_released_slot_leaks_nothing(kind):
+    layer, manager, inputs = _setup(kind, "fp8")
+    with torch.no_grad():
+        first = testing.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 200}])
+        slot, blocks = manager.slot_of["a"], manager.tables[kind][manager.slot_of["a"]].clone()
+        manager.release("a")
+        outs = testing.serve_schedule(layer, manager, {"b": inputs["b"]}, [{"b": 50}, {"b": 81}])
+    assert manager.slot_of["b"] == slot  # the slot and its first blocks were reused
+    assert torch.equal(manager.tables[kind][slot][: (131 // CFG.compress_ratio(LAYER[kind]) + 63) // 64],
+                       blocks[: (131 // CFG.compress_ratio(LAYER[kind]) + 63) // 64])
+    assert first["a"].shape[0] == 200
+    _check_against_stateless(layer, {"b": inputs["b"]}, outs, "fp8")
+
+
+# ---- capacity and bad input: raised by prepare_step / admit before any kernel, nothing changes --
+def _snapshot(manager, layer):
+    return (
+        {k: t.clone() for k, t in manager.tables.items()},
+        dict(manager.length), dict(manager.slot_of), list(manager.free_slots),
+        {k: list(a.free) for k, a in manager.allocators.items()},
+        _pool_bytes(layer),
+    )
+
+
+def _assert_same(a, b):
+    tables, length, slots, free, blocks, pools = a
+    tables2, length2, slots2, free2, blocks2, pools2 = b
+    assert all(torch.equal(tables[k], tables2[k]) for k in tables)
+    assert (length, slots, free, blocks) == (length2, slots2, free2, blocks2)
+    assert all(torch.equal(pools[k], pools2[k]) for k in pools)
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        ({"zz": 1}, KeyError, "request_id: 'zz' is not admitted"),
+        ({"a": 0}, ValueError, r"new_tokens\['a'\]: expected >= 1 token, got 0"),
+        ({"a": 200, "b": 201}, ValueError, "new_tokens: 401 tokens pass max_step_tokens 400"),
+        ({"a": 273}, ValueError, r"new_tokens\['a'\]: expected <= 272 tokens per request per step"),
+        ({"b": 300}, ValueError, r"new_tokens\['b'\]: expected <= 272 tokens"),
+    ],
+)
+def test_prepare_step_rejects_bad_steps_and_changes_nothing(bad, error, match):
+    layer, manager, inputs = _setup(CSA, "fp8", max_request_step_tokens=272)
+    with torch.no_grad():
+        testing.serve_schedule(layer, manager, {"a": inputs["a"][:10], "b": inputs["b"][:5]}, [{"a": 10, "b": 5}])
+    before = _snapshot(manager, layer)
+    with pytest.raises(error, match=match):
+        manager.prepare_step(bad)
+    _assert_same(before, _snapshot(manager, layer))
+
+
+def test_position_beyond_max_context_is_rejected():
+    layer, manager, inputs = _setup(HCA, "fp8")
+    with torch.no_grad():
+        testing.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 260}])
+    before = _snapshot(manager, layer)
+    with pytest.raises(ValueError, match=r"new_tokens\['a'\]: positions 260..272 pass max_context 272"):
+        manager.prepare_step({"a": 13})
+    _assert_same(before, _snapshot(manager, layer))
+
+
+def test_full_cache_and_released_requests_are_rejected():
+    # max_total_tokens 256 -> 1 block of 64 CSA entries + 1 partial block per request slot = 5 blocks.
+    layer, manager, inputs = _setup(CSA, "fp8", max_total_tokens=256)
+    blocks = len(manager.allocators[CSA].free)
+    with torch.no_grad():
+        testing.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 260}])
+    manager.admit("b")
+    manager.admit("c")
+    manager.admit("d")
+    with pytest.raises(CacheFullError, match="admit: all 4 request slots are in use"):
+        manager.admit("e")
+    taken = blocks - len(manager.allocators[CSA].free)
+    assert taken == 2  # 65 entries of request a
+    for rid in ("b", "c", "d"):  # 64 entries = 1 block each: all 5 blocks taken
+        testing.serve_schedule(layer, manager, {rid: inputs["a"]}, [{rid: 256}])
+    assert not manager.allocators[CSA].free
+    before = _snapshot(manager, layer)
+    with pytest.raises(CacheFullError, match=f"prepare_step: the {CSA} pool needs 1 more blocks, 0 are free"):
+        manager.prepare_step({"d": 4})  # entry 64 opens a second block for d
+    _assert_same(before, _snapshot(manager, layer))
+    manager.prepare_step({"d": 3})  # still inside d's first block: fine
+    manager.release("d")
+    with pytest.raises(KeyError, match="request_id: 'd' is not admitted"):
+        manager.prepare_step({"d": 1})
+    with pytest.raises(KeyError, match="request_id: 'd' is not admitted"):
+        manager.release("d")
+
+
+def test_pools_are_non_persistent_buffers_and_weights_still_load():
+    layer, manager, _ = _setup(CSA, "fp8")
+    names = {n for n, _ in layer.named_buffers()}
+    assert {"cache.window", "cache.comp", "cache.state", "cache.index", "cache.index_state"} <= names
+    fresh = DeepseekV4Attention(CFG, 1, numerics=MODES["fp8"])
+    fresh.load_state_dict(layer.state_dict(), strict=True)
+    assert not any(k.startswith("cache.") for k in layer.state_dict())
+
+
+def test_memory_accounting_matches_the_allocated_pools():
+    cfg = CacheConfig(max_requests=2, max_context=1024, max_step_tokens=64)
+    model = DSV4AttentionConfig.tiny()
+    acc = memory(model, cfg)
+    total = sum(spec.nbytes for li in range(model.num_layers) for spec in layer_pools(model, li, cfg))
+    # Pools hold 2 x 1024 tokens of growth plus the fixed part per request; each compressed pool adds
+    # one partial block per request and the rounding of the total up to whole blocks (<= 3 blocks).
+    expected = acc["fixed_bytes_per_request"] * 2 + acc["bytes_per_token"] * 2048
+    slack = sum(3 * spec.nbytes // spec.shape[0] for li in range(model.num_layers)
+                for spec in layer_pools(model, li, cfg) if spec.name in ("comp", "index"))
+    assert expected <= total <= expected + slack + 1
+    flash = memory(DSV4AttentionConfig.flash(), CacheConfig(max_requests=1, max_context=1 << 20, max_step_tokens=1))
+    # Spec 5.5: 3850 B/token for Flash with FP8 indexer keys (584-B entries; we count the 1-B page pad).
+    assert abs(flash["bytes_per_token"] - 3850) < 0.01 * 3850
