@@ -58,21 +58,23 @@ def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return module
 
 
-def hf_attention(hf_layer, hf_cfg, x: Tensor) -> Tensor:
+def hf_attention(hf_layer, hf_cfg, x: Tensor, cache=None, start: int = 0) -> Tensor:
     """Drive transformers' DeepseekV4Attention the way its model does: rotary embeddings from
     DeepseekV4RotaryEmbedding and the mask from create_sliding_window_causal_mask (without a mask
-    transformers drops the causality of compressed entries)."""
+    transformers drops the causality of compressed entries). `cache` (a DynamicCache) and `start`
+    (the first position) run a continuation."""
     from transformers.masking_utils import create_sliding_window_causal_mask
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
     b, s, _ = x.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, -1)
-    rotary = DeepseekV4RotaryEmbedding(hf_cfg)
+    positions = (torch.arange(s, device=x.device) + start).unsqueeze(0).expand(b, -1)
+    rotary = DeepseekV4RotaryEmbedding(hf_cfg).to(x.device)
     emb = {k: rotary(x, positions, layer_type=k) for k in ("main", "compress")}
     mask = create_sliding_window_causal_mask(
-        config=hf_cfg, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=positions
+        config=hf_cfg, inputs_embeds=x, attention_mask=None, past_key_values=cache, position_ids=positions
     )
-    return hf_layer(x, position_embeddings=emb, position_ids=positions, attention_mask=mask)[0]
+    return hf_layer(x, position_embeddings=emb, position_ids=positions, attention_mask=mask,
+                    past_key_values=cache)[0]
 
 
 def assert_close_to_ref(out: Tensor, ref64: Tensor, lowp: Tensor, rtol: float = 2.0, what: str = "output"):
@@ -266,3 +268,66 @@ def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAUL
 def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=False) -> dict:
     return dict(o=_rows((tokens, heads, dim), dtype, noncontig), positions=torch.arange(tokens, dtype=torch.int32) * 7,
                 inv_freq=rope_table(min(8, dim)), out=torch.empty(tokens, heads, dim, dtype=dtype))
+
+
+_PUBLIC = {
+    "pack_kv": lambda api, a: api.pack_kv(a["x"], a["slots"], a["cache"]),
+    "unpack_kv": lambda api, a: api.unpack_kv(a["cache"], a["slots"], a["out"].shape[1], a["out"].dtype),
+    "qkv_prep": lambda api, a: api.qkv_prep(a["q"], a["kv"], a["positions"], a["req_slots"], a["inv_freq"],
+                                            a["window_cache"], a["ring_size"], a["eps"]),
+    "compressor_update": lambda api, a: api.compressor_update(
+        a["kv"], a["score"], a["ape"], a["positions"], a["req_slots"], a["entry_slots"], a["norm_weight"],
+        a["inv_freq"], a["state"], a["cache"], a["eps"]),
+    "indexer_q_prep": lambda api, a: api.indexer_q_prep(a["q"], a["weights"], a["positions"], a["inv_freq"],
+                                                        fp8=a["q_out"].dtype == torch.float8_e4m3fn),
+    "indexer_topk": lambda api, a: api.indexer_topk(a["q"], a["weights"], a["positions"], a["req_slots"], a["cache"],
+                                                    a["block_table"], a["idx_out"].shape[1], a["ratio"]),
+    "sparse_attn": lambda api, a: api.sparse_attn(a["q"], a["window_cache"], a["comp_cache"], a["positions"],
+                                                  a["req_slots"], a["comp_idx"], a["sinks"], a["scale"], a["window"],
+                                                  a["ring_size"]),
+    "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
+}
+_FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "kv_insert", "compressor_update": "compressor",
+           "indexer_q_prep": "indexer", "indexer_topk": "indexer", "sparse_attn": "sparse_attn", "inv_rope": "output"}
+
+
+def call_public(name: str, args: dict):
+    """Call the public function of `dsv4::name` (dsv4ops.<family>.api) on the op's arguments from
+    the factories above: the op's outputs are dropped (their width, dtype or k passed where the
+    function takes them)."""
+    import importlib
+
+    return _PUBLIC[name](importlib.import_module(f"dsv4ops.{_FAMILY[name]}.api"), args)
+
+
+def call_op(name: str, args: dict) -> None:
+    getattr(torch.ops.dsv4, name).default(*args.values())
+
+
+def bytes_equal(a: Tensor, b: Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def assert_rejected(name: str, args: dict, error: type, match: str, via: tuple[str, ...] = ("op", "public")):
+    """Calling `dsv4::name` (via "op") and its public function (via "public") on `args` raises
+    `error` matching `match`, and leaves every tensor argument bit-for-bit as it was."""
+    import pytest
+
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, Tensor) and v.device.type != "meta"}
+    for path in via:
+        with pytest.raises(error, match=match):
+            (call_op if path == "op" else call_public)(name, args)
+        for k, v in before.items():
+            assert bytes_equal(args[k], v), f"{name} via {path}: the rejected call changed {k}"
+
+
+def with_arg(key: str, make):
+    """A mutation of an argument dict: args[key] = make(args) (for tables of bad inputs)."""
+
+    def mutate(args: dict):
+        args[key] = make(args)
+
+    return mutate

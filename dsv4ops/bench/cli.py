@@ -1,0 +1,63 @@
+"""`python -m dsv4ops bench`: attention (per op, core vs GEMMs, baselines), router and cache memory
+tables, as markdown, with the GPU and versions; `--json PATH` writes the rows too."""
+
+import argparse
+import importlib.metadata as md
+import json
+import math
+
+import torch
+
+from dsv4ops.bench import memory
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for name in ("triton", "nvidia-cutlass-dsl", "transformers"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    out["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return out
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return "" if math.isnan(v) else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dsv4ops bench", description=__doc__)
+    ap.add_argument("--only", default="attention,router,memory", help="comma list of: attention, router, memory")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--json", help="write every row here")
+    args = ap.parse_args(argv)
+    parts = set(args.only.split(","))
+    out = {"versions": versions()}
+    print("versions:", out["versions"])
+    if "memory" in parts:
+        out["memory"] = memory.rows()
+        print(memory.markdown(out["memory"]))
+    if "attention" in parts or "router" in parts:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
+    if "attention" in parts:
+        from dsv4ops.bench import attention
+
+        out["attention"] = attention.run(quick=args.quick)
+        print(table(out["attention"], ["layer", "batch", "context", "tokens", "op", "us", "GB/s", "TFLOP/s",
+                                       "ceiling", "pct_ceiling", "reference_us"]))
+    if "router" in parts:
+        from dsv4ops.bench import router
+
+        out["router"] = router.run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
