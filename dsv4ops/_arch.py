@@ -1,7 +1,7 @@
 """GPU capability and the one table that picks the CUDA backend of every op per architecture.
 
 Backends: "triton" (portable: sm_90 and sm_100), "csrc" (CUDA C++ built with -gencode for
-sm_90a and sm_100a), "cute_sm90" (CuTe DSL with WGMMA: sm_90a only), "cute_sm100" (CuTe DSL
+sm_90a and sm_100a; for router_gate: cuBLAS GEMM + the csrc gate_topk), "cute_sm90" (CuTe DSL with WGMMA: sm_90a only), "cute_sm100" (CuTe DSL
 with tcgen05: sm_100a only), "reference" (the PyTorch reference kernel, any device). An op whose
 row names several backends picks among them at run time by problem size (see the op's launcher).
 `DSV4OPS_ARCH=sm_90a|sm_100a` overrides the detected GPU (CPU-only compilation, tests).
@@ -23,8 +23,9 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     "unpack_kv": {9: ("triton",), 10: ("triton",)},
     "gate_topk": {9: ("csrc",), 10: ("csrc",)},
     "hash_route": {9: ("csrc",), 10: ("csrc",)},
-    # <= 64 tokens: the fused GEMM + top-k CuTe kernel; above: cuBLAS GEMM + the csrc gate_topk.
-    "router_gate": {9: ("cute_sm90", "csrc"), 10: ("cute_sm100", "csrc")},
+    # <= 64 tokens: the fused GEMM + top-k CuTe kernel; above: cuBLAS GEMM + the csrc gate_topk. The
+    # tcgen05 kernel (cute_sm100) compiles for sm_100a but has not run on a B200: sm_100 keeps cuBLAS.
+    "router_gate": {9: ("cute_sm90", "csrc"), 10: ("csrc",)},
 }
 
 # Backends that only run on one architecture ('a' targets: wgmma / tcgen05 do not exist elsewhere).

@@ -58,6 +58,7 @@ def main(argv=None):
         from dsv4ops.bench import router
 
         out["router"] = router.run(args)
+        print(router.markdown(out["router"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -1,0 +1,163 @@
+"""Public V4 router functions: validate values (eager only), allocate outputs, call the `dsv4::` ops.
+
+Semantics (the reference is dsv4ops/router/reference.py): scores = sqrt(softplus(logits)) in fp32;
+gate_topk selects the k largest scores + bias (bias only steers the selection; exact ties pick the lower
+expert; the indices come sorted by that key), hash_route selects tid2eid[token_id]; both return
+weights = selected scores / their sum * routed_scaling_factor (fp32) and int64 indices.
+
+CUDA: the first call with CUDA tensors builds/loads csrc/ (dsv4ops.router.cuda) and binds the
+router_gate CUDA kernel below (load_cuda_backends); under torch.compile the op fakes do it while
+tracing, so a compiled graph never falls back to the reference kernels for want of a loaded backend.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from dsv4ops import _arch
+from dsv4ops import ops as _ops  # defines the dsv4:: ops bound below
+from dsv4ops.router import checks as _checks
+from dsv4ops.router import cuda as _cuda
+
+_gate_topk = torch.ops.dsv4.gate_topk.default
+_hash_route = torch.ops.dsv4.hash_route.default
+_router_gate = torch.ops.dsv4.router_gate.default
+
+# Largest token count served by the fused decode gate (GEMM + top-k in one kernel); above it cuBLAS
+# has enough rows to fill the GPU and the separate gate_topk kernel costs one extra launch.
+DECODE_GATE_MAX_TOKENS = 64
+
+
+def _decode_gate_backend(num_tokens: int, capability: tuple[int, int]) -> str:
+    """Backend of dsv4::router_gate on CUDA, from the arch table: its first entry (a fused CuTe
+    kernel where one exists) for decode-sized batches, else "csrc" (torch.mm with fp32 output + the
+    gate_topk kernel)."""
+    choices = _arch.backends("router_gate", capability)
+    if num_tokens <= DECODE_GATE_MAX_TOKENS and choices[0].startswith("cute"):
+        return choices[0]
+    return "csrc"
+
+
+def _gate_logits_into(x: Tensor, weight: Tensor, logits_out: Tensor):
+    if x.dtype == torch.float32:
+        torch.mm(x, weight.t(), out=logits_out)
+    else:  # cuBLAS accumulates in fp32 and writes fp32: no bf16 rounding of the logits
+        torch.mm(x, weight.t(), out_dtype=torch.float32, out=logits_out)
+
+
+def _router_gate_cuda(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    logits_out: Tensor,
+    weights_out: Tensor,
+    indices_out: Tensor,
+    routed_scaling_factor: float,
+):
+    _checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
+    if _decode_gate_backend(x.shape[0], torch.cuda.get_device_capability(x.device)) == "cute_sm90":
+        from dsv4ops.router import cute, cute_sm90
+
+        if cute.supports(x, weight, bias, logits_out, weights_out, indices_out):
+            cute_sm90.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
+            return
+    _gate_logits_into(x, weight, logits_out)
+    _gate_topk(logits_out, bias, weights_out, indices_out, routed_scaling_factor)
+
+
+@functools.cache
+def load_cuda_backends() -> bool:
+    """Binds the router's CUDA kernels (csrc/ gate_topk + hash_route, and router_gate below); False,
+    with one logged reason, when they cannot be. Called by the public functions in eager mode and by
+    the router fakes (meta/router.py) when a trace meets CUDA tensors, so that a compiled graph whose
+    first run is on the GPU finds its kernels bound."""
+    if not _cuda.load():
+        return False
+    _ops.router_gate.register_kernel("cuda")(_router_gate_cuda)
+    return True
+
+
+def _prepare(t: Tensor):
+    if t.device.type == "cuda" and not torch.compiler.is_compiling():
+        load_cuda_backends()
+
+
+def _check_k(k: int, experts: int):
+    if not 1 <= k <= experts:
+        raise ValueError(f"k: expected 1 <= k <= {experts} (the number of experts), got {k}")
+
+
+def _values_readable(t: Tensor) -> bool:
+    """Value checks read data on the host: not while compiling or capturing a CUDA graph (no syncs
+    there), nor on meta or fake tensors (shape-only runs)."""
+    if torch.compiler.is_compiling() or t.device.type == "meta" or is_fake(t):
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_range(name: str, t: Tensor, low: int, high: int, what: str):
+    if t.numel() == 0:
+        return
+    lo, hi = torch.aminmax(t)
+    lo, hi = int(lo), int(hi)  # one host sync per call, eager only
+    if lo < low or hi >= high:
+        bad = lo if lo < low else hi
+        raise ValueError(f"{name}: expected values in [{low}, {high}) ({what}), got {bad}")
+
+
+def gate_topk(logits: Tensor, bias: Tensor, k: int, routed_scaling_factor: float) -> tuple[Tensor, Tensor]:
+    """logits [tokens, experts] (fp32/bf16/fp16), bias [experts] fp32 -> (weights [tokens, k] fp32,
+    indices [tokens, k] int64), indices sorted by descending score + bias."""
+    if not torch.compiler.is_compiling():
+        _check_k(k, logits.shape[-1])
+    _prepare(logits)
+    weights = logits.new_empty((logits.shape[0], k), dtype=torch.float32)
+    indices = logits.new_empty((logits.shape[0], k), dtype=torch.int64)
+    _gate_topk(logits, bias, weights, indices, routed_scaling_factor)
+    return weights, indices
+
+
+def hash_route(
+    logits: Tensor, token_ids: Tensor, tid2eid: Tensor, routed_scaling_factor: float
+) -> tuple[Tensor, Tensor]:
+    """logits [tokens, experts], token_ids [tokens] int32/int64, tid2eid [vocab, k] int32/int64 ->
+    (weights [tokens, k] fp32, indices = tid2eid[token_ids] as int64). Token ids must lie in
+    [0, vocab) and the looked-up table entries in [0, experts) (checked in eager mode, outside CUDA-graph
+    capture; inside the kernel an out-of-range id or entry selects nothing: index -1, weight 0)."""
+    if _values_readable(token_ids):
+        _check_range("token_ids", token_ids, 0, tid2eid.shape[0], "rows of tid2eid")
+        if token_ids.dim() == 1:  # a bad shape is left to the op's metadata checks
+            rows = tid2eid[token_ids.long()]
+            _check_range("tid2eid", rows, 0, logits.shape[-1], "experts, at the looked-up rows")
+    _prepare(logits)
+    k = tid2eid.shape[-1]
+    weights = logits.new_empty((logits.shape[0], k), dtype=torch.float32)
+    indices = logits.new_empty((logits.shape[0], k), dtype=torch.int64)
+    _hash_route(logits, token_ids, tid2eid, weights, indices, routed_scaling_factor)
+    return weights, indices
+
+
+def gate_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """fp32 logits x @ weight.T [tokens, experts], accumulated in fp32 (the hash layers' gate GEMM)."""
+    if x.device.type == "cuda" and x.dtype != torch.float32:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)  # cuBLAS writes fp32: no bf16 rounding
+    return F.linear(x.float(), weight.float())
+
+
+def router_gate(
+    x: Tensor, weight: Tensor, bias: Tensor, k: int, routed_scaling_factor: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """x [tokens, hidden], weight [experts, hidden] (same float dtype), bias [experts] fp32 ->
+    (logits [tokens, experts] fp32, weights [tokens, k] fp32, indices [tokens, k] int64): the gate
+    GEMM and gate_topk, fused into one kernel for decode-sized batches on sm_90."""
+    if not torch.compiler.is_compiling():
+        _check_k(k, weight.shape[0])
+    _prepare(x)
+    logits = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    weights = x.new_empty((x.shape[0], k), dtype=torch.float32)
+    indices = x.new_empty((x.shape[0], k), dtype=torch.int64)
+    _router_gate(x, weight, bias, logits, weights, indices, routed_scaling_factor)
+    return logits, weights, indices

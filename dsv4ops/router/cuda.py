@@ -1,0 +1,70 @@
+"""Builds (JIT, on first use) and loads the CUDA C++ router kernels of csrc/, which bind themselves to
+the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key. Nothing else is registered here."""
+
+import functools
+import logging
+import os
+import pathlib
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+_SOURCES = ("dsv4ops.cpp", "router/api.cpp", "router/gate_topk.cu", "router/hash_route.cu")
+# Explicit -gencode pairs: without them cpp_extension derives the archs from the visible GPUs, and the
+# `-arch=sm_90a` shorthand was reported to add a plain sm_90 pass. sm_100a needs nvcc >= 12.8.
+_GENCODE = ("-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a")
+
+
+def _unavailable_reason() -> str | None:
+    if torch.version.cuda is None:
+        return "torch was built without CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        return "nvcc was not found (set CUDA_HOME)"
+    missing = [s for s in _SOURCES if not (_CSRC / s).is_file()]
+    if missing:
+        return f"csrc/ sources are missing ({', '.join(missing)}): install dsv4ops from a source checkout"
+    return None
+
+
+def build_directory() -> pathlib.Path:
+    """Per torch/CUDA/Python build folder under DSV4OPS_CACHE (default ~/.cache/dsv4ops)."""
+    root = pathlib.Path(os.environ.get("DSV4OPS_CACHE", pathlib.Path.home() / ".cache" / "dsv4ops"))
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_cu{torch.version.cuda}"
+    return root / "torch_extensions" / tag.replace("+", "_")
+
+
+@functools.cache
+def load() -> bool:
+    """Builds (first call on a machine: about a minute) and loads the extension; True when the CUDA
+    kernels are bound. When they cannot be, logs one reason and returns False: CUDA tensors then run
+    the ops' reference kernels."""
+    reason = _unavailable_reason()
+    if reason is None:
+        from torch.utils import cpp_extension
+
+        folder = build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(
+                name="dsv4ops_csrc",
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3", *_GENCODE],
+                build_directory=str(folder),
+                is_python_module=False,
+            )
+        except (RuntimeError, OSError, ImportError) as error:  # a failed nvcc / ninja run, or dlopen
+            reason = f"building csrc/ failed: {error}"
+    if reason is not None:
+        log.warning(
+            "dsv4ops: CUDA C++ router kernels unavailable (%s); the reference kernels serve CUDA tensors", reason
+        )
+        return False
+    return True

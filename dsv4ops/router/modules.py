@@ -1,0 +1,59 @@
+"""Drop-in V4 MoE routers: transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter parameter and
+buffer names and outputs (logits, weights, indices), built on dsv4ops.router.api.
+
+`config` is a dsv4ops.DSV4AttentionConfig or a transformers DeepseekV4Config (both name the fields
+n_routed_experts, num_experts_per_tok, routed_scaling_factor, hidden_size, vocab_size). Differences:
+logits are fp32 whatever the weight dtype (transformers returns the weight dtype), and gate indices
+come sorted by descending score + bias (transformers' topk is unsorted: same set).
+"""
+
+import torch
+from torch import Tensor, nn
+
+from dsv4ops.router import api
+
+
+def _check_scoring(config):
+    scoring = getattr(config, "scoring_func", "sqrtsoftplus")
+    if scoring != "sqrtsoftplus":
+        raise ValueError(f"config.scoring_func: expected 'sqrtsoftplus' (the V4 router), got {scoring!r}")
+
+
+class DeepseekV4Router(nn.Module):
+    """Learned top-k gate: scores sqrt(softplus(x @ weight.T)), experts by score + e_score_correction_bias."""
+
+    def __init__(self, config):
+        super().__init__()
+        _check_scoring(config)
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.hidden_dim = config.hidden_size
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts))
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        flat = hidden_states.reshape(-1, self.hidden_dim)
+        # .float(): a model cast to bf16 casts this buffer too; the selection key is fp32.
+        bias = self.e_score_correction_bias.float()
+        return api.router_gate(flat, self.weight, bias, self.top_k, self.routed_scaling_factor)
+
+
+class DeepseekV4HashRouter(nn.Module):
+    """Hash routing of the first MoE layers: experts = tid2eid[input_ids] (a frozen table), weighted by
+    the learned gate's renormalised scores."""
+
+    def __init__(self, config):
+        super().__init__()
+        _check_scoring(config)
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.hidden_dim = config.hidden_size
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        self.tid2eid = nn.Buffer(torch.zeros(config.vocab_size, self.top_k, dtype=torch.long), persistent=True)
+
+    def forward(self, hidden_states: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = api.gate_logits(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        weights, indices = api.hash_route(logits, input_ids.reshape(-1), self.tid2eid, self.routed_scaling_factor)
+        return logits, weights, indices
