@@ -177,15 +177,17 @@ def _dims(fmt, dim: int, main: bool = True) -> tuple[int, int]:
 DEFAULT_RUNS = ((0, 5, 3), (1, 0, 2))  # request 0 continues at position 5, request 1 starts; + padding
 
 
-def pack_kv_args(fmt=torch.float32, dtype=torch.float32, dim=16, main=True, slots=(5, -1, 0), blocks=2,
+def pack_kv_args(dtype=torch.float32, fmt=None, dim=16, main=True, slots=(5, -1, 0), blocks=2,
                  block_size=4) -> dict:
+    fmt = fmt or dtype
     dim, _ = _dims(fmt, dim, main)
     return dict(x=torch.randn(len(slots), dim, dtype=dtype), slots=torch.tensor(slots, dtype=torch.int32),
                 cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim))
 
 
-def unpack_kv_args(fmt=torch.float32, dtype=torch.float32, dim=16, main=True, slots=(5, -1, 0), blocks=2,
+def unpack_kv_args(dtype=torch.float32, fmt=None, dim=16, main=True, slots=(5, -1, 0), blocks=2,
                    block_size=4) -> dict:
+    fmt = fmt or dtype
     dim, _ = _dims(fmt, dim, main)
     return dict(cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim),
                 slots=torch.tensor(slots, dtype=torch.int32), out=torch.empty(len(slots), dim, dtype=dtype))
@@ -291,13 +293,18 @@ _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "kv_insert", "c
            "indexer_q_prep": "indexer", "indexer_topk": "indexer", "sparse_attn": "sparse_attn", "inv_rope": "output"}
 
 
-def call_public(name: str, args: dict):
-    """Call the public function of `dsv4::name` (dsv4ops.<family>.api) on the op's arguments from
-    the factories above: the op's outputs are dropped (their width, dtype or k passed where the
-    function takes them)."""
+def public(name: str):
+    """fn(args): the public function of `dsv4::name` (dsv4ops.<family>.api) called on the op's
+    arguments from the factories above; the op's outputs are dropped (their width, dtype or k are
+    passed where the function takes them). Traceable by torch.compile."""
+    import functools
     import importlib
 
-    return _PUBLIC[name](importlib.import_module(f"dsv4ops.{_FAMILY[name]}.api"), args)
+    return functools.partial(_PUBLIC[name], importlib.import_module(f"dsv4ops.{_FAMILY[name]}.api"))
+
+
+def call_public(name: str, args: dict):
+    return public(name)(args)
 
 
 def call_op(name: str, args: dict) -> None:
@@ -331,3 +338,12 @@ def with_arg(key: str, make):
         args[key] = make(args)
 
     return mutate
+
+
+ROUTER_OPS = frozenset({"gate_topk", "hash_route", "router_gate"})
+
+
+def dsv4_ops() -> set[str]:
+    """Names of every registered dsv4:: op."""
+    ns = torch.ops.dsv4
+    return {n for n in dir(ns) if isinstance(getattr(ns, n), torch._ops.OpOverloadPacket)}

@@ -15,7 +15,7 @@ def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tens
     t, h, d = q.shape
     c.ndim("weights", weights, 2, "[tokens, index_heads]")
     c.dtype("weights", weights, c.FLOATS)
-    c.like("weights", weights, q[..., 0], "q[..., 0]")
+    c.like("weights", weights, q.select(-1, 0), "q[..., 0]")
     c.index_vector("positions", positions, t, q, "q")
     c.rope_table(inv_freq, d, q)
     c.like("q_out", q_out, q, "q")
@@ -33,7 +33,7 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     t = q.shape[0]
     c.ndim("weights", weights, 2, "[tokens, index_heads]")
     c.dtype("weights", weights, (torch.float32,))
-    c.like("weights", weights, q[..., 0], "q[..., 0]")
+    c.like("weights", weights, q.select(-1, 0), "q[..., 0]")
     c.index_vector("positions", positions, t, q, "q")
     c.index_vector("req_slots", req_slots, t, q, "q")
     c.paged_cache("cache", cache, q.shape[2], q)

@@ -30,9 +30,10 @@ def block_size_of(cache: Tensor) -> int:
 
 
 def entry_slots(block_table: Tensor, req: Tensor, entries: Tensor, block_size: int) -> Tensor:
-    """Global pool slot of entry `entries` of request `req` through the block table."""
-    blocks = block_table[req.clamp(min=0).long()[:, None], (entries // block_size).long()]
-    return blocks.long() * block_size + entries % block_size
+    """Global pool slot of entry `entries` of request `req` through the block table; -1 where the
+    block is not allocated."""
+    blocks = block_table[req.clamp(min=0).long()[:, None], (entries // block_size).long()].long()
+    return torch.where(blocks >= 0, blocks * block_size + entries % block_size, -1)
 
 
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
@@ -43,6 +44,7 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     entries = torch.arange(n_max, device=q.device)
     visible = (entries[None] < ((positions.long() + 1) // ratio)[:, None]) & (req_slots >= 0)[:, None]
     slots = entry_slots(block_table, req_slots, entries[None].expand(t, -1), bs)
+    visible &= slots >= 0
     slots = slots.where(visible, -1)
     keys = torch.empty(t * n_max, cache.shape[-1] if cache.dtype != torch.uint8 else q.shape[-1],
                        dtype=torch.float32, device=q.device)

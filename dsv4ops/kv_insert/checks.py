@@ -14,7 +14,7 @@ def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_fr
     t, d = q.shape[0], q.shape[2]
     c.ndim("kv", kv, 2, "[tokens, head_dim]")
     c.dtype("kv", kv, c.FLOATS)
-    c.like("kv", kv, q[:, 0], "q[:, 0]")
+    c.like("kv", kv, q.select(1, 0), "q[:, 0]")
     c.last_dim_contiguous("kv", kv)
     c.index_vector("positions", positions, t, q, "q")
     c.index_vector("req_slots", req_slots, t, q, "q")

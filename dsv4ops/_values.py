@@ -1,0 +1,72 @@
+"""Value checks of the public functions, run on the host in eager mode only (the metadata rules are
+`torch._check`s in `_checks.py`, run by the ops and their fakes). Each check costs a host sync, so
+none runs while compiling or on tensors without data (FakeTensor, meta). Errors are ValueError
+naming the argument, the expectation and what came."""
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+
+
+def has_data(*tensors: Tensor) -> bool:
+    """True when the values can be read: eager mode and real tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    return not any(isinstance(t, FakeTensor) or t.device.type == "meta" for t in tensors)
+
+
+def in_range(name: str, t: Tensor, low: int, high: int | None, what: str):
+    """Every value v of t satisfies low <= v < high (high None: no upper bound)."""
+    bad = t < low if high is None else (t < low) | (t >= high)
+    if t.numel() and bool(bad.any()):
+        at = bad.flatten().nonzero()[0, 0].item()
+        expect = f">= {low}" if high is None else f"values in [{low}, {high})"
+        where = f" at index {at}" if t.dim() == 1 else f" at flat index {at}"
+        raise ValueError(f"{name}: expected {expect} ({what}), got {t.flatten()[at].item()}{where}")
+
+
+def distinct(name: str, t: Tensor, what: str):
+    """The values >= 0 of a 1-D tensor are pairwise distinct (-1 may repeat)."""
+    v = t[t >= 0]
+    uniq, counts = torch.unique(v, return_counts=True)
+    if bool((counts > 1).any()):
+        dup = uniq[counts > 1][0].item()
+        raise ValueError(f"{name}: expected distinct {what}, got {dup} ({counts[counts > 1][0].item()} times)")
+
+
+def request_runs(positions: Tensor, req_slots: Tensor):
+    """The tokens of each request form one contiguous run of the flat batch (padding tokens, request
+    -1, end a run) with consecutive positions: the compressor pools a block's rows from the step
+    itself by token offset."""
+    req, pos = req_slots.long(), positions.long()
+    live = req >= 0
+    cont = live[1:] & (req[1:] == req[:-1])
+    gap = cont & (pos[1:] != pos[:-1] + 1)
+    if bool(gap.any()):
+        i = gap.nonzero()[0, 0].item() + 1
+        raise ValueError(f"positions: expected consecutive positions within a request, got {pos[i - 1].item()} then "
+                         f"{pos[i].item()} for request {req[i].item()} at tokens {i - 1}, {i}")
+    starts = live.clone()
+    starts[1:] &= ~cont
+    run_req = req[starts]
+    uniq, counts = torch.unique(run_req, return_counts=True)
+    if bool((counts > 1).any()):
+        r = uniq[counts > 1][0].item()
+        raise ValueError(f"req_slots: expected the tokens of a request to be contiguous in the step, got request {r} "
+                         f"in {counts[counts > 1][0].item()} separate runs")
+
+
+def request_span(positions: Tensor, req_slots: Tensor, limit: int, what: str):
+    """For each request, max position - min position + 1 over its tokens of the step is <= limit."""
+    live = req_slots >= 0
+    if not bool(live.any()):
+        return
+    req, pos = req_slots[live].long(), positions[live].long()
+    n = int(req.max()) + 1
+    hi = torch.full((n,), -1, dtype=torch.long, device=req.device).scatter_reduce(0, req, pos, "amax")
+    lo = torch.full((n,), 2**62, dtype=torch.long, device=req.device).scatter_reduce(0, req, pos, "amin")
+    span = (hi - lo + 1).where(hi >= 0, 0)
+    if bool((span > limit).any()):
+        r = (span > limit).nonzero()[0, 0].item()
+        raise ValueError(f"positions: expected the tokens of a request to span at most {limit} positions ({what}), "
+                         f"got {span[r].item()} for request {r} (positions {lo[r].item()}..{hi[r].item()})")

@@ -1,0 +1,261 @@
+"""dsv4::compressor_update and compressor.api.compressor_update against the stateless oracle
+dsv4ops.reference.compress: CSA overlap (entry w pools window w-1's a-stream and window w's
+b-stream; w = 0 has no previous window), HCA 128 without overlap, the state-ring write rule,
+entries closing within a step, splits across steps, what a call writes, bad inputs. Issue 3."""
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4ops import reference
+from dsv4ops import testing as T
+from dsv4ops.quant.api import unpack_kv
+from dsv4ops.reference.numerics import round_indexer_key, round_kv
+from dsv4ops.testing import FP8
+
+HIDDEN, EPS, I32 = 16, 1e-6, torch.int32
+CSA, HCA = (4, True), (128, False)  # (ratio, overlap)
+BLOCK = 4
+
+
+def _weights(ratio: int, overlap: bool, d: int) -> dict:
+    width = (2 if overlap else 1) * d
+    return dict(kv=torch.randn(width, HIDDEN) / 4, gate=torch.randn(width, HIDDEN) / 4, ape=torch.randn(ratio, width),
+                norm=1 + 0.1 * torch.randn(d), inv_freq=T.rope_table(min(64, d // 2)), ratio=ratio, d=d)
+
+
+def _oracle(x: torch.Tensor, w: dict, mode: str = "exact") -> torch.Tensor:
+    return reference.compress(x, w["kv"], w["gate"], w["ape"], w["norm"], w["ratio"], w["inv_freq"], mode, EPS)
+
+
+class Stream:
+    """Requests' token streams fed to the op step by step, like the serving loop: positions continue
+    per request, each step ends with a padding token that closes a block (position ratio - 1) and
+    carries a valid entry slot and random rows: it must write nothing."""
+
+    def __init__(self, w: dict, xs: dict, fmt=torch.float32, blocks_per_request: int = 2):
+        self.w, self.xs = w, xs
+        requests = len(xs)
+        width = w["kv"].shape[0]
+        self.a = {r: F.linear(x, w["kv"]) for r, x in xs.items()}
+        self.z = {r: F.linear(x, w["gate"]) for r, x in xs.items()}
+        self.done = {r: 0 for r in xs}
+        self.per_request = blocks_per_request * BLOCK
+        self.state = torch.full((requests, width // w["d"] * w["ratio"], 2 * width), float("nan"))
+        self.cache = T.page_pool(requests * blocks_per_request, BLOCK, w["d"], fmt)
+        self.spare = requests * self.per_request - 1  # never a real entry in these tests
+
+    def step(self, new: dict, entry_slots=None):
+        rows_a, rows_z, runs = [], [], []
+        for r, n in new.items():
+            s = self.done[r]
+            runs.append((r, s, n))
+            rows_a.append(self.a[r][s:s + n])
+            rows_z.append(self.z[r][s:s + n])
+            self.done[r] = s + n
+        positions, req_slots = T.step_tokens(*runs, pad=1)
+        positions[-1] = self.w["ratio"] - 1
+        width = self.w["kv"].shape[0]
+        kv = torch.cat(rows_a + [torch.randn(1, width)])
+        score = torch.cat(rows_z + [torch.randn(1, width)])
+        if entry_slots is None:
+            entry_slots = T.entry_slots_of(positions, req_slots, self.w["ratio"], self.per_request)
+        entry_slots[-1] = self.spare
+        self.positions, self.req_slots, self.kv, self.score = positions, req_slots, kv, score
+        T.call_public("compressor_update", dict(
+            kv=kv, score=score, ape=self.w["ape"], positions=positions, req_slots=req_slots, entry_slots=entry_slots,
+            norm_weight=self.w["norm"], inv_freq=self.w["inv_freq"], state=self.state, cache=self.cache, eps=EPS))
+
+    def entries(self, r: int, n: int) -> torch.Tensor:
+        slots = torch.arange(r * self.per_request, r * self.per_request + n, dtype=I32)
+        return unpack_kv(self.cache, slots, self.w["d"], torch.float32)
+
+
+def _xs(lengths: dict) -> dict:
+    return {r: torch.randn(n, HIDDEN) for r, n in lengths.items()}
+
+
+# ---- against the oracle ------------------------------------------------------------------------
+# CSA: 13 tokens = 3 entries + 1 left over; HCA: 259 tokens = 2 entries + 3 (crosses 127 and 255).
+LENGTHS = {CSA: {0: 13, 1: 9}, HCA: {0: 259, 1: 130}}
+ONE_STEP = {CSA: [{0: 13, 1: 9}], HCA: [{0: 259, 1: 130}]}
+CHUNKED = {  # prefill chunks that end mid-block, decode tokens, requests interleaved across steps
+    CSA: [{0: 3}, {1: 2, 0: 1}, {0: 4, 1: 5}, {0: 1}, {1: 1, 0: 1}, {0: 3, 1: 1}],
+    HCA: [{0: 100, 1: 127}, {0: 27}, {1: 1, 0: 1}, {0: 131, 1: 2}],
+}
+
+
+@pytest.mark.parametrize("kind", [CSA, HCA], ids=["csa", "hca"])
+@pytest.mark.parametrize("steps", [ONE_STEP, CHUNKED], ids=["one-step", "chunked"])
+def test_entries_equal_the_stateless_oracle(kind, steps):
+    w = _weights(*kind, d=8)
+    xs = _xs(LENGTHS[kind])
+    stream = Stream(w, xs)
+    for new in steps[kind]:
+        stream.step(new)
+    for r, x in xs.items():
+        expect = _oracle(x, w)
+        # One step: entries closing in it pool rows of the step (the state is NaN-poisoned and never
+        # read); chunked: rows of earlier steps come from the state ring.
+        assert torch.equal(stream.entries(r, expect.shape[0]), expect), f"request {r}"
+    written = torch.zeros(stream.cache.shape[:2], dtype=torch.bool).view(-1)
+    for r, x in xs.items():
+        written[r * stream.per_request: r * stream.per_request + x.shape[0] // w["ratio"]] = True
+    assert stream.cache.view(-1, w["d"])[~written].isnan().all()  # no other slot (padding's included)
+
+
+@pytest.mark.parametrize("fmt,d,mode", [(FP8, 512, "main"), (FP8, 128, "indexer")])
+def test_fp8_entries_equal_the_oracle_in_fp8_mode(fmt, d, mode):
+    # FP8 pools: the pooled entry is cast to bf16 before the norm (DeepSeek), then packed.
+    w = _weights(*CSA, d=d)
+    xs = _xs({0: 9})
+    stream = Stream(w, xs, fmt)
+    stream.step({0: 5})
+    stream.step({0: 4})
+    e = _oracle(xs[0], w, "fp8")
+    expect = round_kv(e, "fp8", 64) if mode == "main" else round_indexer_key(e, "fp8")
+    assert torch.equal(stream.entries(0, 2), expect.float())
+
+
+# ---- semantics ---------------------------------------------------------------------------------
+def _entries_after(w: dict, x: torch.Tensor) -> torch.Tensor:
+    stream = Stream(w, {0: x})
+    stream.step({0: x.shape[0]})
+    return stream.entries(0, x.shape[0] // w["ratio"])
+
+
+def test_csa_entry_pools_previous_a_stream_and_current_b_stream():
+    d, m = 8, 4
+    w = _weights(*CSA, d=d)
+    x = torch.randn(3 * m, HIDDEN)
+    base = _entries_after(w, x)
+    for cols, moved in ((slice(0, d), [2]), (slice(d, 2 * d), [1])):
+        # Window 1 (positions 4..7): its a-stream ([:d]) feeds entry 2 only, its b-stream ([d:]) entry 1.
+        stream = Stream(w, {0: x})
+        stream.a[0][m:2 * m, cols] += 1.0
+        stream.z[0][m:2 * m, cols] += 1.0
+        stream.step({0: 3 * m})
+        changed = (stream.entries(0, 3) != base).any(-1).nonzero().flatten().tolist()
+        assert changed == moved, (cols, changed)
+    # Entry 0 has no previous window: its a-stream slots weigh 0 (score -inf), so it is the pool
+    # of window 0's b-stream alone (the oracle without overlap on the b-stream weights).
+    alone = reference.compress(x[:m], w["kv"][d:], w["gate"][d:], w["ape"][:, d:], w["norm"], m, w["inv_freq"],
+                               "exact", EPS)
+    assert torch.equal(base[0], alone[0])
+
+
+@pytest.mark.parametrize("kind,token,moved", [(HCA, 127, [0]), (HCA, 128, [1]), (CSA, 5, [1, 2])],
+                         ids=["hca-127", "hca-128", "csa-5"])
+def test_a_token_feeds_exactly_its_entries(kind, token, moved):
+    w = _weights(*kind, d=8)
+    x = torch.randn(3 * kind[0], HIDDEN)
+    base = _entries_after(w, x)
+    x2 = x.clone()
+    x2[token] += 1.0
+    changed = (_entries_after(w, x2) != base).any(-1).nonzero().flatten().tolist()
+    assert changed == moved
+
+
+def test_state_ring_keeps_the_last_token_of_each_row():
+    m = 4
+    w = _weights(*CSA, d=8)
+    xs = _xs({0: 13, 1: 3})
+    stream = Stream(w, xs)
+    stream.step({0: 13})  # rows 0..7 of request 0 map to positions p % 8: tokens 5..12 are the last
+    rows = torch.cat([stream.a[0], stream.z[0] + w["ape"][torch.arange(13) % m]], -1)
+    expect = torch.stack([rows[p] for p in sorted(range(5, 13), key=lambda p: p % 8)])
+    assert torch.equal(stream.state[0], expect)
+    assert stream.state[1].isnan().all()  # request 1 had no token: untouched
+    stream.step({1: 3})  # 3 tokens: rows 0..2 of request 1 written, rows 3..7 untouched
+    assert not stream.state[1, :3].isnan().any() and stream.state[1, 3:].isnan().all()
+    assert torch.equal(stream.state[0], expect)
+
+
+def test_closing_token_with_entry_slot_minus_one_stores_nothing():
+    w = _weights(*CSA, d=8)
+    stream = Stream(w, _xs({0: 8}))
+    positions = torch.arange(8, dtype=I32)
+    slots = T.entry_slots_of(positions, torch.zeros(8, dtype=I32), 4, stream.per_request)
+    slots = torch.cat([slots, slots[:1]])
+    slots[3] = -1  # entry 0 is not stored; entry 1 is
+    stream.step({0: 8}, entry_slots=slots)
+    assert stream.cache.view(-1, 8)[0].isnan().all() and not stream.cache.view(-1, 8)[1].isnan().any()
+    assert not stream.state[0].isnan().any()  # the state rows are still written
+
+
+# ---- bad inputs: one per rule ------------------------------------------------------------------
+ARGS = partial(T.compressor_update_args, torch.float32)
+wa = T.with_arg
+
+
+def _entry_twice(a):
+    a["req_slots"] = torch.tensor([0] * 5 + [1] * 4, dtype=I32)  # request 1 at 0..3 closes entry 0 at 3
+    a["positions"] = torch.tensor([2, 3, 4, 5, 6, 0, 1, 2, 3], dtype=I32)
+    a["entry_slots"] = torch.tensor([-1, 0, -1, -1, -1, -1, -1, -1, 0], dtype=I32)
+
+
+BAD = [
+    ("kv-ndim", wa("kv", lambda a: a["kv"][None]), r"kv: expected 2-D \[tokens, coff \* d\]"),
+    ("kv-dtype", wa("kv", lambda a: a["kv"].double()), r"kv: expected dtype in"),
+    ("kv-last-dim", wa("kv", lambda a: a["kv"].t().contiguous().t()), r"kv: expected a contiguous last dim"),
+    ("score-shape", wa("score", lambda a: a["score"][:-1]),
+     r"score: expected shape \(9, 16\) \(as kv\), got \(8, 16\)"),
+    ("score-dtype", wa("score", lambda a: a["score"].int()), r"score: expected dtype in"),
+    ("score-last-dim", wa("score", lambda a: a["score"].t().contiguous().t()), r"score: expected a contiguous last"),
+    ("norm_weight-ndim", wa("norm_weight", lambda a: a["norm_weight"][None]), r"norm_weight: expected 1-D \[d\]"),
+    ("norm_weight-dtype", wa("norm_weight", lambda a: a["norm_weight"].double()), r"norm_weight: expected dtype"),
+    ("kv-width", wa("norm_weight", lambda a: torch.ones(6)),
+     r"kv: expected width d = 6 \(no overlap\) or 2d = 12 \(CSA overlap\), got 16"),
+    ("ape-ndim", wa("ape", lambda a: a["ape"][0]), r"ape: expected 2-D \[ratio, coff \* d\]"),
+    ("ape-dtype", wa("ape", lambda a: a["ape"].bfloat16()), r"ape: expected dtype in \[torch.float32\]"),
+    ("ape-width", wa("ape", lambda a: a["ape"][:, :8].contiguous()), r"ape: expected size 16 \(kv width\) at dim 1"),
+    ("ape-device", wa("ape", lambda a: a["ape"].to("meta")), r"ape: expected device cpu \(as kv\), got meta"),
+    ("norm_weight-device", wa("norm_weight", lambda a: a["norm_weight"].to("meta")),
+     r"norm_weight: expected device cpu \(as kv\), got meta"),
+    ("positions-ndim", wa("positions", lambda a: a["positions"][None]), r"positions: expected 1-D \[tokens\]"),
+    ("req_slots-dtype", wa("req_slots", lambda a: a["req_slots"].long()), r"req_slots: expected dtype in"),
+    ("entry_slots-size", wa("entry_slots", lambda a: a["entry_slots"][1:]),
+     r"entry_slots: expected size 9 \(tokens of kv\) at dim 0, got 8"),
+    ("inv_freq-width", wa("inv_freq", lambda a: torch.ones(5)),
+     r"inv_freq: expected at most 4 frequencies \(head dim 8\), got 5"),
+    ("state-ndim", wa("state", lambda a: a["state"][0]), r"state: expected 3-D \[requests, coff \* ratio, 2 \* coff"),
+    ("state-dtype", wa("state", lambda a: a["state"].double()), r"state: expected dtype in \[torch.float32\]"),
+    ("state-contiguous", wa("state", lambda a: a["state"].transpose(0, 1)), r"state: expected a contiguous tensor"),
+    ("state-device", wa("state", lambda a: a["state"].to("meta")), r"state: expected device cpu \(as kv\), got meta"),
+    ("state-rows", wa("state", lambda a: a["state"][:, :4].contiguous()),
+     r"state: expected size 8 \(coff \* ratio ring rows\) at dim 1, got 4"),
+    ("state-width", wa("state", lambda a: a["state"][..., :16].contiguous()),
+     r"state: expected size 32 \(kv and score rows\) at dim 2, got 16"),
+    ("cache-width", wa("cache", lambda a: a["cache"][..., :4].contiguous()),
+     r"cache: expected size 8 \(row width\) at dim 2, got 4"),
+    # Values (public function only; eager). Tokens: request 0 at 2..6, request 1 at 0..2, padding.
+    ("positions-negative", wa("positions", lambda a: torch.tensor([2, 3, 4, 5, 6, -1, 0, 1, 0], dtype=I32)),
+     r"positions: expected >= 0 \(token positions\), got -1 at index 5", ("public",)),
+    ("req_slots-high", wa("req_slots", lambda a: torch.tensor([0] * 5 + [2] * 3 + [-1], dtype=I32)),
+     r"req_slots: expected values in \[-1, 2\) \(-1 or one of the 2 requests of the state\), got 2 at index 5",
+     ("public",)),
+    ("positions-gap", wa("positions", lambda a: torch.tensor([2, 3, 5, 6, 7, 0, 1, 2, 0], dtype=I32)),
+     r"positions: expected consecutive positions within a request, got 3 then 5 for request 0 at tokens 1, 2",
+     ("public",)),
+    ("request-split", wa("req_slots", lambda a: torch.tensor([0, 0, 1, 1, 1, 0, 0, 0, -1], dtype=I32)),
+     r"req_slots: expected the tokens of a request to be contiguous in the step, got request 0 in 2 separate runs",
+     ("public",)),
+    ("request-split-by-padding", wa("req_slots", lambda a: torch.tensor([0, 0, -1, 0, 0, 1, 1, 1, -1], dtype=I32)),
+     r"req_slots: expected the tokens of a request to be contiguous in the step, got request 0 in 2 separate runs",
+     ("public",)),
+    ("entry_slots-high", wa("entry_slots", lambda a: torch.tensor([-1, 16, -1, -1, -1, -1, -1, -1, -1], dtype=I32)),
+     r"entry_slots: expected values in \[-1, 16\) \(-1 or a slot of the pool's 16\), got 16 at index 1", ("public",)),
+    ("entry_slots-twice", _entry_twice,
+     r"entry_slots: expected distinct slots among the tokens that close an entry, got 0 \(2 times\)", ("public",)),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_writes_nothing(case):
+    _, mutate, match, *via = case
+    args = ARGS()
+    mutate(args)
+    paths = via[0] if via else ("op", "public")
+    T.assert_rejected("compressor_update", args, ValueError if paths == ("public",) else RuntimeError, match, paths)

@@ -1,0 +1,114 @@
+"""dsv4::qkv_prep and kv_insert.api.qkv_prep: q's norm + RoPE, the window-ring insert (exactly the
+live tokens' slots), padding tokens, bad inputs. Issue 3."""
+
+from functools import partial
+
+import pytest
+import torch
+
+from dsv4ops import testing as T
+from dsv4ops.quant.reference import pack_kv
+from dsv4ops.reference.functional import apply_rope, head_rms_norm, rope_angles
+from dsv4ops.testing import FP8
+
+BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
+# Request 0 continues at positions 5..7; request 1 at 9, 10 wraps its 8-slot ring (slots 8 + 1, 8 + 2).
+RUNS = ((0, 5, 3), (1, 9, 2))
+
+
+def _expected(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_out and the pool from the reference primitives: RoPE(head RMSNorm(q)); RoPE(kv) packed at
+    req * ring + position % ring for the live tokens, into a copy of the pool."""
+    q, kv, pos, req, ring = args["q"], args["kv"], args["positions"], args["req_slots"], args["ring_size"]
+    cos, sin = rope_angles(pos, args["inv_freq"], q.dtype)
+    q_out = apply_rope(head_rms_norm(q, args["eps"]), cos[:, None], sin[:, None])
+    live = req >= 0
+    slots = (req.long() * ring + pos.long() % ring)[live].to(I32)
+    pool = args["window_cache"].clone()
+    pack_kv(apply_rope(kv, cos, sin)[live], slots, pool)
+    return q_out, pool
+
+
+@pytest.mark.parametrize("dtype,fmt", [(FP32, FP32), (BF16, BF16), (BF16, FP8), (FP32, FP8)],
+                         ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8"])
+def test_writes_q_out_and_the_live_tokens_window_slots(dtype, fmt):
+    args = T.qkv_prep_args(dtype, fmt, runs=RUNS, pad=2, noncontig=dtype == FP32)
+    args["window_cache"].fill_(255 if fmt == FP8 else float("nan"))  # poison
+    args["q_out"].fill_(float("nan"))
+    q_out, pool = _expected(args)
+    T.call_op("qkv_prep", args)
+    assert T.bytes_equal(args["q_out"], q_out)  # every row written, padding rows included
+    assert T.bytes_equal(args["window_cache"], pool)  # live slots only; everything else still poison
+
+
+def test_public_function_returns_q_out():
+    args = T.qkv_prep_args(BF16, FP8, runs=RUNS, pad=1, noncontig=True)
+    q_out, pool = _expected(args)
+    out = T.call_public("qkv_prep", args)
+    assert out.is_contiguous() and T.bytes_equal(out, q_out)
+    assert T.bytes_equal(args["window_cache"], pool)
+
+
+def test_padding_tokens_write_nothing():
+    args = T.qkv_prep_args(FP32, runs=(), pad=3)
+    before = args["window_cache"].clone()
+    q_out = T.call_public("qkv_prep", args)
+    assert T.bytes_equal(args["window_cache"], before)
+    assert torch.equal(q_out, _expected(args)[0])
+
+
+# ---- bad inputs: one per rule ------------------------------------------------------------------
+ARGS = partial(T.qkv_prep_args, FP32)
+FP8_ARGS = partial(T.qkv_prep_args, BF16, FP8)
+w = T.with_arg
+BAD = [
+    ("q-ndim", ARGS, w("q", lambda a: a["q"][0]), r"q: expected 3-D \[tokens, heads, head_dim\]"),
+    ("q-dtype", ARGS, w("q", lambda a: a["q"].double()), r"q: expected dtype in"),
+    ("q-last-dim", ARGS, w("q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+     r"q: expected a contiguous last dim"),
+    ("kv-ndim", ARGS, w("kv", lambda a: a["kv"][None]), r"kv: expected 2-D \[tokens, head_dim\]"),
+    ("kv-dtype", ARGS, w("kv", lambda a: a["kv"].int()), r"kv: expected dtype in"),
+    ("kv-shape", ARGS, w("kv", lambda a: a["kv"][:, :8]),
+     r"kv: expected shape \(6, 16\) \(as q\[:, 0\]\), got \(6, 8\)"),
+    ("kv-last-dim", ARGS, w("kv", lambda a: a["kv"].t().contiguous().t()), r"kv: expected a contiguous last dim"),
+    ("positions-dtype", ARGS, w("positions", lambda a: a["positions"].long()), r"positions: expected dtype in"),
+    ("req_slots-size", ARGS, w("req_slots", lambda a: a["req_slots"][:5]),
+     r"req_slots: expected size 6 \(tokens of q\) at dim 0, got 5"),
+    ("inv_freq-ndim", ARGS, w("inv_freq", lambda a: a["inv_freq"][None]), r"inv_freq: expected 1-D \[rope_dim / 2\]"),
+    ("inv_freq-dtype", ARGS, w("inv_freq", lambda a: a["inv_freq"].double()), r"inv_freq: expected dtype in"),
+    ("inv_freq-width", ARGS, w("inv_freq", lambda a: torch.ones(9)),
+     r"inv_freq: expected at most 8 frequencies \(head dim 16\), got 9"),
+    ("inv_freq-device", ARGS, w("inv_freq", lambda a: a["inv_freq"].to("meta")),
+     r"inv_freq: expected device cpu \(as q\), got meta"),
+    ("q_out-shape", ARGS, w("q_out", lambda a: a["q_out"][:, :1]), r"q_out: expected shape \(6, 2, 16\)", ("op",)),
+    ("q_out-dtype", ARGS, w("q_out", lambda a: a["q_out"].bfloat16()), r"q_out: expected dtype in \[torch.float32\]",
+     ("op",)),
+    ("q_out-last-dim", ARGS, w("q_out", lambda a: a["q_out"].transpose(1, 2).contiguous().transpose(1, 2)),
+     r"q_out: expected a contiguous last dim", ("op",)),
+    ("window_cache-width", ARGS, w("window_cache", lambda a: a["window_cache"][..., :8].contiguous()),
+     r"window_cache: expected size 16 \(row width\) at dim 2, got 8"),
+    ("window_cache-fp8-width", FP8_ARGS, w("window_cache", lambda a: torch.zeros(4, 4 * 132, dtype=torch.uint8)),
+     r"window_cache: expected a page of whole 584-B entries"),
+    ("ring_size-positive", ARGS, w("ring_size", lambda a: 0), r"ring_size: expected > 0, got 0"),
+    ("ring_size-pool", ARGS, w("ring_size", lambda a: 17), r"ring_size: expected <= the pool's 16 slots, got 17"),
+    # Values (public function only; eager).
+    ("positions-negative", ARGS, w("positions", lambda a: torch.tensor([5, 6, -1, 0, 1, 0], dtype=I32)),
+     r"positions: expected >= 0 \(token positions\), got -1 at index 2", ("public",)),
+    ("req_slots-high", ARGS, w("req_slots", lambda a: torch.tensor([0, 0, 0, 2, 2, -1], dtype=I32)),
+     r"req_slots: expected values in \[-1, 2\) \(-1 or one of the 2 requests of the window pool \(8-slot rings\)\), "
+     r"got 2 at index 3", ("public",)),
+    ("req_slots-low", ARGS, w("req_slots", lambda a: torch.tensor([0, 0, 0, 1, 1, -2], dtype=I32)),
+     r"req_slots: expected values in \[-1, 2\) .*got -2 at index 5", ("public",)),
+    ("window-slot-twice", ARGS, w("positions", lambda a: torch.tensor([5, 6, 13, 0, 1, 0], dtype=I32)),
+     r"positions: expected distinct window slots \(one token per request and position % ring_size = 8\), "
+     r"got 5 \(2 times\)", ("public",)),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_writes_nothing(case):
+    _, factory, mutate, match, *via = case
+    args = factory()
+    mutate(args)
+    paths = via[0] if via else ("op", "public")
+    T.assert_rejected("qkv_prep", args, ValueError if paths == ("public",) else RuntimeError, match, paths)

@@ -1,0 +1,62 @@
+"""Every dsv4:: op's schema, pinned: a signature or mutation-annotation change is a visible diff.
+Regenerate with `EXPECTTEST_ACCEPT=1 python -m pytest tests/test_schemas.py`. Issue 3."""
+
+import torch
+from expecttest import assert_expected_inline
+
+from dsv4ops.testing import dsv4_ops
+
+PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
+          "indexer_q_prep", "indexer_topk", "sparse_attn", "inv_rope"}
+
+
+def _schema(name: str) -> str:
+    return str(getattr(torch.ops.dsv4, name).default._schema)
+
+
+def test_every_op_is_pinned():
+    assert dsv4_ops() == PINNED
+
+
+def test_gate_topk():
+    assert_expected_inline(_schema("gate_topk"), """dsv4::gate_topk(Tensor logits, Tensor bias, Tensor(a2!) weights_out, Tensor(a3!) indices_out, float routed_scaling_factor) -> ()""")
+
+
+def test_hash_route():
+    assert_expected_inline(_schema("hash_route"), """dsv4::hash_route(Tensor logits, Tensor token_ids, Tensor tid2eid, Tensor(a3!) weights_out, Tensor(a4!) indices_out, float routed_scaling_factor) -> ()""")
+
+
+def test_router_gate():
+    assert_expected_inline(_schema("router_gate"), """dsv4::router_gate(Tensor x, Tensor weight, Tensor bias, Tensor(a3!) logits_out, Tensor(a4!) weights_out, Tensor(a5!) indices_out, float routed_scaling_factor) -> ()""")
+
+
+def test_pack_kv():
+    assert_expected_inline(_schema("pack_kv"), """dsv4::pack_kv(Tensor x, Tensor slots, Tensor(a2!) cache) -> ()""")
+
+
+def test_unpack_kv():
+    assert_expected_inline(_schema("unpack_kv"), """dsv4::unpack_kv(Tensor cache, Tensor slots, Tensor(a2!) out) -> ()""")
+
+
+def test_qkv_prep():
+    assert_expected_inline(_schema("qkv_prep"), """dsv4::qkv_prep(Tensor q, Tensor kv, Tensor positions, Tensor req_slots, Tensor inv_freq, Tensor(a5!) q_out, Tensor(a6!) window_cache, SymInt ring_size, float eps) -> ()""")
+
+
+def test_compressor_update():
+    assert_expected_inline(_schema("compressor_update"), """dsv4::compressor_update(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor norm_weight, Tensor inv_freq, Tensor(a8!) state, Tensor(a9!) cache, float eps) -> ()""")
+
+
+def test_indexer_q_prep():
+    assert_expected_inline(_schema("indexer_q_prep"), """dsv4::indexer_q_prep(Tensor q, Tensor weights, Tensor positions, Tensor inv_freq, Tensor(a4!) q_out, Tensor(a5!) w_out) -> ()""")
+
+
+def test_indexer_topk():
+    assert_expected_inline(_schema("indexer_topk"), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, Tensor(a6!) idx_out, SymInt ratio) -> ()""")
+
+
+def test_sparse_attn():
+    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor sinks, Tensor(a7!) out, float scale, SymInt window, SymInt ring_size) -> ()""")
+
+
+def test_inv_rope():
+    assert_expected_inline(_schema("inv_rope"), """dsv4::inv_rope(Tensor o, Tensor positions, Tensor inv_freq, Tensor(a3!) out) -> ()""")

@@ -1,0 +1,145 @@
+"""dsv4::sparse_attn and sparse_attn.api.sparse_attn: each query attends to exactly its window
+(itself included) and its listed compressed entries, with the sink in the denominator; -1 entries
+and padding tokens read nothing; bad inputs. Issue 3."""
+
+from functools import partial
+
+import pytest
+import torch
+
+from dsv4ops import testing as T
+from dsv4ops.quant.api import unpack_kv
+from dsv4ops.quant.reference import pack_kv
+from dsv4ops.reference.functional import sink_attention
+from dsv4ops.testing import FP8
+
+BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
+WINDOW, RING, BS = 4, 8, 4
+# Request 0 at positions 9..11 reads window positions 6..11 (ring slots 6, 7, 0..3): slots 4, 5 hold
+# positions 4, 5, outside every window, and stay poison. Request 1 at 0..1 (slots 8, 9). One padding.
+RUNS = ((0, 9, 3), (1, 0, 2))
+STORED = {0: range(6, 12), 1: range(0, 2)}
+COMP_IDX = [[0, 3, -1], [-1, -1, -1], [4, 1, 2], [2, -1, -1], [0, 1, 4], [6, 7, 5]]  # last: padding -> poison
+
+
+def _case(dtype, fmt, heads: int):
+    """Arguments whose pools hold rows only where a query may read; and those rows as read back."""
+    dim = 512 if fmt == FP8 else 16
+    positions, req_slots = T.step_tokens(*RUNS, pad=1)
+    window_cache, comp_cache = T.page_pool(4, BS, dim, fmt), T.page_pool(2, BS, dim, fmt)
+    rows = {}
+    for r, ps in STORED.items():
+        for p in ps:
+            rows[r, p] = torch.randn(1, dim)
+            pack_kv(rows[r, p], torch.tensor([r * RING + p % RING], dtype=I32), window_cache)
+    pack_kv(torch.randn(5, dim), torch.arange(5, dtype=I32), comp_cache)
+    t = positions.shape[0]
+    args = dict(q=torch.randn(t, heads, dim, dtype=dtype), window_cache=window_cache, comp_cache=comp_cache,
+                positions=positions, req_slots=req_slots, comp_idx=torch.tensor(COMP_IDX, dtype=I32),
+                sinks=torch.randn(heads), out=torch.full((t, heads, dim), float("nan"), dtype=dtype),
+                scale=dim**-0.5, window=WINDOW, ring_size=RING)
+    read = {k: unpack_kv(window_cache, torch.tensor([k[0] * RING + k[1] % RING], dtype=I32), dim, FP32)[0]
+            for k in rows}
+    comp = unpack_kv(comp_cache, torch.arange(5, dtype=I32), dim, FP32)
+    return args, read, comp
+
+
+def _reference(args: dict, read: dict, comp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Query by query: keys = window rows of positions max(0, t - W + 1) .. t, then comp rows of
+    its comp_idx >= 0; sink attention in `dtype` (fp64: the error budget's reference)."""
+    outs = []
+    for i, (p, r) in enumerate(zip(args["positions"].tolist(), args["req_slots"].tolist(), strict=True)):
+        q = args["q"][i:i + 1].to(dtype)
+        if r < 0:
+            outs.append(torch.zeros_like(q[0]))
+            continue
+        keys = [read[r, s] for s in range(max(0, p - WINDOW + 1), p + 1)]
+        keys += [comp[j] for j in args["comp_idx"][i].tolist() if j >= 0]
+        keys = torch.stack(keys)[None].to(dtype)
+        valid = torch.ones(1, keys.shape[1], dtype=torch.bool)
+        outs.append(sink_attention(q, keys, valid, args["sinks"].to(dtype), args["scale"])[0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype,fmt,heads", [(FP32, FP32, 2), (BF16, BF16, 2), (BF16, FP8, 1), (FP32, FP8, 2)],
+                         ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8"])
+def test_attends_to_exactly_its_window_and_entries(dtype, fmt, heads):
+    args, read, comp = _case(dtype, fmt, heads)
+    T.call_op("sparse_attn", args)
+    out = args["out"]
+    # Rows outside every window and comp slots 5..7 are NaN poison: reading any of them shows here.
+    assert not out.isnan().any()
+    assert (out[-1] == 0).all()  # the padding token's row
+    ref64 = _reference(args, read, comp, torch.float64)
+    lowp = _reference(args, read, comp, dtype)
+    T.assert_close_to_ref(out, ref64, lowp, what=f"sparse_attn {dtype} {fmt}")
+    public = T.call_public("sparse_attn", args)
+    assert public.is_contiguous() and T.bytes_equal(public, out)
+
+
+def test_window_and_entries_both_count():
+    # A query's output moves when a row of its window or a listed entry changes, and only then.
+    args, _, _ = _case(FP32, FP32, 2)
+    base = T.call_public("sparse_attn", args)
+    args["window_cache"].view(-1, 16)[1 * RING + 1] += 1.0  # request 1, position 1: token 4 only
+    moved = (T.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
+    assert moved == [4]
+    args["comp_cache"].view(-1, 16)[3] += 1.0  # entry slot 3: listed by token 0 only
+    moved = (T.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
+    assert moved == [0, 4]
+
+
+# ---- bad inputs: one per rule ------------------------------------------------------------------
+ARGS = partial(T.sparse_attn_args, FP32)
+wa = T.with_arg
+BAD = [
+    ("q-ndim", wa("q", lambda a: a["q"][0]), r"q: expected 3-D \[tokens, heads, head_dim\]"),
+    ("q-dtype", wa("q", lambda a: a["q"].double()), r"q: expected dtype in"),
+    ("q-last-dim", wa("q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+     r"q: expected a contiguous last dim"),
+    ("window_cache-width", wa("window_cache", lambda a: a["window_cache"][..., :8].contiguous()),
+     r"window_cache: expected size 16 \(row width\) at dim 2, got 8"),
+    ("comp_cache-fp8", wa("comp_cache", lambda a: torch.zeros(2, 528, dtype=torch.uint8)),
+     r"comp_cache: FP8 entries exist for 512-d \(584 B\) and 128-d \(132 B\) rows, got 16-d rows"),
+    ("positions-device", wa("positions", lambda a: a["positions"].to("meta")),
+     r"positions: expected device cpu \(as q\), got meta"),
+    ("req_slots-size", wa("req_slots", lambda a: a["req_slots"][:-1]), r"req_slots: expected size 6 \(tokens of q\)"),
+    ("comp_idx-ndim", wa("comp_idx", lambda a: a["comp_idx"][0]), r"comp_idx: expected 2-D \[tokens, entries\]"),
+    ("comp_idx-dtype", wa("comp_idx", lambda a: a["comp_idx"].long()), r"comp_idx: expected dtype in \[torch.int32\]"),
+    ("comp_idx-size", wa("comp_idx", lambda a: a["comp_idx"][:-1]), r"comp_idx: expected size 6 \(tokens of q\)"),
+    ("comp_idx-device", wa("comp_idx", lambda a: a["comp_idx"].to("meta")),
+     r"comp_idx: expected device cpu \(as q\), got meta"),
+    ("sinks-ndim", wa("sinks", lambda a: a["sinks"][None]), r"sinks: expected 1-D \[heads\]"),
+    ("sinks-dtype", wa("sinks", lambda a: a["sinks"].bfloat16()), r"sinks: expected dtype in \[torch.float32\]"),
+    ("sinks-size", wa("sinks", lambda a: a["sinks"][:1]), r"sinks: expected size 2 \(heads of q\) at dim 0, got 1"),
+    ("sinks-device", wa("sinks", lambda a: a["sinks"].to("meta")), r"sinks: expected device cpu \(as q\), got meta"),
+    ("out-shape", wa("out", lambda a: a["out"][:, :1]), r"out: expected shape \(6, 2, 16\) \(as q\)", ("op",)),
+    ("out-dtype", wa("out", lambda a: a["out"].bfloat16()), r"out: expected dtype in \[torch.float32\]", ("op",)),
+    ("out-last-dim", wa("out", lambda a: a["out"].transpose(1, 2).contiguous().transpose(1, 2)),
+     r"out: expected a contiguous last dim", ("op",)),
+    ("window-positive", wa("window", lambda a: 0), r"window: expected > 0, got 0"),
+    ("ring_size-window", wa("ring_size", lambda a: 3), r"ring_size: expected >= window \(4\), got 3"),
+    # Values (public function only; eager). Tokens: request 0 at 5..7, request 1 at 0..1, padding.
+    ("positions-negative", wa("positions", lambda a: torch.tensor([5, 6, 7, -4, 1, 0], dtype=I32)),
+     r"positions: expected >= 0 \(token positions\), got -4 at index 3", ("public",)),
+    ("req_slots-high", wa("req_slots", lambda a: torch.tensor([0, 0, 0, 2, 2, -1], dtype=I32)),
+     r"req_slots: expected values in \[-1, 2\) \(-1 or one of the 2 requests of the window pool \(8-slot rings\)\)",
+     ("public",)),
+    ("comp_idx-high", wa("comp_idx", lambda a: a["comp_idx"].masked_fill(torch.eye(6, 3, dtype=torch.bool), 8)),
+     r"comp_idx: expected values in \[-1, 8\) \(-1 or a slot of comp_cache's 8\), got 8 at flat index 0",
+     ("public",)),
+    ("comp_idx-low", wa("comp_idx", lambda a: a["comp_idx"] - 2),
+     r"comp_idx: expected values in \[-1, 8\) .*got -\d at flat index", ("public",)),
+    ("span", wa("positions", lambda a: torch.tensor([0, 1, 7, 0, 1, 0], dtype=I32)),
+     r"positions: expected the tokens of a request to span at most 5 positions \(ring_size 8 - window 4 \+ 1\), "
+     r"got 8 for request 0 \(positions 0\.\.7\)", ("public",)),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_writes_nothing(case):
+    _, mutate, match, *via = case
+    args = ARGS()
+    mutate(args)
+    paths = via[0] if via else ("op", "public")
+    T.assert_rejected("sparse_attn", args, ValueError if paths == ("public",) else RuntimeError, match, paths)
