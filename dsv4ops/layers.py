@@ -132,7 +132,9 @@ class DeepseekV4Attention(nn.Module):
 
 def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerCache) -> Tensor:
     """kv insert -> compressors (before attention) -> indexer -> sparse attention -> output, through
-    the dsv4:: ops; no host sync, no data-dependent branch."""
+    the dsv4:: ops; no host sync, no data-dependent branch. The ops are called directly rather than
+    through the public functions: the step planner has already checked every value, and their eager
+    value checks would sync the host each step."""
     cfg, ops = layer.config, torch.ops.dsv4
     eps, pos, req = cfg.rms_norm_eps, step.positions, step.req_slots
     t = x.shape[0]
