@@ -5,7 +5,8 @@ q_out the per-(token, head) UE8M0 scale folded into the weights. Grid (tokens, h
 
 `indexer_topk`, per chunk of tokens (three launches; the chunk bounds the key workspace):
 1. `_scores_kernel`, grid (tokens, entry blocks of BN): score[w] = sum_h w_h relu(q_h . k_w) over the
-   visible entries w < (t + 1) // ratio, keys read through the block table (FP8 132-B entries feed an
+   visible entries w < (t + 1) // ratio of allocated blocks (block table entry >= 0), keys read
+   through the block table (FP8 132-B entries feed an
    e4m3 x e4m3 tl.dot, the per-entry scale applied after it). Each score is written as an int64
    key (order-preserving fp32 bits << 32 | ~entry), -inf for invisible entries, so one descending
    sort orders by score and breaks exact ties toward the lower entry, as the reference's stable sort.
@@ -103,7 +104,8 @@ def _scores_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, key_ptr, t
     vis = (e < n_vis) & (e < n_entries)
     score = tl.full([BN], float("-inf"), tl.float32)
     if tl.max(vis.to(tl.int32), axis=0) > 0:
-        blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + e // block_size, mask=vis, other=0)
+        blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + e // block_size, mask=vis, other=-1)
+        vis = vis & (blk >= 0)  # an unallocated block (-1) holds no entry
         slots = blk.to(tl.int64) * block_size + e % block_size
         heads = tl.arange(0, HP)
         hm = heads < n_heads
@@ -148,9 +150,9 @@ def _finalize_kernel(top_ptr, pos_ptr, req_ptr, bt_ptr, idx_ptr, t0, s_top, s_bt
     key = tl.load(top_ptr + tc * s_top + c, mask=c < n_top, other=0)
     e = (4294967295 - (key & 4294967295)).to(tl.int32)
     ok = (c < n_top) & (e < n_vis)
-    blk = tl.load(bt_ptr + tl.maximum(req, 0).to(tl.int64) * s_bt + e // block_size, mask=ok, other=0)
+    blk = tl.load(bt_ptr + tl.maximum(req, 0).to(tl.int64) * s_bt + e // block_size, mask=ok, other=-1)
     slot = blk * block_size + e % block_size
-    tl.store(idx_ptr + t * s_idx + c, tl.where(ok, slot, -1), mask=c < n_out)
+    tl.store(idx_ptr + t * s_idx + c, tl.where(ok & (blk >= 0), slot, -1), mask=c < n_out)
 
 
 def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:

@@ -1,0 +1,137 @@
+"""Triton kernels of `dsv4::compressor_update` (compressor/reference.py is the specification).
+
+Two launches on the current stream, in this order:
+1. `_compress_kernel`, one program per token (programs of tokens that do not close a block exit at
+   once): pools positions [p - coff*m + 1, p] per channel with an online softmax over slot chunks
+   (the step's own rows where the reference takes them, the state ring otherwise, -inf before 0;
+   CSA: slots < m read the a-stream [:d], the others the b-stream [d:]), casts to the entry dtype,
+   RMSNorm, RoPE at w*m, and stores the entry (FP8 584-B / 132-B or float row) at entry_slots.
+2. `_save_kernel`: every token's (a, z + ape[p % m]) into its state row p % (coff*m), unless a
+   later token of the step maps to the same row. It runs second because a closing token may read
+   an older state row that a later token of the same step overwrites.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4ops.compressor import checks as _checks
+from dsv4ops.quant.reference import INDEXER_DIM, MAIN_DIM, MAIN_ROPE
+from dsv4ops.quant.triton import (
+    INTERPRET,
+    TL_DTYPES,
+    apply_rope,
+    block_size,
+    launch,
+    pool_format,
+    require_layout,
+    rope_coeffs,
+    round_via,
+    store_rows,
+    to_f32,
+)
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, state_ptr, cache_ptr,
+                     n_tokens, s_kv, s_sc, ratio, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr,
+                     OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr, FMT: tl.constexpr,
+                     SOFT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + i)
+    req = tl.load(req_ptr + i)
+    if (req >= 0) & ((pos + 1) % ratio == 0):
+        if OVERLAP:
+            width = 2 * D
+            rows = 2 * ratio
+        else:
+            width = D
+            rows = ratio
+        c = tl.arange(0, D)
+        srow0 = state_ptr + req.to(tl.int64) * rows * (2 * width)
+        m_run = tl.full([D], float("-inf"), tl.float32)
+        l_run = tl.zeros([D], tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for j0 in range(0, rows, RB):
+            j = j0 + tl.arange(0, RB)
+            jm = j < rows
+            qpos = pos - (rows - 1) + j  # positions pooled by this chunk of slots
+            src = i - (rows - 1) + j  # where they would sit in this step
+            src_ok = jm & (src >= 0) & (src < n_tokens)
+            srcc = tl.maximum(src, 0)
+            rs = tl.load(req_ptr + srcc, mask=src_ok, other=-2)
+            ps = tl.load(pos_ptr + srcc, mask=src_ok, other=-1)
+            in_step = src_ok & (rs == req) & (ps == qpos)
+            live = jm & (qpos >= 0)
+            held = live & ~in_step
+            if OVERLAP:
+                col = c[None, :] + tl.where(j >= ratio, D, 0)[:, None]
+            else:
+                col = c[None, :] + 0 * j[:, None]
+            ms = in_step[:, None]
+            a_s = to_f32(tl.load(kv_ptr + srcc[:, None] * s_kv + col, mask=ms, other=0.0), SOFT)
+            z_s = to_f32(tl.load(score_ptr + srcc[:, None] * s_sc + col, mask=ms, other=0.0), SOFT)
+            z_s = z_s + tl.load(ape_ptr + (tl.maximum(qpos, 0) % ratio)[:, None] * width + col, mask=ms, other=0.0)
+            srow = srow0 + (tl.maximum(qpos, 0) % rows).to(tl.int64)[:, None] * (2 * width) + col
+            mh = held[:, None]
+            a_h = tl.load(srow, mask=mh, other=0.0)
+            z_h = tl.load(srow + width, mask=mh, other=0.0)
+            a = tl.where(ms, a_s, tl.where(mh, a_h, 0.0))
+            z = tl.where(ms, z_s, tl.where(mh, z_h, float("-inf"))) * 1.4426950408889634
+            m_new = tl.maximum(m_run, tl.max(z, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_safe)
+            p = tl.exp2(z - m_safe[None, :])
+            l_run = l_run * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p * a, axis=0)
+            m_run = m_new
+        x = round_via(tl.math.div_rn(acc, l_run), EDT, SOFT)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)
+        w = to_f32(tl.load(w_ptr + c), SOFT)
+        y = round_via(w * (x * r), EDT, SOFT)
+        cos, sin, rot = rope_coeffs(freq_ptr, (pos // ratio) * ratio, D, ROPE)
+        y = round_via(apply_rope(y[None, :], cos, sin, rot, 1, D, False), EDT, SOFT)
+        slot = tl.full([1], 0, tl.int64) + tl.load(eslot_ptr + i)
+        store_rows(cache_ptr, tl.maximum(slot, 0), slot >= 0, y, block_size, 1, D, FMT, SOFT)
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_tokens, s_kv, s_sc, ratio, rows,
+                 W: tl.constexpr, SOFT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + i)
+    req = tl.load(req_ptr + i)
+    nxt = i + rows
+    has_next = nxt < n_tokens
+    later = has_next & (tl.load(req_ptr + nxt, mask=has_next, other=-2) == req)
+    later = later & (tl.load(pos_ptr + nxt, mask=has_next, other=-1) == pos + rows)
+    if (req >= 0) & (later == 0):
+        c = tl.arange(0, W)
+        a = to_f32(tl.load(kv_ptr + i * s_kv + c), SOFT)
+        z = to_f32(tl.load(score_ptr + i * s_sc + c), SOFT) + tl.load(ape_ptr + (pos % ratio) * W + c)
+        row = state_ptr + (req.to(tl.int64) * rows + pos % rows) * (2 * W)
+        tl.store(row + c, a)
+        tl.store(row + W + c, z)
+
+
+def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
+                      eps: float) -> None:
+    """Launcher of `dsv4::compressor_update` (same arguments)."""
+    _checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache)
+    t, width = kv.shape
+    d, ratio = norm_weight.shape[0], ape.shape[0]
+    require_layout("compressor_update", d, inv_freq.shape[0], dims=(MAIN_DIM, INDEXER_DIM))
+    if t == 0:
+        return
+    overlap = width == 2 * d
+    rows = state.shape[1]
+    fmt = pool_format(cache, d)
+    edt = cache.dtype if fmt == 0 else torch.bfloat16
+    rb = min(8, triton.next_power_of_2(rows))
+    launch(_compress_kernel, (t,),
+           (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, t, kv.stride(0),
+            score.stride(0), ratio, block_size(cache, fmt), eps),
+           dict(D=d, ROPE=MAIN_ROPE, OVERLAP=overlap, RB=rb, EDT=TL_DTYPES[edt], FMT=fmt, SOFT=INTERPRET),
+           num_warps=4)
+    launch(_save_kernel, (t,), (kv, score, ape, positions, req_slots, state, t, kv.stride(0), score.stride(0), ratio,
+                                rows), dict(W=width, SOFT=INTERPRET))

@@ -1,0 +1,455 @@
+"""The Triton kernels of the attention ops on CPU: numerics under TRITON_INTERPRET=1 (conftest sets it
+when there is no GPU) against the reference kernels, launched directly (the op would dispatch CPU
+tensors to the reference); an ahead-of-time compile of every launch variant for sm_90 and sm_100 (in
+a subprocess without the interpreter); and the arch table. Issue 5.
+
+Shapes are tiny because the interpreter runs programs one at a time in numpy: a few tokens, 2-3
+heads (the kernels pad heads to a tl.dot tile), window 8 instead of 128 where the op allows it; the
+512-d head, 64 rope dims and 128-d indexer rows are the V4 layout the kernels require.
+Tolerances: bit-exact where the math is exact (FP8 packing, state rows, integer-valued indexer
+scores); elsewhere the error of the kernel against a high-precision run of the reference must stay
+within 2x the error of the reference's own low-precision run (dsv4ops.testing.assert_close_to_ref).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsv4ops
+from dsv4ops import _arch, testing
+from dsv4ops.compressor import reference as compressor_ref
+from dsv4ops.indexer import reference as indexer_ref
+from dsv4ops.kv_insert import reference as kv_insert_ref
+from dsv4ops.output import reference as output_ref
+from dsv4ops.quant import reference as quant_ref
+from dsv4ops.sparse_attn import reference as sparse_attn_ref
+
+AOT_PROCESS = os.environ.get("DSV4OPS_TRITON_AOT") == "1"  # the compile-only subprocess below
+if not AOT_PROCESS and not torch.cuda.is_available():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets TRITON_INTERPRET=1 before collection"
+
+triton = pytest.importorskip("triton")
+
+from dsv4ops.compressor import triton as compressor_tt  # noqa: E402
+from dsv4ops.indexer import triton as indexer_tt  # noqa: E402
+from dsv4ops.kv_insert import triton as kv_insert_tt  # noqa: E402
+from dsv4ops.output import triton as output_tt  # noqa: E402
+from dsv4ops.quant import triton as quant_tt  # noqa: E402
+from dsv4ops.sparse_attn import triton as sparse_attn_tt  # noqa: E402
+
+CFG = dsv4ops.DSV4AttentionConfig.tiny()
+INV_FREQ = CFG.inv_freq(1)  # the YaRN / 160000 table of a compressed layer
+BS = 4  # entries per page: small, so slots cross pages
+
+
+def _pool(fmt, dim: int, blocks: int, bs: int = BS) -> torch.Tensor:
+    """A page pool poisoned like LayerCache: FP8 bytes 0xFF (NaN), float rows NaN."""
+    if fmt == "fp8":
+        nbytes = quant_ref.main_block_bytes(bs) if dim == 512 else quant_ref.indexer_block_bytes(bs)
+        return torch.full((blocks, nbytes), 255, dtype=torch.uint8)
+    return torch.full((blocks, bs, dim), float("nan"), dtype=fmt)
+
+
+def _rows(pool: torch.Tensor, dim: int, dtype=torch.float64) -> torch.Tensor:
+    """Every entry of a pool, dequantized (unwritten FP8 entries read as NaN)."""
+    n = (quant_ref.main_block_size(pool.shape[1]) if dim == 512 else quant_ref.indexer_block_size(pool.shape[1])) \
+        if pool.dtype == torch.uint8 else pool.shape[1]
+    out = torch.empty(pool.shape[0] * n, dim, dtype=torch.float32)
+    quant_ref.unpack_kv(pool, torch.arange(out.shape[0], dtype=torch.int32), out)
+    return out.to(dtype)
+
+
+def _i32(*values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# ---- pack_kv / unpack_kv: bit-exact ------------------------------------------------------------
+@pytest.mark.parametrize("dim", [512, 128])
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16, torch.float32], ids=["fp8", "bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_unpack_bit_exact(dim, pool, dtype):
+    # Rows spanning 6 decades, a zero block (amax floor), an exact power-of-two amax (the frexp
+    # edge), signed zeros and a padding slot (-1).
+    x = (torch.randn(7, dim) * torch.logspace(-3, 3, 7)[:, None]).to(dtype)
+    x[0, :64] = 0
+    x[1, 5] = 448 * 2.0**-3
+    x[2] = -0.0
+    slots = _i32(0, 11, -1, 5, 3, 2, 7)
+    got, want = _pool(pool, dim, 4), _pool(pool, dim, 4)
+    quant_tt.pack_kv(x, slots, got)
+    quant_ref.pack_kv(x, slots, want)
+    assert testing.bytes_equal(got, want)
+    out, expect = torch.full((7, dim), 7.0, dtype=dtype), torch.empty(7, dim, dtype=dtype)
+    quant_tt.unpack_kv(want, slots, out)
+    quant_ref.unpack_kv(want, slots, expect)
+    assert testing.bytes_equal(out, expect)
+
+
+def test_fp8_casts_match_torch_on_every_code():
+    # Every e4m3 code decodes as torch does, and values between and around codes encode as torch
+    # rounds them (nearest even), through the same helpers the kernels use.
+    codes = torch.arange(256, dtype=torch.int32)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    vals = finite.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = torch.cat([vals, (vals[:-1] + vals[1:]) / 2, vals * (1 + 2**-10), vals * (1 - 2**-10)])
+    mids = mids[mids.abs() <= 448].reshape(1, -1)
+    mids = torch.nn.functional.pad(mids, (0, 128 - mids.shape[1] % 128)).reshape(-1, 128)
+    # Pack with scale 1: make each row's amax 448 so the UE8M0 exponent is 0.
+    mids[:, 0] = 448.0
+    slots = torch.arange(mids.shape[0], dtype=torch.int32)
+    got, want = _pool("fp8", 128, mids.shape[0]), _pool("fp8", 128, mids.shape[0])
+    quant_tt.pack_kv(mids.to(torch.float32), slots, got)
+    quant_ref.pack_kv(mids.to(torch.float32), slots, want)
+    assert torch.equal(got, want)
+
+
+# ---- qkv_prep ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
+def test_qkv_prep(pool):
+    t, h, ring = 5, 3, 8
+    q, kv = torch.randn(t, h, 512), torch.randn(t, 512)
+    pos, req = _i32(0, 7, 130, 5000, 3), _i32(0, 1, 0, -1, 1)
+
+    def run(fn, dtype, pool_kind):
+        cache = _pool(pool_kind, 512, 2 * ring // BS)
+        q_out = torch.full((t, h, 512), float("nan"), dtype=dtype)
+        fn(q.to(dtype), kv.to(dtype), pos, req, INV_FREQ, q_out, cache, ring, 1e-6)
+        return q_out, cache
+
+    q_k, c_k = run(kv_insert_tt.qkv_prep, torch.bfloat16, pool)
+    q_r, c_r = run(kv_insert_ref.qkv_prep, torch.bfloat16, pool)
+    q_64, c_64 = run(kv_insert_ref.qkv_prep, torch.float64, torch.float64)
+    testing.assert_close_to_ref(q_k, q_64, q_r, what="q_out")
+    rows_k, rows_r, rows_64 = _rows(c_k, 512), _rows(c_r, 512), _rows(c_64, 512)
+    written = ~rows_64.isnan().any(1)
+    assert written.sum() == 4 and torch.equal(written, ~rows_k.isnan().any(1)), "slots written"
+    testing.assert_close_to_ref(rows_k[written], rows_64[written], rows_r[written], what="window rows")
+    # The nope dims involve no trig: their quantized entries are bit-exact.
+    assert torch.equal(rows_k[written, :448], rows_r[written, :448])
+
+
+# ---- compressor_update -------------------------------------------------------------------------
+# Steps of (request, tokens): prefill chunks, decode tokens, a chunk longer than the ring (its
+# closing tokens read state rows that later tokens of the same step overwrite), a padding token.
+STEPS = {
+    "csa": (512, 4, True, [[(0, 6), (1, 3)], [(0, 1), (1, 1)], [(0, 9)]]),
+    "hca": (512, 16, False, [[(0, 20), (1, 3)], [(1, 14)], [(0, 30)]]),  # ratio 16 stands in for 128
+    "indexer": (128, 4, True, [[(0, 6), (1, 3)], [(0, 9), (1, 1)]]),
+}
+
+
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("case", sorted(STEPS))
+def test_compressor_update(case, pool):
+    d, ratio, overlap, steps = STEPS[case]
+    width, rows = (2 * d, 2 * ratio) if overlap else (d, ratio)
+    adt = torch.float32 if pool == "fp8" else torch.bfloat16  # numerics.compressor_dtype
+    ape, w = torch.randn(ratio, width), 1 + 0.1 * torch.randn(d)
+    nblk = 16
+    runs = {name: (torch.full((2, rows, 2 * width), float("nan")), _pool(p, d, nblk))
+            for name, p in (("kernel", pool), ("ref", pool), ("ref64", torch.float32))}
+    lens = [0, 0]
+    for step in steps:
+        pos, req = [], []
+        for r, n in step:
+            pos += range(lens[r], lens[r] + n)
+            req += [r] * n
+            lens[r] += n
+        pos, req = torch.tensor(pos + [0], dtype=torch.int32), torch.tensor(req + [-1], dtype=torch.int32)
+        closes = (req >= 0) & ((pos + 1) % ratio == 0)
+        entry = torch.where(closes, (req * 32 + pos // ratio) % (nblk * BS), -1).to(torch.int32)
+        kv, score = torch.randn(len(pos), width).to(adt), torch.randn(len(pos), width).to(adt)
+        for name, (state, cache) in runs.items():
+            fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
+            fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, 1e-6)
+        assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
+    got, lowp, ref = (_rows(runs[n][1], d) for n in ("kernel", "ref", "ref64"))
+    written = ~ref.isnan().any(1)
+    assert torch.equal(written, ~got.isnan().any(1)), "entries written"
+    testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
+
+
+# ---- indexer -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
+def test_indexer_q_prep(out_dtype):
+    t, h = 4, 3
+    q, w = 3 * torch.randn(t, h, 128), torch.randn(t, h)
+    pos = _i32(0, 77, 5000, 3)
+
+    def run(fn, dtype, odt):
+        q_out, w_out = torch.empty(t, h, 128, dtype=odt), torch.empty(t, h)
+        fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out)
+        return q_out.double() * w_out.double()[..., None]  # what the scores see
+
+    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, out_dtype)
+    lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, out_dtype)
+    ref = run(indexer_ref.indexer_q_prep, torch.float32, torch.float32)
+    testing.assert_close_to_ref(got, ref, lowp, what="q x w")
+
+
+def _indexer_case(q_dtype, pool, integer: bool):
+    """Two requests over 3 pages of 4 entries; tokens see 0, 12 (all), 5, 8 (12 minus an
+    unallocated page) entries and one is padding.
+    Integer-valued q and keys with power-of-two weights make every score exact in fp32 (ties
+    included), so the selection must equal the reference's, order and tie-breaks included."""
+    t, h = 5, 3
+    keys = torch.randint(-8, 9, (7 * BS, 128)).float() if integer else torch.randn(7 * BS, 128)
+    cache = _pool(pool, 128, 7)
+    table = _i32(3, 0, 5, 1, 6, -1).view(2, 3)
+    used = torch.tensor([3, 0, 5, 1, 6])
+    slots = (used[:, None] * BS + torch.arange(BS)).flatten().to(torch.int32)
+    quant_ref.pack_kv(keys[slots.long()], slots, cache)
+    q = torch.randint(-8, 9, (t, h, 128)).float() if integer else torch.randn(t, h, 128)
+    w = torch.tensor([1.0, -0.5, 2.0]).repeat(t, 1)
+    # Token 4: request 1 at position 47 sees 12 entries, of which the third block is unallocated.
+    return q.to(q_dtype), w, _i32(3, 47, 20, 9, 47), _i32(0, 0, 1, -1, 1), cache, table
+
+
+@pytest.mark.parametrize("k", [4, 16])
+@pytest.mark.parametrize("q_dtype,pool", [(torch.float8_e4m3fn, "fp8"), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, "fp8")], ids=["fp8", "bf16", "fp32-q"])
+def test_indexer_topk_exact(q_dtype, pool, k):
+    q, w, pos, req, cache, table = _indexer_case(q_dtype, pool, integer=True)
+    got, want = torch.full((5, k), 99, dtype=torch.int32), torch.empty(5, k, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, 4)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
+    assert torch.equal(got, want)
+
+
+def test_indexer_topk_chunks_tokens(monkeypatch):
+    # A workspace of one token's keys: the launcher loops over 5 token chunks.
+    q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
+    monkeypatch.setattr(indexer_tt, "WORKSPACE_BYTES", 8 * 12)
+    got, want = torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 8, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, 4)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
+    assert torch.equal(got, want)
+
+
+# ---- sparse_attn -------------------------------------------------------------------------------
+@pytest.mark.parametrize("stages", [1, 2], ids=["skip-empty-tiles", "pipelined"])
+@pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), (torch.bfloat16, torch.bfloat16), ("fp8", torch.float32)],
+                         ids=["fp8", "bf16", "fp8-window-fp32-comp"])
+def test_sparse_attn(w_pool, c_pool, stages, monkeypatch):
+    hb, bk, warps, _ = sparse_attn_tt.config(2, torch.bfloat16)
+    monkeypatch.setattr(sparse_attn_tt, "config", lambda *args: (hb, bk, warps, stages))
+    t, h, window, ring = 4, 2, 8, 12
+    pos, req = _i32(3, 20, 9, 0), _i32(0, 1, -1, 1)
+    wc, cc = _pool(w_pool, 512, 2 * ring // BS), _pool(c_pool, 512, 4)
+    for p, r in zip(pos.tolist(), req.tolist()):  # only the windows' ring slots hold keys
+        if r >= 0:
+            held = torch.arange(max(0, p - window + 1), p + 1)
+            quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc)
+    quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc)
+    idx = torch.randint(0, 16, (t, 5), dtype=torch.int32)
+    idx[0, 2:] = -1
+    idx[1, 0] = -1
+    q, sinks = torch.randn(t, h, 512), torch.randn(h)
+
+    def run(fn, dtype):
+        as_dtype = (lambda c: c if c.dtype == torch.uint8 else c.to(dtype)) if dtype == torch.float64 else (lambda c: c)
+        out = torch.full((t, h, 512), float("nan"), dtype=dtype)
+        fn(q.to(dtype), as_dtype(wc), as_dtype(cc), pos, req, idx, sinks, out, 512**-0.5, window, ring)
+        return out
+
+    got = run(sparse_attn_tt.sparse_attn, torch.bfloat16)
+    assert (got[2] == 0).all(), "padding token"
+    testing.assert_close_to_ref(got, run(sparse_attn_ref.sparse_attn, torch.float64),
+                                run(sparse_attn_ref.sparse_attn, torch.bfloat16), what="attention output")
+
+
+def test_sparse_attn_fp32():
+    # fp32 activations and pools: the fp32 (IEEE) dot path, close to fp64.
+    t, h, window, ring = 2, 3, 8, 8
+    wc, cc = _pool(torch.float32, 512, 4), _pool(torch.float32, 512, 2)
+    wc.normal_()
+    cc.normal_()
+    q, sinks = torch.randn(t, h, 512), torch.randn(h)
+    pos, req, idx = _i32(5, 30), _i32(1, 0), _i32(0, 3, -1, 7).view(2, 2)
+    got, want = torch.empty(t, h, 512), torch.empty(t, h, 512, dtype=torch.float64)
+    sparse_attn_tt.sparse_attn(q, wc, cc, pos, req, idx, sinks, got, 512**-0.5, window, ring)
+    sparse_attn_ref.sparse_attn(q.double(), wc.double(), cc.double(), pos, req, idx, sinks, want, 512**-0.5, window,
+                                ring)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- inv_rope ----------------------------------------------------------------------------------
+def test_inv_rope():
+    o, pos = torch.randn(3, 9, 512), _i32(0, 129, 70000)
+
+    def run(fn, dtype):
+        out = torch.full((3, 9, 512), float("nan"), dtype=dtype)
+        fn(o.to(dtype), pos, INV_FREQ, out)
+        return out
+
+    got = run(output_tt.inv_rope, torch.bfloat16)
+    testing.assert_close_to_ref(got, run(output_ref.inv_rope, torch.float64), run(output_ref.inv_rope, torch.bfloat16))
+    assert torch.equal(got[..., :448], o[..., :448].bfloat16()), "nope dims are copied"
+
+
+# ---- layout rejection --------------------------------------------------------------------------
+def test_kernels_reject_other_layouts_by_name():
+    q, kv = torch.randn(2, 2, 256), torch.randn(2, 256)
+    pool = torch.zeros(4, BS, 256)
+    with pytest.raises(ValueError, match="head_dim.*512"):
+        kv_insert_tt.qkv_prep(q, kv, _i32(0, 1), _i32(0, 0), INV_FREQ, torch.empty_like(q), pool, 8, 1e-6)
+    with pytest.raises(ValueError, match="inv_freq"):
+        output_tt.inv_rope(torch.randn(2, 2, 512), _i32(0, 1), INV_FREQ[:16], torch.empty(2, 2, 512))
+    with pytest.raises(ValueError, match="q: .*index_head_dim 128"):
+        indexer_tt.indexer_topk(torch.randn(2, 2, 64), torch.randn(2, 2), _i32(0, 1), _i32(0, 0), torch.zeros(2, 4, 64),
+                                _i32(0, 1).view(1, 2), torch.empty(2, 4, dtype=torch.int32), 4)
+
+
+# ---- warmup ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["fp8", "bf16"])
+def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
+    # On CPU the ops run their reference kernels: this checks that every warmup call is a valid op
+    # call (the CUDA run compiles through the same calls), and that it covers every op and bucket.
+    from dsv4ops.cache import CacheConfig
+
+    seen = []
+
+    def spy(name, op):
+        def call(*args):
+            seen.append((name, args[1 if name == "unpack_kv" else 0].shape[0]))  # (op, tokens)
+            return op(*args)
+
+        return call
+
+    for name in dsv4ops.backends.TRITON_LAUNCHERS:
+        monkeypatch.setattr(torch.ops.dsv4, name, spy(name, getattr(torch.ops.dsv4, name)))
+    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, kv_cache=mode, indexer_cache=mode)
+    calls = dsv4ops.warmup(CFG, cache_cfg, "cpu")
+    assert calls == len(seen)
+    assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS)
+    assert {t for _, t in seen} == set(cache_cfg.buckets)
+
+
+# ---- the arch table ----------------------------------------------------------------------------
+@pytest.mark.parametrize("op", sorted(_arch.ARCH_TABLE))
+def test_arch_table_never_picks_an_sm90a_only_backend_on_sm100(op):
+    chosen = _arch.backends(op, (10, 0))
+    assert chosen and all(_arch.ARCH_ONLY.get(b, 10) == 10 for b in chosen), chosen
+    assert "cute_sm90" not in chosen
+
+
+def test_attention_ops_run_triton_on_sm90_and_sm100():
+    from dsv4ops import backends
+
+    for op in backends.TRITON_LAUNCHERS:
+        assert _arch.backends(op, (9, 0)) == ("triton",)
+        assert _arch.backends(op, (10, 0)) == ("triton",)
+        assert backends.resolve(op, (8, 0)) is getattr(dsv4ops.ops, op)._init_fn  # no row: the reference
+
+
+def test_import_binds_cuda_kernels_without_triton():
+    code = ("import sys, dsv4ops, torch; assert 'triton' not in sys.modules; "
+            "assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f'dsv4::{op}', 'CUDA') "
+            "for op in dsv4ops.backends.TRITON_LAUNCHERS); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ---- ahead-of-time compile for sm_90 / sm_100 --------------------------------------------------
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+                 torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def signature(kernel, args, constexprs):
+    """ASTSource signature, constexprs and attributes of one recorded launch: like Triton's runtime
+    specialization, 16-byte aligned pointers and ints divisible by 16 (not `do_not_specialize`)
+    carry tt.divisibility = 16, so the compiled code is the code the GPU runs."""
+    sig, attrs = {}, {}
+    values = iter(args)
+    for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            continue
+        v = next(values)
+        if isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _TRITON_TYPES[v.dtype]
+            aligned = v.data_ptr() % 16 == 0
+        elif isinstance(v, bool):
+            sig[p.name], aligned = "i1", False
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
+            aligned = v % 16 == 0 and not p.do_not_specialize
+        else:
+            sig[p.name], aligned = "fp32", False
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, dict(constexprs), attrs
+
+
+def record_launches():
+    """Every launch variant the V4 configurations use (bf16 model with FP8 or bf16 pools, fp32 exact
+    model with fp32 pools), recorded from the launchers on tiny CPU tensors."""
+    launches, seen = [], set()
+    t = 3
+    pos, req = torch.zeros(t, dtype=torch.int32), torch.zeros(t, dtype=torch.int32)
+    for dtype, mode in ((torch.bfloat16, "fp8"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        pool = {"fp8": "fp8", "bf16": torch.bfloat16, "fp32": torch.float32}[mode]
+        adt = torch.float32 if mode == "fp8" else dtype
+        with quant_tt.recording() as rec:
+            q, kv = torch.zeros(t, 64, 512, dtype=dtype), torch.zeros(t, 512, dtype=dtype)
+            window = _pool(pool, 512, 4)
+            kv_insert_tt.qkv_prep(q, kv, pos, req, INV_FREQ, q, window, 8, 1e-6)
+            for d, ratio, coff in ((512, 4, 2), (512, 128, 1), (128, 4, 2)):
+                a = torch.zeros(t, coff * d, dtype=adt)
+                compressor_tt.compressor_update(a, a, torch.zeros(ratio, coff * d), pos, req, pos, torch.ones(d),
+                                                INV_FREQ, torch.zeros(1, coff * ratio, 2 * coff * d), _pool(pool, d, 1),
+                                                1e-6)
+            qi = torch.zeros(t, 64, 128, dtype=dtype)
+            qi_out = torch.zeros(t, 64, 128, dtype=torch.float8_e4m3fn if mode == "fp8" else dtype)
+            indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, qi_out, torch.zeros(t, 64))
+            indexer_tt.indexer_topk(qi_out, torch.zeros(t, 64), pos, req, _pool(pool, 128, 2),
+                                    torch.zeros(1, 2, dtype=torch.int32), torch.zeros(t, 512, dtype=torch.int32), 4)
+            idx = torch.zeros(t, 512, dtype=torch.int32)
+            sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, torch.zeros(64), q, 0.04, 8, 8)
+            output_tt.inv_rope(q, pos, INV_FREQ, q)
+            for d in (512, 128):
+                rows = torch.zeros(t, d, dtype=dtype)
+                quant_tt.pack_kv(rows, pos, _pool(pool, d, 1))
+                quant_tt.unpack_kv(_pool(pool, d, 1), pos, rows)
+        for kernel, args, constexprs, warps in rec:
+            sig, consts, attrs = signature(kernel, args, constexprs)
+            key = (kernel.__name__, str(sig), str(consts), str(attrs), warps)
+            if key not in seen:
+                seen.add(key)
+                launches.append((kernel, sig, consts, attrs, warps))
+    return launches
+
+
+def _aot_compile(arch: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = set()
+    for kernel, sig, consts, attrs, warps in record_launches():
+        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+        assert compiled.asm["cubin"], kernel.__name__
+        names.add(kernel.__name__)
+    print(f"sm_{arch}: compiled", " ".join(sorted(names)))
+
+
+def test_aot_compile_every_kernel_for_sm90_and_sm100():
+    # Needs un-interpreted JITFunctions: subprocesses without TRITON_INTERPRET, one per arch, run
+    # side by side. ptxas ships with triton (triton/backends/nvidia/bin): no GPU or CUDA toolkit.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["DSV4OPS_TRITON_AOT"] = "1"
+    procs = {arch: subprocess.Popen([sys.executable, __file__, str(arch)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env) for arch in (90, 100)}
+    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_scores_kernel",
+                "_finalize_kernel", "_sparse_attn_kernel", "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel"}
+    for arch, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]
+        assert set(stdout.split("compiled", 1)[1].split()) == expected, stdout
+
+
+if __name__ == "__main__":
+    _aot_compile(int(sys.argv[1]))
