@@ -52,7 +52,7 @@ def _steps():
 
 
 def _run(model, manager, inputs, compiled_fn=None):
-    fn = compiled_fn or model
+    fn = model if compiled_fn is None else compiled_fn
     done = [0] * len(LENGTHS)
     outs = [[] for _ in LENGTHS]
     for r in range(len(LENGTHS)):
@@ -125,10 +125,11 @@ def test_inductor_code_writes_caches_in_place():
     with torch.no_grad():
         _, codes = run_and_get_code(torch.compile(model, fullgraph=True), x, step)
     code = "\n".join(codes)
-    check = FileCheck()
-    for op in ("qkv_prep", "sparse_attn", "inv_rope", "qkv_prep", "compressor_update", "compressor_update",
-               "indexer_q_prep", "indexer_topk", "sparse_attn", "qkv_prep", "compressor_update", "sparse_attn"):
-        check = check.check(f"torch.ops.dsv4.{op}.default(")
-    check.run(code)
+    # Inductor may interleave independent ops of different layers; each op appears as a direct
+    # (reinplaced) call, as often as the three layers call it.
+    counts = {"qkv_prep": 3, "compressor_update": 3, "indexer_q_prep": 1, "indexer_topk": 1, "sparse_attn": 3,
+              "inv_rope": 3}
+    for op, n in counts.items():
+        FileCheck().check_count(f"torch.ops.dsv4.{op}.default(", n, exactly=True).run(code)
     FileCheck().check_not("aten.copy_").check_not(".copy_(").run(code)
     FileCheck().check_not("clone").run(code)

@@ -214,16 +214,16 @@ def bench_case(case: Case, with_reference: bool) -> list[dict]:
     return rows
 
 
-def hf_baselines(kind: str, batch: int, context: int) -> list[dict]:
+def hf_baselines(kind: str, batch: int, context: int, device="cuda", model: DSV4AttentionConfig = FLASH) -> list[dict]:
     """transformers' DeepseekV4Attention (bf16): prefill of `context` tokens eager and compiled, and
     one decode step with its own cache after that prefill (eager)."""
     from transformers import DynamicCache
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention as HF
 
-    hc = testing.hf_config(FLASH)
-    layer_idx = next(i for i in range(FLASH.num_layers) if FLASH.layer_type(i) == kind)
-    layer = testing.randomize_(HF(hc, layer_idx)).to("cuda", torch.bfloat16)
-    x = torch.randn(batch, context, FLASH.hidden_size, device="cuda", dtype=torch.bfloat16)
+    hc = testing.hf_config(model)
+    layer_idx = next(i for i in range(model.num_layers) if model.layer_type(i) == kind)
+    layer = testing.randomize_(HF(hc, layer_idx)).to(device, torch.bfloat16)
+    x = torch.randn(batch, context, model.hidden_size, device=device, dtype=torch.bfloat16)
     base = {"layer": kind, "batch": batch, "context": context, "timing": "eager"}
     rows = []
     with torch.no_grad():
@@ -245,16 +245,23 @@ def hf_baselines(kind: str, batch: int, context: int) -> list[dict]:
     return rows
 
 
-def run(quick: bool = False) -> list[dict]:
+def run(quick: bool = False, progress=print) -> list[dict]:
+    """Every case; each finished row also goes to `progress` (a long run leaves a partial log)."""
     rows = []
     decode = [(1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536)]
     if quick:
         decode = [(1, 4096), (128, 4096)]
+
+    def add(new):
+        for r in new:
+            progress(r)
+        rows.extend(new)
+
     for kind in (SLIDING, CSA, HCA):
         for batch, context in decode:
-            rows += bench_case(Case(kind, batch, context, 1), with_reference=(batch, context) == (128, 4096))
+            add(bench_case(Case(kind, batch, context, 1), with_reference=(batch, context) == (128, 4096)))
             torch.cuda.empty_cache()
-        rows += bench_case(Case(kind, 1, 4096, 4096), with_reference=False)
-        rows += hf_baselines(kind, 1, 4096)
+        add(bench_case(Case(kind, 1, 4096, 4096), with_reference=False))
+        add(hf_baselines(kind, 1, 4096))
         torch.cuda.empty_cache()
     return rows

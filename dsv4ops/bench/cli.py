@@ -51,7 +51,7 @@ def main(argv=None):
     if "attention" in parts:
         from dsv4ops.bench import attention
 
-        out["attention"] = attention.run(quick=args.quick)
+        out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True))
         print(table(out["attention"], ["layer", "batch", "context", "tokens", "op", "us", "GB/s", "TFLOP/s",
                                        "ceiling", "pct_ceiling", "reference_us"]))
     if "router" in parts:
