@@ -147,11 +147,20 @@ class Case:
         if op == "qkv_prep":
             return t * h * dd * 2 * 2 + t * dd * 2 + t * 584, 0.0, "copy"
         if op.startswith("compressor_update"):
-            width = self.a.shape[1] if "indexer" not in op else self.ia.shape[1]
+            indexer = "indexer" in op
+            width = self.ia.shape[1] if indexer else self.a.shape[1]
+            d = cfg.index_head_dim if indexer else dd
             m = cfg.csa_ratio if self.kind == CSA else cfg.hca_ratio
+            rows = (width // d) * m
             closing = int(((pos + 1) % m == 0).sum())
-            rows = (width // (dd if "indexer" not in op else cfg.index_head_dim)) * m
-            return t * width * 4 * 4 + closing * rows * width * 2 * 4, 0.0, "copy"
+            entry = 132 if indexer else 584
+            # a, z read once; a closing token reads the rows older than the step from the state (its
+            # own step's rows are the a, z just read) and writes an entry; each request writes at
+            # most `rows` state rows.
+            older = max(rows - self.new_tokens, 0)
+            state_rows = min(rows, self.new_tokens) * self.batch
+            return (t * width * 4 * 2 + closing * (older * width * 2 * 4 + entry) + state_rows * width * 2 * 4,
+                    0.0, "copy")
         if op == "indexer_q_prep":
             return t * cfg.index_n_heads * (cfg.index_head_dim * 3 + 6), 0.0, "copy"
         if op == "indexer_topk":
