@@ -331,6 +331,15 @@ def assert_rejected(name: str, args: dict, error: type, match: str, via: tuple[s
             assert bytes_equal(args[k], v), f"{name} via {path}: the rejected call changed {k}"
 
 
+def assert_bad_case(name: str, args: dict, mutate, match: str, via: list):
+    """One row of a bad-input table: mutate the arguments, then the op and/or its public function
+    reject them (metadata: RuntimeError from torch._check in both; values: ValueError from the public
+    function only) and write nothing. `via` is the row's optional tail: [] (both paths) or [paths]."""
+    mutate(args)
+    paths = via[0] if via else ("op", "public")
+    assert_rejected(name, args, ValueError if paths == ("public",) else RuntimeError, match, paths)
+
+
 def with_arg(key: str, make):
     """A mutation of an argument dict: args[key] = make(args) (for tables of bad inputs)."""
 
