@@ -21,18 +21,18 @@ LENGTHS = {"a": 260, "b": 131, "c": 9}
 MODES = {"bf16": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
 
 
-def _setup(kind, mode, max_step_tokens=400, seed=0, **capacity):
+def _setup(kind, mode, max_step_tokens=400, seed=0, device="cpu", dtype=torch.float32, **capacity):
     li = LAYER[kind]
     numerics = MODES[mode]
-    layer = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li)
+    layer = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li).to(device, dtype)
     cache_cfg = CacheConfig(
         max_requests=4, max_context=272, max_step_tokens=max_step_tokens, kv_cache=mode, indexer_cache=mode,
         exact_dtype=torch.float32, **capacity,
     )
-    manager = KVCacheManager(CFG, cache_cfg)
+    manager = KVCacheManager(CFG, cache_cfg, device=device)
     layer.attach_cache(manager)
     g = torch.Generator().manual_seed(seed)
-    inputs = {rid: torch.randn(n, CFG.hidden_size, generator=g) for rid, n in LENGTHS.items()}
+    inputs = {rid: torch.randn(n, CFG.hidden_size, generator=g).to(device, dtype) for rid, n in LENGTHS.items()}
     return layer, manager, inputs
 
 
