@@ -19,8 +19,8 @@ def _check_scoring(config):
         raise ValueError(f"config.scoring_func: expected 'sqrtsoftplus' (the V4 router), got {scoring!r}")
 
 
-class DeepseekV4Router(nn.Module):
-    """Learned top-k gate: scores sqrt(softplus(x @ weight.T)), experts by score + e_score_correction_bias."""
+class _Gate(nn.Module):
+    """The learned gate both routers share: `weight` [experts, hidden] and the routing numbers."""
 
     def __init__(self, config):
         super().__init__()
@@ -30,6 +30,13 @@ class DeepseekV4Router(nn.Module):
         self.hidden_dim = config.hidden_size
         self.routed_scaling_factor = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+
+
+class DeepseekV4Router(_Gate):
+    """Learned top-k gate: scores sqrt(softplus(x @ weight.T)), experts by score + e_score_correction_bias."""
+
+    def __init__(self, config):
+        super().__init__(config)
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts))
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -39,18 +46,12 @@ class DeepseekV4Router(nn.Module):
         return api.router_gate(flat, self.weight, bias, self.top_k, self.routed_scaling_factor)
 
 
-class DeepseekV4HashRouter(nn.Module):
+class DeepseekV4HashRouter(_Gate):
     """Hash routing of the first MoE layers: experts = tid2eid[input_ids] (a frozen table), weighted by
     the learned gate's renormalised scores."""
 
     def __init__(self, config):
-        super().__init__()
-        _check_scoring(config)
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.n_routed_experts
-        self.hidden_dim = config.hidden_size
-        self.routed_scaling_factor = config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        super().__init__(config)
         self.tid2eid = nn.Buffer(torch.zeros(config.vocab_size, self.top_k, dtype=torch.long), persistent=True)
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
