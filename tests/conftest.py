@@ -13,7 +13,3 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-def requires_cuda():
-    return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
