@@ -22,12 +22,12 @@ from dsv4ops import _arch, ops
 
 # op -> (module with its Triton launcher, launcher name); each launcher takes the op's arguments.
 TRITON_LAUNCHERS: dict[str, tuple[str, str]] = {
-    "qkv_prep": ("dsv4ops.kv_insert.triton", "qkv_prep"),
+    "qkv_prep": ("dsv4ops.qkv_prep.triton", "qkv_prep"),
     "compressor_update": ("dsv4ops.compressor.triton", "compressor_update"),
     "indexer_q_prep": ("dsv4ops.indexer.triton", "indexer_q_prep"),
     "indexer_topk": ("dsv4ops.indexer.triton", "indexer_topk"),
     "sparse_attn": ("dsv4ops.sparse_attn.triton", "sparse_attn"),
-    "inv_rope": ("dsv4ops.output.triton", "inv_rope"),
+    "inv_rope": ("dsv4ops.inv_rope.triton", "inv_rope"),
     "pack_kv": ("dsv4ops.quant.triton", "pack_kv"),
     "unpack_kv": ("dsv4ops.quant.triton", "unpack_kv"),
 }

@@ -14,10 +14,10 @@ from dsv4ops.compressor import checks as _compressor_checks
 from dsv4ops.compressor import reference as _compressor
 from dsv4ops.indexer import checks as _indexer_checks
 from dsv4ops.indexer import reference as _indexer
-from dsv4ops.kv_insert import checks as _kv_insert_checks
-from dsv4ops.kv_insert import reference as _kv_insert
-from dsv4ops.output import checks as _output_checks
-from dsv4ops.output import reference as _output
+from dsv4ops.qkv_prep import checks as _qkv_prep_checks
+from dsv4ops.qkv_prep import reference as _qkv_prep
+from dsv4ops.inv_rope import checks as _inv_rope_checks
+from dsv4ops.inv_rope import reference as _inv_rope
 from dsv4ops.quant import checks as _quant_checks
 from dsv4ops.quant import reference as _quant
 from dsv4ops.router import checks as _router_checks
@@ -73,14 +73,14 @@ def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor) -> None:
     _quant.unpack_kv(cache, slots, out)
 
 
-# ---- kv_insert ---------------------------------------------------------------------------------
+# ---- qkv_prep ----------------------------------------------------------------------------------
 @custom_op("dsv4::qkv_prep", mutates_args=("q_out", "window_cache"))
 def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_freq: Tensor, q_out: Tensor,
              window_cache: Tensor, ring_size: int, eps: float) -> None:
     """q_out = RoPE(weightless per-head RMSNorm(q)); the kv row, RoPE'd, goes to slot
     req * ring_size + position % ring_size of the window pool (nothing for request -1)."""
-    _kv_insert_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size)
-    _kv_insert.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps)
+    _qkv_prep_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size)
+    _qkv_prep.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps)
 
 
 # ---- compressor --------------------------------------------------------------------------------
@@ -131,5 +131,5 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
 @custom_op("dsv4::inv_rope", mutates_args=("out",))
 def inv_rope(o: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor) -> None:
     """out = o with its trailing rope dims rotated by -position x theta."""
-    _output_checks.inv_rope(o, positions, inv_freq, out)
-    _output.inv_rope(o, positions, inv_freq, out)
+    _inv_rope_checks.inv_rope(o, positions, inv_freq, out)
+    _inv_rope.inv_rope(o, positions, inv_freq, out)

@@ -289,8 +289,8 @@ _PUBLIC = {
                                                   a["ring_size"]),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
 }
-_FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "kv_insert", "compressor_update": "compressor",
-           "indexer_q_prep": "indexer", "indexer_topk": "indexer", "sparse_attn": "sparse_attn", "inv_rope": "output"}
+_FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",
+           "indexer_q_prep": "indexer", "indexer_topk": "indexer", "sparse_attn": "sparse_attn", "inv_rope": "inv_rope"}
 
 
 def public(name: str):

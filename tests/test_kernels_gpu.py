@@ -25,8 +25,8 @@ from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.compressor import reference as compressor_ref
 from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.indexer import reference as indexer_ref
-from dsv4ops.kv_insert import reference as kv_insert_ref
-from dsv4ops.output import reference as output_ref
+from dsv4ops.qkv_prep import reference as qkv_prep_ref
+from dsv4ops.inv_rope import reference as inv_rope_ref
 from dsv4ops.quant import reference as quant_ref
 from dsv4ops.sparse_attn import reference as sparse_attn_ref
 
@@ -129,8 +129,8 @@ def test_qkv_prep(pool, heads):
         return q_out, _rows(cache, 512)
 
     q_k, rows_k = run(_op("qkv_prep"), torch.bfloat16, pool)
-    q_r, rows_r = run(kv_insert_ref.qkv_prep, torch.bfloat16, pool)
-    q_64, rows_64 = run(kv_insert_ref.qkv_prep, torch.float64, torch.float64)
+    q_r, rows_r = run(qkv_prep_ref.qkv_prep, torch.bfloat16, pool)
+    q_64, rows_64 = run(qkv_prep_ref.qkv_prep, torch.float64, torch.float64)
     assert q_k.isfinite().all(), "q_out fully written"
     testing.assert_close_to_ref(q_k, q_64, q_r, what="q_out")
     written = _written(rows_64)
@@ -323,7 +323,7 @@ def test_inv_rope(heads):
         return out
 
     got = run(_op("inv_rope"), torch.bfloat16)
-    testing.assert_close_to_ref(got, run(output_ref.inv_rope, torch.float64), run(output_ref.inv_rope, torch.bfloat16))
+    testing.assert_close_to_ref(got, run(inv_rope_ref.inv_rope, torch.float64), run(inv_rope_ref.inv_rope, torch.bfloat16))
     assert torch.equal(got[..., :448], o[..., :448].bfloat16())
 
 
@@ -464,8 +464,8 @@ def _fp8_rows(x: torch.Tensor) -> torch.Tensor:
 def _compiled_kernels() -> int:
     from dsv4ops.compressor import triton as c
     from dsv4ops.indexer import triton as i
-    from dsv4ops.kv_insert import triton as k
-    from dsv4ops.output import triton as o
+    from dsv4ops.qkv_prep import triton as k
+    from dsv4ops.inv_rope import triton as o
     from dsv4ops.quant import triton as q
     from dsv4ops.sparse_attn import triton as s
 

@@ -22,8 +22,8 @@ import dsv4ops
 from dsv4ops import _arch, testing
 from dsv4ops.compressor import reference as compressor_ref
 from dsv4ops.indexer import reference as indexer_ref
-from dsv4ops.kv_insert import reference as kv_insert_ref
-from dsv4ops.output import reference as output_ref
+from dsv4ops.qkv_prep import reference as qkv_prep_ref
+from dsv4ops.inv_rope import reference as inv_rope_ref
 from dsv4ops.quant import reference as quant_ref
 from dsv4ops.sparse_attn import reference as sparse_attn_ref
 
@@ -33,10 +33,11 @@ if not AOT_PROCESS and not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from dsv4ops import triton_helpers as th  # noqa: E402
 from dsv4ops.compressor import triton as compressor_tt  # noqa: E402
 from dsv4ops.indexer import triton as indexer_tt  # noqa: E402
-from dsv4ops.kv_insert import triton as kv_insert_tt  # noqa: E402
-from dsv4ops.output import triton as output_tt  # noqa: E402
+from dsv4ops.inv_rope import triton as inv_rope_tt  # noqa: E402
+from dsv4ops.qkv_prep import triton as qkv_prep_tt  # noqa: E402
 from dsv4ops.quant import triton as quant_tt  # noqa: E402
 from dsv4ops.sparse_attn import triton as sparse_attn_tt  # noqa: E402
 
@@ -119,9 +120,9 @@ def test_qkv_prep(pool):
         fn(q.to(dtype), kv.to(dtype), pos, req, INV_FREQ, q_out, cache, ring, 1e-6)
         return q_out, cache
 
-    q_k, c_k = run(kv_insert_tt.qkv_prep, torch.bfloat16, pool)
-    q_r, c_r = run(kv_insert_ref.qkv_prep, torch.bfloat16, pool)
-    q_64, c_64 = run(kv_insert_ref.qkv_prep, torch.float64, torch.float64)
+    q_k, c_k = run(qkv_prep_tt.qkv_prep, torch.bfloat16, pool)
+    q_r, c_r = run(qkv_prep_ref.qkv_prep, torch.bfloat16, pool)
+    q_64, c_64 = run(qkv_prep_ref.qkv_prep, torch.float64, torch.float64)
     testing.assert_close_to_ref(q_k, q_64, q_r, what="q_out")
     rows_k, rows_r, rows_64 = _rows(c_k, 512), _rows(c_r, 512), _rows(c_64, 512)
     written = ~rows_64.isnan().any(1)
@@ -285,8 +286,8 @@ def test_inv_rope():
         fn(o.to(dtype), pos, INV_FREQ, out)
         return out
 
-    got = run(output_tt.inv_rope, torch.bfloat16)
-    testing.assert_close_to_ref(got, run(output_ref.inv_rope, torch.float64), run(output_ref.inv_rope, torch.bfloat16))
+    got = run(inv_rope_tt.inv_rope, torch.bfloat16)
+    testing.assert_close_to_ref(got, run(inv_rope_ref.inv_rope, torch.float64), run(inv_rope_ref.inv_rope, torch.bfloat16))
     assert torch.equal(got[..., :448], o[..., :448].bfloat16()), "nope dims are copied"
 
 
@@ -295,9 +296,9 @@ def test_kernels_reject_other_layouts_by_name():
     q, kv = torch.randn(2, 2, 256), torch.randn(2, 256)
     pool = torch.zeros(4, BS, 256)
     with pytest.raises(ValueError, match="head_dim.*512"):
-        kv_insert_tt.qkv_prep(q, kv, _i32(0, 1), _i32(0, 0), INV_FREQ, torch.empty_like(q), pool, 8, 1e-6)
+        qkv_prep_tt.qkv_prep(q, kv, _i32(0, 1), _i32(0, 0), INV_FREQ, torch.empty_like(q), pool, 8, 1e-6)
     with pytest.raises(ValueError, match="inv_freq"):
-        output_tt.inv_rope(torch.randn(2, 2, 512), _i32(0, 1), INV_FREQ[:16], torch.empty(2, 2, 512))
+        inv_rope_tt.inv_rope(torch.randn(2, 2, 512), _i32(0, 1), INV_FREQ[:16], torch.empty(2, 2, 512))
     with pytest.raises(ValueError, match="q: .*index_head_dim 128"):
         indexer_tt.indexer_topk(torch.randn(2, 2, 64), torch.randn(2, 2), _i32(0, 1), _i32(0, 0), torch.zeros(2, 4, 64),
                                 _i32(0, 1).view(1, 2), torch.empty(2, 4, dtype=torch.int32), 4)
@@ -393,10 +394,10 @@ def record_launches():
     for dtype, mode in ((torch.bfloat16, "fp8"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         pool = {"fp8": "fp8", "bf16": torch.bfloat16, "fp32": torch.float32}[mode]
         adt = torch.float32 if mode == "fp8" else dtype
-        with quant_tt.recording() as rec:
+        with th.recording() as rec:
             q, kv = torch.zeros(t, 64, 512, dtype=dtype), torch.zeros(t, 512, dtype=dtype)
             window = _pool(pool, 512, 4)
-            kv_insert_tt.qkv_prep(q, kv, pos, req, INV_FREQ, q, window, 8, 1e-6)
+            qkv_prep_tt.qkv_prep(q, kv, pos, req, INV_FREQ, q, window, 8, 1e-6)
             for d, ratio, coff in ((512, 4, 2), (512, 128, 1), (128, 4, 2)):
                 a = torch.zeros(t, coff * d, dtype=adt)
                 compressor_tt.compressor_update(a, a, torch.zeros(ratio, coff * d), pos, req, pos, torch.ones(d),
@@ -409,7 +410,7 @@ def record_launches():
                                     torch.zeros(1, 2, dtype=torch.int32), torch.zeros(t, 512, dtype=torch.int32), 4)
             idx = torch.zeros(t, 512, dtype=torch.int32)
             sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, torch.zeros(64), q, 0.04, 8, 8)
-            output_tt.inv_rope(q, pos, INV_FREQ, q)
+            inv_rope_tt.inv_rope(q, pos, INV_FREQ, q)
             for d in (512, 128):
                 rows = torch.zeros(t, d, dtype=dtype)
                 quant_tt.pack_kv(rows, pos, _pool(pool, d, 1))

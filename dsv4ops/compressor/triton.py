@@ -17,17 +17,15 @@ import triton.language as tl
 
 from dsv4ops.compressor import checks as _checks
 from dsv4ops.quant.reference import INDEXER_DIM, MAIN_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import (
+from dsv4ops.quant.triton import block_size, pool_format, store_rows
+from dsv4ops.triton_helpers import (
     INTERPRET,
     TL_DTYPES,
     apply_rope,
-    block_size,
     launch,
-    pool_format,
     require_layout,
     rope_coeffs,
     round_via,
-    store_rows,
     to_f32,
 )
 

@@ -21,16 +21,13 @@ import triton.language as tl
 
 from dsv4ops.indexer import checks as _checks
 from dsv4ops.quant.reference import INDEXER_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import (
-    FMT_INDEXER,
+from dsv4ops.quant.triton import FMT_INDEXER, block_size, load_rows, pool_format
+from dsv4ops.triton_helpers import (
     INTERPRET,
     apply_rope,
-    block_size,
     e4m3_bits_to_f32,
     f32_to_e4m3_bits,
     launch,
-    load_rows,
-    pool_format,
     pow2,
     require,
     require_layout,

@@ -6,7 +6,7 @@ listed in comp_idx (global pool slots, -1 = none), with the per-head sink in the
 import torch
 from torch import Tensor
 
-from dsv4ops.kv_insert.reference import window_slots
+from dsv4ops.qkv_prep.reference import window_slots
 from dsv4ops.quant.reference import unpack_kv
 from dsv4ops.reference.functional import sink_attention
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from dsv4ops.quant.reference import MAIN_DIM
-from dsv4ops.quant.triton import INTERPRET, block_size, launch, load_rows, pool_format, require, round_to
+from dsv4ops.quant.triton import block_size, load_rows, pool_format
+from dsv4ops.triton_helpers import INTERPRET, launch, require, round_to
 from dsv4ops.sparse_attn import checks as _checks
 
 

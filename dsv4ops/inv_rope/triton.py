@@ -1,13 +1,13 @@
-"""Triton kernel of `dsv4::inv_rope` (output/reference.py is the specification): out = o with the
+"""Triton kernel of `dsv4::inv_rope` (inv_rope/reference.py is the specification): out = o with the
 trailing 64 dims of every head rotated by -position x theta; the other dims are copied.
 Grid (tokens, head blocks)."""
 
 import triton
 import triton.language as tl
 
-from dsv4ops.output import checks as _checks
+from dsv4ops.inv_rope import checks as _checks
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import INTERPRET, apply_rope, launch, require_layout, rope_coeffs, round_to, to_f32
+from dsv4ops.triton_helpers import INTERPRET, apply_rope, launch, require_layout, rope_coeffs, round_to, to_f32
 
 
 @triton.jit(do_not_specialize=["n_heads"])

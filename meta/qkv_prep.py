@@ -2,7 +2,7 @@
 
 import torch
 
-from dsv4ops.kv_insert import checks
+from dsv4ops.qkv_prep import checks
 
 
 @torch.library.register_fake("dsv4::qkv_prep")

@@ -2,7 +2,7 @@
 
 import torch
 
-from dsv4ops.output import checks
+from dsv4ops.inv_rope import checks
 
 
 @torch.library.register_fake("dsv4::inv_rope")

@@ -1,4 +1,4 @@
-"""dsv4::inv_rope and output.api.inv_rope: the trailing rope channels rotated back by the query
+"""dsv4::inv_rope and inv_rope.api.inv_rope: the trailing rope channels rotated back by the query
 position (interleaved pairs), the rest copied; every row written; bad inputs. Issue 3."""
 
 from functools import partial

@@ -1,6 +1,6 @@
-"""Public output path: inverse RoPE of the attention output (spec 3.6).
+"""Public inv_rope: inverse RoPE of the attention output (spec 3.6).
 
-Reference (the specification): dsv4ops/output/reference.py.
+Reference (the specification): dsv4ops/inv_rope/reference.py.
 """
 
 import torch
@@ -8,7 +8,7 @@ from torch import Tensor
 
 from dsv4ops import _values
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops bound below)
-from dsv4ops.output import checks
+from dsv4ops.inv_rope import checks
 
 _inv_rope = torch.ops.dsv4.inv_rope.default
 

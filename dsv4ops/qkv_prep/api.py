@@ -1,6 +1,6 @@
 """Public window-KV insert: the query's norm and RoPE, and the new key row into the window ring.
 
-Reference (the specification): dsv4ops/kv_insert/reference.py.
+Reference (the specification): dsv4ops/qkv_prep/reference.py.
 """
 
 import torch
@@ -8,8 +8,8 @@ from torch import Tensor
 
 from dsv4ops import _values
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops bound below)
-from dsv4ops.kv_insert import checks
-from dsv4ops.kv_insert.reference import window_slots
+from dsv4ops.qkv_prep import checks
+from dsv4ops.qkv_prep.reference import window_slots
 from dsv4ops.quant.api import pool_slots
 
 _qkv_prep = torch.ops.dsv4.qkv_prep.default

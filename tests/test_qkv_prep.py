@@ -1,4 +1,4 @@
-"""dsv4::qkv_prep and kv_insert.api.qkv_prep: q's norm + RoPE, the window-ring insert (exactly the
+"""dsv4::qkv_prep and qkv_prep.api.qkv_prep: q's norm + RoPE, the window-ring insert (exactly the
 live tokens' slots), padding tokens, bad inputs. Issue 3."""
 
 from functools import partial

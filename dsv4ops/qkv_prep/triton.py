@@ -1,4 +1,4 @@
-"""Triton kernel of `dsv4::qkv_prep` (kv_insert/reference.py is the specification): one pass per
+"""Triton kernel of `dsv4::qkv_prep` (qkv_prep/reference.py is the specification): one pass per
 token over q (weightless per-head RMSNorm, interleaved RoPE on the trailing 64 dims) and over the new
 kv row (RoPE, then FP8 584-B entry or float row into the request's window ring).
 
@@ -9,19 +9,17 @@ takes its kv row. Padding tokens (request -1) write q_out but no cache entry.
 import triton
 import triton.language as tl
 
-from dsv4ops.kv_insert import checks as _checks
+from dsv4ops.qkv_prep import checks as _checks
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import (
+from dsv4ops.quant.triton import block_size, pool_format, store_rows
+from dsv4ops.triton_helpers import (
     INTERPRET,
     apply_rope,
-    block_size,
     launch,
-    pool_format,
     require_layout,
     rope_coeffs,
     round_to,
     round_via,
-    store_rows,
     to_f32,
 )
 
