@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
-from dsv4ops.cache.step import StepMeta, visible_entries
+from dsv4ops.cache.step import StepMeta, visible_counts, visible_entries
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.reference.functional import grouped_output, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
@@ -111,7 +111,9 @@ class DeepseekV4Attention(nn.Module):
         if cfg.numerics() != self.numerics:
             raise ValueError(f"manager: cache modes kv={cfg.kv_cache!r}, indexer={cfg.indexer_cache!r} give numerics "
                              f"{cfg.numerics()}, the layer computes {self.numerics}")
-        self.cache = LayerCache(self.config, self.layer_idx, cfg, device=self.q_a_proj.weight.device)
+        device = self.q_a_proj.weight.device
+        self.cache = LayerCache(self.config, self.layer_idx, cfg, device=device,
+                                topk_workspace=manager.topk_workspace(device))
 
     def forward(self, hidden_states: Tensor, step: StepMeta | None = None) -> Tensor:
         """step=None: hidden_states [B, S, hidden], each row a sequence from position 0 (a private
@@ -145,6 +147,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps)
 
     comp_cache, comp_idx = cache.window, torch.empty(t, 0, dtype=torch.int32, device=x.device)
+    comp_lens = torch.zeros_like(pos)
     if layer.compressor is not None:
         c, kind = layer.compressor, layer.layer_type
         _compress(c, x, step, kind, layer.inv_freq, cache.state, cache.comp, layer.numerics.kv, eps)
@@ -155,10 +158,12 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
             comp_idx = _select(c.indexer, x, qr, step, layer, cache)
         else:
             comp_idx = visible_entries(step, cfg.compress_ratio(layer.layer_idx), cache.cfg.block_size)
+        # The selection lists its entries first, so the first min(visible, k) columns hold them all.
+        comp_lens = visible_counts(step, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
 
     o = torch.empty_like(q_rot)
-    ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, layer.sinks, o, cfg.head_dim**-0.5,
-                    cfg.window, cache.ring_size)
+    ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, layer.sinks, o,
+                    cfg.head_dim**-0.5, cfg.window, cache.ring_size)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
@@ -182,5 +187,5 @@ def _select(indexer, x, qr, step, layer, cache):
     torch.ops.dsv4.indexer_q_prep(q, w, step.positions, layer.inv_freq, q_out, w_out)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, step.positions, step.req_slots, cache.index, step.block_table(CSA), idx,
-                                cfg.csa_ratio)
+                                cache.topk_workspace, cfg.csa_ratio)
     return idx

@@ -106,25 +106,27 @@ def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tens
     _indexer.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out)
 
 
-@custom_op("dsv4::indexer_topk", mutates_args=("idx_out",))
+@custom_op("dsv4::indexer_topk", mutates_args=("idx_out", "workspace"))
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
-                 block_table: Tensor, idx_out: Tensor, ratio: int) -> None:
-    """Top-k entries (global slots; ties to the lower entry; -1 fill) of sum_h w_h relu(q_h . k)
-    over the visible entries w < (t + 1) // ratio of each token's request."""
-    _indexer_checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio)
+                 block_table: Tensor, idx_out: Tensor, workspace: Tensor, ratio: int) -> None:
+    """The top-k entries (ties to the lower entry) of sum_h w_h relu(q_h . k) over the visible
+    entries w < (t + 1) // ratio of each token's request, as global slots in ascending entry order,
+    -1 after them. workspace: int32 scratch of the CUDA kernel (the reference ignores it)."""
+    _indexer_checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio)
     _indexer.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio)
 
 
 # ---- sparse_attn -------------------------------------------------------------------------------
 @custom_op("dsv4::sparse_attn", mutates_args=("out",))
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int, ring_size: int) -> None:
+                comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int,
+                ring_size: int) -> None:
     """MQA with sink over each query's window (ring of its request, itself included) and the
-    compressed entries in comp_idx (-1 = none); K = V; padding tokens get zeros."""
-    _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, window,
-                                    ring_size)
-    _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, scale, window,
-                             ring_size)
+    compressed entries comp_idx[t, :comp_lens[t]] (-1 = none); K = V; padding tokens get zeros."""
+    _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks,
+                                    out, window, ring_size)
+    _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out,
+                             scale, window, ring_size)
 
 
 # ---- output ------------------------------------------------------------------------------------

@@ -248,22 +248,33 @@ def indexer_topk_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAU
     table = torch.arange(requests * table_blocks, dtype=torch.int32).view(requests, table_blocks)
     return dict(q=q, weights=torch.randn(t, heads), positions=positions, req_slots=req_slots,
                 cache=fill_pool(page_pool(requests * table_blocks, block_size, dim, fmt), dim), block_table=table,
-                idx_out=torch.empty(t, k, dtype=torch.int32), ratio=ratio)
+                idx_out=torch.empty(t, k, dtype=torch.int32),
+                workspace=topk_workspace(t, table_blocks * block_size, k), ratio=ratio)
+
+
+def topk_workspace(tokens: int, n_entries: int, k: int, device=None) -> Tensor:
+    """A poisoned indexer_topk workspace for launches of `tokens` tokens (int32 0x7FFFFFFF)."""
+    from dsv4ops.indexer.workspace import workspace_words
+
+    return torch.full((workspace_words(tokens, n_entries, k),), 2**31 - 1, dtype=torch.int32, device=device)
 
 
 def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, window=4, ring=8,
                      requests=2, block_size=4, comp_blocks=2, entries=3, noncontig=False) -> dict:
-    """comp_idx rows: random slots of the compressed pool, the last column -1."""
+    """comp_idx rows: random slots of the compressed pool, the last column -1; comp_lens lists every
+    column but the first token's last one (a listed -1 and an unlisted slot both read nothing)."""
     fmt = fmt or dtype
     dim, _ = _dims(fmt, dim)
     positions, req_slots = step_tokens(*runs, pad=pad)
     t = positions.shape[0]
     comp_idx = torch.randint(0, comp_blocks * block_size, (t, entries), dtype=torch.int32)
     comp_idx[:, -1] = -1
+    comp_lens = torch.full((t,), entries, dtype=torch.int32)
+    comp_lens[0] = entries - 1
     return dict(q=_rows((t, heads, dim), dtype, noncontig),
                 window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim),
                 comp_cache=fill_pool(page_pool(comp_blocks, block_size, dim, fmt), dim), positions=positions,
-                req_slots=req_slots, comp_idx=comp_idx, sinks=torch.randn(heads),
+                req_slots=req_slots, comp_idx=comp_idx, comp_lens=comp_lens, sinks=torch.randn(heads),
                 out=torch.empty(t, heads, dim, dtype=dtype), scale=dim**-0.5, window=window, ring_size=ring)
 
 
@@ -286,7 +297,7 @@ _PUBLIC = {
                                                     a["block_table"], a["idx_out"].shape[1], a["ratio"]),
     "sparse_attn": lambda api, a: api.sparse_attn(a["q"], a["window_cache"], a["comp_cache"], a["positions"],
                                                   a["req_slots"], a["comp_idx"], a["sinks"], a["scale"], a["window"],
-                                                  a["ring_size"]),
+                                                  a["ring_size"], comp_lens=a["comp_lens"]),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",

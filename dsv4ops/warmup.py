@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4ops.cache.config import CacheConfig, blocks_per_request
+from dsv4ops.cache.config import CacheConfig, blocks_per_request, topk_workspace_words
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.quant.reference import indexer_block_bytes, main_block_bytes
 from dsv4ops.reference.numerics import compressor_dtype
@@ -81,11 +81,13 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                     wi_out = torch.empty(t, hi, dtype=torch.float32, device=device)
                     ops.indexer_q_prep(qi, wi, pos, freq, qi_out, wi_out)
                     idx = torch.empty(t, model_cfg.index_topk, dtype=torch.int32, device=device)
-                    ops.indexer_topk(qi_out, wi_out, pos, req, streams[1][1], table, idx, ratio)
+                    ws = torch.empty(topk_workspace_words(model_cfg, cache_cfg), dtype=torch.int32, device=device)
+                    ops.indexer_topk(qi_out, wi_out, pos, req, streams[1][1], table, idx, ws, ratio)
                     calls += 2
                 else:
                     idx = torch.full((t, nblk * bs), -1, dtype=torch.int32, device=device)
-            ops.sparse_attn(q_rot, window, comp, pos, req, idx, sinks, o, d**-0.5, model_cfg.window, ring)
+            lens = torch.full((t,), idx.shape[1], dtype=torch.int32, device=device)
+            ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, sinks, o, d**-0.5, model_cfg.window, ring)
             ops.inv_rope(o, pos, freq, o_rot)
             calls += 3
         rows = torch.empty(t, d, dtype=dtype, device=device)

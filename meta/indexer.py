@@ -11,5 +11,5 @@ def _(q, weights, positions, inv_freq, q_out, w_out):
 
 
 @torch.library.register_fake("dsv4::indexer_topk")
-def _(q, weights, positions, req_slots, cache, block_table, idx_out, ratio):
-    checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio)
+def _(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio):
+    checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio)

@@ -70,13 +70,14 @@ def _topk_case(fmt, k: int, zero_weights: bool = False):
         keys = {r: round_indexer_key(kr, "fp8") for r, kr in keys.items()}
     weights = torch.zeros(t, H) if zero_weights else torch.rand(t, H) + 0.5
     args = dict(q=q, weights=weights, positions=positions, req_slots=req_slots, cache=pool,
-                block_table=TABLE.clone(), idx_out=torch.full((t, k), 7777, dtype=I32), ratio=RATIO)
+                block_table=TABLE.clone(), idx_out=torch.full((t, k), 7777, dtype=I32),
+                workspace=T.topk_workspace(t, TABLE.shape[1] * BS, k), ratio=RATIO)
     return args, keys
 
 
 def _expected_topk(args: dict, keys: dict, k: int) -> torch.Tensor:
-    """Per token: entries w < (t + 1) // ratio of its request by descending fp64 score, ties to the
-    lower entry, as global slots; -1 after them and for padding."""
+    """Per token: the k best entries w < (t + 1) // ratio of its request by fp64 score, ties to the
+    lower entry, as global slots in ascending entry order; -1 after them and for padding."""
     out = torch.full((args["q"].shape[0], k), -1, dtype=I32)
     for i, (p, r) in enumerate(zip(args["positions"].tolist(), args["req_slots"].tolist(), strict=True)):
         if r < 0:
@@ -84,7 +85,7 @@ def _expected_topk(args: dict, keys: dict, k: int) -> torch.Tensor:
         n = (p + 1) // RATIO
         kd = keys[r][:n].double()
         score = (args["q"][i].double() @ kd.T).relu().mul(args["weights"][i].double()[:, None]).sum(0)
-        order = sorted(range(n), key=lambda w: (-score[w].item(), w))[:k]
+        order = sorted(sorted(range(n), key=lambda w: (-score[w].item(), w))[:k])  # the k best, ascending
         out[i, :len(order)] = torch.tensor([TABLE[r, w // BS].item() * BS + w % BS for w in order], dtype=I32)
     return out
 
@@ -163,6 +164,10 @@ BAD = [
      r"req_slots: expected 1-D"),
     ("topk-cache-fp8-width", "indexer_topk", TOPK_FP8, wa("q", lambda a: a["q"][..., :64].contiguous()),
      r"cache: FP8 entries exist for 512-d \(584 B\) and 128-d \(132 B\) rows, got 64-d rows"),
+    ("workspace-dtype", "indexer_topk", TOPK, wa("workspace", lambda a: a["workspace"].float()),
+     r"workspace: expected dtype in \[torch.int32\]", ("op",)),
+    ("workspace-small", "indexer_topk", TOPK, wa("workspace", lambda a: a["workspace"][:100]),
+     r"workspace: expected >= 1592 int32 words .*got 100", ("op",)),
     ("block_table-ndim", "indexer_topk", TOPK, wa("block_table", lambda a: a["block_table"][0]),
      r"block_table: expected 2-D \[requests, blocks per request\]"),
     ("block_table-dtype", "indexer_topk", TOPK, wa("block_table", lambda a: a["block_table"].long()),

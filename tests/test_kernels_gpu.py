@@ -10,7 +10,6 @@ reference kernel on the kernel's own low-precision inputs.
 
 Debugging without a GPU: DSV4OPS_GPU_TESTS_ON_CPU=1 pytest -m gpu tests/test_kernels_gpu.py runs
 the same tests on CPU with the launchers under the Triton interpreter, at smaller head counts.
-Benchmark (not a test): python tests/test_kernels_gpu.py bench
 """
 
 import os
@@ -228,19 +227,24 @@ def test_indexer_topk_exact(q_dtype, pool, k):
     q, w, pos, req, cache, table = _indexer_case(q_dtype, pool, integer=True)
     got = torch.full((q.shape[0], k), 12345, dtype=torch.int32, device=DEV)
     want = torch.empty_like(got)
-    _op("indexer_topk")(q, w, pos, req, cache, table, got, 4)
+    _op("indexer_topk")(q, w, pos, req, cache, table, got, _workspace(q, table, k), 4)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
     assert torch.equal(got, want)
 
 
+def _workspace(q, table, k):
+    return testing.topk_workspace(q.shape[0], table.shape[1] * BS, k, device=DEV)
+
+
 def test_indexer_topk_selection_random():
     # Random scores: the selection may differ from the reference only among near-ties (fp32
-    # summation order); every chosen entry must score within a rounding band of the k-th best.
+    # summation order); every chosen entry must score within a rounding band of the k-th best,
+    # and the entries come in ascending order.
     q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, FP8, integer=False, t=16)
     k = 8 if ON_CPU else 64
     got = torch.empty(q.shape[0], k, dtype=torch.int32, device=DEV)
     want = torch.empty_like(got)
-    _op("indexer_topk")(q, w, pos, req, cache, table, got, 4)
+    _op("indexer_topk")(q, w, pos, req, cache, table, got, _workspace(q, table, k), 4)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
     n = table.shape[1] * BS
     slots = (table.long()[:, :, None] * BS + torch.arange(BS, device=DEV)).view(3, n)
@@ -255,11 +259,56 @@ def test_indexer_topk_selection_random():
             continue
         s = scores[i, req[i]]
         by_slot = dict(zip(slots[req[i]].tolist(), s.tolist()))
+        entry_of = {x: e for e, x in enumerate(slots[req[i]].tolist())}
         chosen = [by_slot[x] for x in got[i].tolist() if x >= 0]
         ref = [by_slot[x] for x in want[i].tolist() if x >= 0]
         assert len(set(got[i].tolist()) - {-1}) == len(chosen), "no duplicates"
+        entries = [entry_of[x] for x in got[i].tolist() if x >= 0]
+        assert entries == sorted(entries), "ascending entry order"
         if chosen:
-            assert min(chosen) >= min(ref) - band and all(a >= b - band for a, b in zip(chosen, chosen[1:]))
+            assert min(chosen) >= min(ref) - band
+
+
+def _long_case(t: int, n: int, heads: int, k: int, seed: int = 0):
+    """t tokens of one request whose pool holds n keys from {-2, 0, 2} (exact integer scores, most of
+    them tied) through a shuffled block table; positions give each token n .. about n / 3 entries."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    blocks = -(-n // BS)
+    cache = _pool(FP8, 128, blocks)
+    for s in range(0, blocks * BS, 1 << 16):
+        m = min(1 << 16, blocks * BS - s)
+        keys = (torch.randint(-1, 2, (m, 128), device=DEV, generator=g) * 2).float()
+        quant_ref.pack_kv(keys, torch.arange(s, s + m, dtype=torch.int32, device=DEV), cache)
+    table = torch.randperm(blocks, device=DEV, generator=g).to(torch.int32)[None]
+    q = torch.zeros(t, heads, 128, device=DEV)
+    q[:, :, :3] = torch.randint(-1, 2, (t, heads, 3), device=DEV, generator=g).float()
+    w = torch.randn(t, heads, device=DEV, generator=g).sign()
+    w[0] = 0.0  # every score of token 0 is exactly 0: its first k entries win
+    pos = (4 * torch.linspace(n, n // 3, t, device=DEV) - 1).to(torch.int32)
+    req = torch.zeros(t, dtype=torch.int32, device=DEV)
+    return q.to(torch.float8_e4m3fn), w, pos, req, cache, table
+
+
+@pytest.mark.parametrize("t,n,k", [(1, 1 << 18, 512), (2, 1 << 18, 1024), (3, 40000, 512), (300, 3000, 512)],
+                         ids=["1M-positions", "1M-positions-top1024", "chunked-merge", "one-chunk-per-token"])
+def test_indexer_topk_at_serving_scale_is_exact_and_deterministic(t, n, k):
+    # 262144 entries (1M positions), the chunked path with its merge, and rows shorter than k; exact
+    # index sets against the reference (integer scores, so ties are exact) and bitwise identical on
+    # a second run.
+    if ON_CPU:
+        pytest.skip("serving-scale rows")
+    q, w, pos, req, cache, table = _long_case(t, n, INDEX_HEADS, k)
+    got = torch.full((t, k), 12345, dtype=torch.int32, device=DEV)
+    ws = _workspace(q, table, k)
+    _op("indexer_topk")(q, w, pos, req, cache, table, got, ws, 4)
+    again = torch.full_like(got, -7)
+    _op("indexer_topk")(q, w, pos, req, cache, table, again, ws.fill_(0x5A5A5A5A), 4)
+    want = torch.empty_like(got)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
+    assert torch.equal(got, want)
+    assert torch.equal(got, again), "run to run"
+    first = torch.arange(k, device=DEV)
+    assert torch.equal(got[0], table[0, first // BS] * BS + first % BS), "all-zero row: the first k entries"
 
 
 # ---- sparse_attn -------------------------------------------------------------------------------
@@ -280,14 +329,16 @@ def _attn_case(heads, w_pool, c_pool, prefill: bool, entries: int):
     idx = torch.stack([torch.randperm(c_blocks * BS, device=DEV)[:entries] for _ in range(t)]).to(torch.int32)
     keep = torch.randint(0, entries + 1, (t, 1), device=DEV)
     idx = torch.where(torch.arange(entries, device=DEV)[None] < keep, idx, -1).to(torch.int32)
+    # comp_lens: every other token lists exactly its kept prefix, the others their whole row.
+    lens = torch.where(torch.arange(t, device=DEV) % 2 == 0, keep[:, 0], entries).to(torch.int32)
     q, sinks = torch.randn(t, heads, 512, device=DEV), torch.randn(heads, device=DEV)
-    return q, wc, cc, pos, req, idx, sinks
+    return q, wc, cc, pos, req, idx, lens, sinks
 
 
-def _attn(fn, dtype, q, wc, cc, pos, req, idx, sinks):
+def _attn(fn, dtype, q, wc, cc, pos, req, idx, lens, sinks):
     as64 = (lambda c: c if c.dtype == torch.uint8 else c.double()) if dtype == torch.float64 else (lambda c: c)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
-    fn(q.to(dtype), as64(wc), as64(cc), pos, req, idx, sinks, out, 512**-0.5, WINDOW, RING)
+    fn(q.to(dtype), as64(wc), as64(cc), pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING)
     return out
 
 
@@ -352,10 +403,11 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
     if name == "indexer_topk":
         q, w, pos, req, cache, table = _indexer_case(*((torch.float8_e4m3fn, FP8) if fp8 else
                                                        (torch.bfloat16, torch.bfloat16)), integer=False)
-        return q, w, pos, req, cache, table, torch.empty(q.shape[0], 8, dtype=torch.int32, device=DEV), 4
+        return q, w, pos, req, cache, table, torch.empty(q.shape[0], 8, dtype=torch.int32, device=DEV), \
+            _workspace(q, table, 8), 4
     if name == "sparse_attn":
-        q, wc, cc, pos, req, idx, sinks = _attn_case(h, FP8, FP8, prefill=False, entries=16)
-        return q, wc, cc, pos, req, idx, sinks, torch.empty_like(q), 512**-0.5, WINDOW, RING
+        q, wc, cc, pos, req, idx, lens, sinks = _attn_case(h, FP8, FP8, prefill=False, entries=16)
+        return q, wc, cc, pos, req, idx, lens, sinks, torch.empty_like(q), 512**-0.5, WINDOW, RING
     if name == "inv_rope":
         return torch.randn(t, h, 512, device=DEV), pos, _inv_freq(), torch.empty(t, h, 512, device=DEV)
     raise KeyError(name)
@@ -379,13 +431,13 @@ def test_opcheck_cuda(name):
 def test_cuda_dispatch_reaches_triton_and_the_reference_stays_reachable():
     args = _op_args("sparse_attn")
     torch.ops.dsv4.sparse_attn(*args)
-    got = args[7].clone()
+    got = args[8].clone()
     assert "triton" in sys.modules and dsv4ops.backends.resolve.cache_info().currsize > 0
     with dsv4ops.ops.sparse_attn.set_kernel_enabled("cuda", False):
         torch.ops.dsv4.sparse_attn(*args)
-    ref = args[7].clone()
-    sparse_attn_ref.sparse_attn(*args[:7], args[7], *args[8:])
-    assert torch.equal(ref, args[7]), "with the CUDA kernel disabled the op runs the reference"
+    ref = args[8].clone()
+    sparse_attn_ref.sparse_attn(*args)
+    assert torch.equal(ref, args[8]), "with the CUDA kernel disabled the op runs the reference"
     assert got.isfinite().all()
 
 
@@ -442,11 +494,11 @@ def test_pool_over_2gib_written_and_read_at_its_far_end():
     assert kv_rows.isfinite().all() and torch.equal(kv_rows[:, :448].double(), _fp8_rows(kv.float())[:, :448])
     o, o_ref = torch.empty_like(q), torch.empty_like(q)
     idx = torch.full((3, 1), -1, dtype=torch.int32, device="cuda")
-    sinks = torch.zeros(64, device="cuda")
-    torch.ops.dsv4.sparse_attn(q_out, pool, pool, pos, req, idx, sinks, o, 512**-0.5, 128, ring)
-    sparse_attn_ref.sparse_attn(q_out, pool, pool, pos, req, idx, sinks, o_ref, 512**-0.5, 128, ring)
+    sinks, lens = torch.zeros(64, device="cuda"), _i32([1, 1, 1])
+    torch.ops.dsv4.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o, 512**-0.5, 128, ring)
+    sparse_attn_ref.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o_ref, 512**-0.5, 128, ring)
     o64 = torch.empty(q.shape, dtype=torch.float64, device="cuda")
-    sparse_attn_ref.sparse_attn(q_out.double(), pool, pool, pos, req, idx, sinks, o64, 512**-0.5, 128, ring)
+    sparse_attn_ref.sparse_attn(q_out.double(), pool, pool, pos, req, idx, lens, sinks, o64, 512**-0.5, 128, ring)
     testing.assert_close_to_ref(o, o64, o_ref, what="attention over the far end")
 
 
@@ -469,8 +521,9 @@ def _compiled_kernels() -> int:
     from dsv4ops.quant import triton as q
     from dsv4ops.sparse_attn import triton as s
 
-    kernels = [k._qkv_prep_kernel, c._compress_kernel, c._save_kernel, i._q_prep_kernel, i._scores_kernel,
-               i._finalize_kernel, s._sparse_attn_kernel, o._inv_rope_kernel, q._pack_kernel, q._unpack_kernel]
+    kernels = [k._qkv_prep_kernel, c._compress_kernel, c._save_kernel, i._q_prep_kernel, i._topk_kernel,
+               i._merge_kernel, s._sparse_attn_kernel, s._combine_kernel, o._inv_rope_kernel, q._pack_kernel,
+               q._unpack_kernel]
     return sum(len(cache[0]) for fn in kernels for cache in fn.device_caches.values())
 
 
@@ -510,107 +563,3 @@ def test_layers_capture_in_cuda_graphs_after_warmup(mode):
         torch.cuda.synchronize()
     for a, b in zip(captured, eager):
         assert torch.equal(a, b), "replay == eager (same inputs, same cache state)"
-
-
-# ---- benchmark (not a test) --------------------------------------------------------------------
-def _graph_us(launch, reps: int = 5) -> float:
-    """Median time of one `launch()` (which may launch several kernels), from CUDA-graph replays of
-    `reps` back-to-back launches."""
-    launch()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            launch()
-    times = []
-    for _ in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return sorted(times)[len(times) // 2]
-
-
-def bench():
-    """Decode, V4-Flash shapes, batch 128 x 1 token, FP8 pools, medians of CUDA-graph replays.
-    sparse_attn: C4 layer, 128 window + 512 compressed keys, 64 heads, over 4 independent caches
-    (L2 does not hold the keys); FlashMLA: 46.1 us on H100 (perf-targets.md). Then the small ops."""
-    from dsv4ops.sparse_attn import triton as st
-
-    torch.manual_seed(0)
-    b, h, topk, copies = 128, 64, 512, 4
-    pos = torch.randint(4096, 65536, (b,), dtype=torch.int32, device="cuda")
-    req = torch.arange(b, dtype=torch.int32, device="cuda")
-    sets = []
-    for _ in range(copies):
-        wc = testing.fill_pool(testing.page_pool(b * RING // 64, 64, 512, FP8, device="cuda"), 512)
-        cc = testing.fill_pool(testing.page_pool(b * topk // 64 + 8, 64, 512, FP8, device="cuda"), 512)
-        idx = torch.stack([torch.randperm(cc.shape[0] * 64, device="cuda")[:topk] for _ in range(b)]).to(torch.int32)
-        q = torch.randn(b, h, 512, device="cuda").bfloat16()
-        sets.append((q, wc, cc, idx, torch.empty_like(q)))
-    sinks = torch.randn(h, device="cuda")
-    nbytes = b * (128 + topk) * quant_ref.MAIN_ENTRY_BYTES + 2 * b * h * 512 * 2
-    flops = 4 * b * h * (128 + topk) * 512
-    default = st.config(h, torch.bfloat16)
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__}; sparse_attn default config {default}")
-
-    def attn_all():
-        for q, wc, cc, idx, out in sets:
-            torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, idx, sinks, out, 512**-0.5, 128, RING)
-
-    saved = st.config
-    try:
-        alternatives = [(64, 32, 8, 1), (64, 64, 8, 2), (64, 32, 8, 2)]
-        for cfg in [default] + [c for c in alternatives if c != default]:
-            st.config = lambda *args, cfg=cfg: cfg
-            try:
-                us = _graph_us(attn_all) / copies
-                print(f"sparse_attn decode 128x1 (128 + 512 keys, h=64) HB/BK/warps/stages {cfg}: {us:.1f} us, "
-                      f"{flops / us / 1e6:.0f} TFLOP/s, {nbytes / us / 1e3:.0f} GB/s")
-            except Exception as error:  # a config that does not fit (shared memory / registers)
-                print(f"sparse_attn config {cfg}: {type(error).__name__}: {str(error)[:200]}")
-    finally:
-        st.config = saved
-    bf16_sets = [(q, testing.fill_pool(testing.page_pool(b * RING // 64, 64, 512, torch.bfloat16, device="cuda"), 512),
-                  testing.fill_pool(testing.page_pool(b * topk // 64 + 8, 64, 512, torch.bfloat16, device="cuda"), 512),
-                  idx, out) for q, _, _, idx, out in sets[:2]]
-
-    def attn_bf16():
-        for q, wc, cc, idx, out in bf16_sets:
-            torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, idx, sinks, out, 512**-0.5, 128, RING)
-
-    print(f"sparse_attn decode 128x1, bf16 pools (exact mode), default config: {_graph_us(attn_bf16) / 2:.1f} us")
-
-    inv = _inv_freq(2)
-    q, kv, q_out = sets[0][0], torch.randn(b, 512, device="cuda").bfloat16(), torch.empty_like(sets[0][0])
-    win = sets[0][1]
-    small = {"qkv_prep": lambda: torch.ops.dsv4.qkv_prep(q, kv, pos, req, inv, q_out, win, RING, 1e-6),
-             "inv_rope": lambda: torch.ops.dsv4.inv_rope(q, pos, inv, q_out)}
-    pos_close = (pos // 4) * 4 + 3  # every token closes a CSA entry (worst case)
-    a = torch.randn(b, 1024, device="cuda")
-    state = torch.randn(b, 8, 2048, device="cuda")
-    comp = sets[0][2]
-    entry = torch.arange(b, dtype=torch.int32, device="cuda")
-    small["compressor_update (CSA, all closing)"] = lambda: torch.ops.dsv4.compressor_update(
-        a, a, a[:4], pos_close, req, entry, torch.ones(512, device="cuda"), inv, state, comp, 1e-6)
-    qi = torch.randn(b, 64, 128, device="cuda").bfloat16()
-    wi = torch.randn(b, 64, device="cuda").bfloat16()
-    qi_out = torch.empty(b, 64, 128, device="cuda", dtype=torch.float8_e4m3fn)
-    wi_out = torch.empty(b, 64, device="cuda")
-    small["indexer_q_prep"] = lambda: torch.ops.dsv4.indexer_q_prep(qi, wi, pos, inv, qi_out, wi_out)
-    per = 16  # 4096-token context: 1024 entries per request
-    index_pool = testing.fill_pool(testing.page_pool(b * per, 64, 128, FP8, device="cuda"), 128)
-    table = torch.arange(b * per, dtype=torch.int32, device="cuda").view(b, per)
-    pos_4k = torch.full((b,), 4095, dtype=torch.int32, device="cuda")
-    sel = torch.empty(b, topk, dtype=torch.int32, device="cuda")
-    small["indexer_topk (4K context, top-512)"] = lambda: torch.ops.dsv4.indexer_topk(
-        qi_out, wi_out, pos_4k, req, index_pool, table, sel, 4)
-    for name, fn in small.items():
-        print(f"{name}, decode batch {b}: {_graph_us(fn, reps=20):.1f} us")
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["bench"]:
-    bench()

@@ -51,11 +51,11 @@ def test_indexer_q_prep():
 
 
 def test_indexer_topk():
-    assert_expected_inline(_schema("indexer_topk"), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, Tensor(a6!) idx_out, SymInt ratio) -> ()""")
+    assert_expected_inline(_schema("indexer_topk"), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, Tensor(a6!) idx_out, Tensor(a7!) workspace, SymInt ratio) -> ()""")
 
 
 def test_sparse_attn():
-    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor sinks, Tensor(a7!) out, float scale, SymInt window, SymInt ring_size) -> ()""")
+    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor sinks, Tensor(a8!) out, float scale, SymInt window, SymInt ring_size) -> ()""")
 
 
 def test_inv_rope():

@@ -20,6 +20,8 @@ WINDOW, RING, BS = 4, 8, 4
 RUNS = ((0, 9, 3), (1, 0, 2))
 STORED = {0: range(6, 12), 1: range(0, 2)}
 COMP_IDX = [[0, 3, -1], [-1, -1, -1], [4, 1, 2], [2, -1, -1], [0, 1, 4], [6, 7, 5]]  # last: padding -> poison
+# Token 2 lists its first two columns only: its slot 2 is not read; token 4 lists none of its row.
+COMP_LENS = [3, 3, 2, 1, 0, 3]
 
 
 def _case(dtype, fmt, heads: int):
@@ -36,8 +38,8 @@ def _case(dtype, fmt, heads: int):
     t = positions.shape[0]
     args = dict(q=torch.randn(t, heads, dim, dtype=dtype), window_cache=window_cache, comp_cache=comp_cache,
                 positions=positions, req_slots=req_slots, comp_idx=torch.tensor(COMP_IDX, dtype=I32),
-                sinks=torch.randn(heads), out=torch.full((t, heads, dim), float("nan"), dtype=dtype),
-                scale=dim**-0.5, window=WINDOW, ring_size=RING)
+                comp_lens=torch.tensor(COMP_LENS, dtype=I32), sinks=torch.randn(heads),
+                out=torch.full((t, heads, dim), float("nan"), dtype=dtype), scale=dim**-0.5, window=WINDOW, ring_size=RING)
     read = {k: unpack_kv(window_cache, torch.tensor([k[0] * RING + k[1] % RING], dtype=I32), dim, FP32)[0]
             for k in rows}
     comp = unpack_kv(comp_cache, torch.arange(5, dtype=I32), dim, FP32)
@@ -54,7 +56,7 @@ def _reference(args: dict, read: dict, comp: torch.Tensor, dtype: torch.dtype) -
             outs.append(torch.zeros_like(q[0]))
             continue
         keys = [read[r, s] for s in range(max(0, p - WINDOW + 1), p + 1)]
-        keys += [comp[j] for j in args["comp_idx"][i].tolist() if j >= 0]
+        keys += [comp[j] for j in args["comp_idx"][i, :args["comp_lens"][i]].tolist() if j >= 0]
         keys = torch.stack(keys)[None].to(dtype)
         valid = torch.ones(1, keys.shape[1], dtype=torch.bool)
         outs.append(sink_attention(q, keys, valid, args["sinks"].to(dtype), args["scale"])[0])
@@ -87,6 +89,9 @@ def test_window_and_entries_both_count():
     args["comp_cache"].view(-1, 16)[3] += 1.0  # entry slot 3: listed by token 0 only
     moved = (T.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
     assert moved == [0, 4]
+    args["comp_cache"].view(-1, 16)[2] += 1.0  # slot 2: in token 2's row past its comp_lens, and token 3's
+    moved = (T.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
+    assert moved == [0, 3, 4]
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
@@ -109,6 +114,9 @@ BAD = [
     ("comp_idx-size", wa("comp_idx", lambda a: a["comp_idx"][:-1]), r"comp_idx: expected size 6 \(tokens of q\)"),
     ("comp_idx-device", wa("comp_idx", lambda a: a["comp_idx"].to("meta")),
      r"comp_idx: expected device cpu \(as q\), got meta"),
+    ("comp_lens-dtype", wa("comp_lens", lambda a: a["comp_lens"].long()),
+     r"comp_lens: expected dtype in \[torch.int32\]"),
+    ("comp_lens-size", wa("comp_lens", lambda a: a["comp_lens"][:-1]), r"comp_lens: expected size 6 \(tokens of q\)"),
     ("sinks-ndim", wa("sinks", lambda a: a["sinks"][None]), r"sinks: expected 1-D \[heads\]"),
     ("sinks-dtype", wa("sinks", lambda a: a["sinks"].bfloat16()), r"sinks: expected dtype in \[torch.float32\]"),
     ("sinks-size", wa("sinks", lambda a: a["sinks"][:1]), r"sinks: expected size 2 \(heads of q\) at dim 0, got 1"),
@@ -130,6 +138,9 @@ BAD = [
      ("public",)),
     ("comp_idx-low", wa("comp_idx", lambda a: a["comp_idx"] - 2),
      r"comp_idx: expected values in \[-1, 8\) .*got -\d at flat index", ("public",)),
+    ("comp_lens-high", wa("comp_lens", lambda a: a["comp_lens"] + 1),
+     r"comp_lens: expected values in \[0, 4\) \(entries listed of comp_idx's 3 columns\), got 4 at index 1",
+     ("public",)),
     ("span", wa("positions", lambda a: torch.tensor([0, 1, 7, 0, 1, 0], dtype=I32)),
      r"positions: expected the tokens of a request to span at most 5 positions \(ring_size 8 - window 4 \+ 1\), "
      r"got 8 for request 0 \(positions 0\.\.7\)", ("public",)),

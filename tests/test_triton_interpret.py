@@ -32,6 +32,7 @@ if not AOT_PROCESS and not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest.py sets TRITON_INTERPRET=1 before collection"
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from dsv4ops import triton_helpers as th  # noqa: E402
 from dsv4ops.compressor import triton as compressor_tt  # noqa: E402
@@ -215,28 +216,79 @@ def _indexer_case(q_dtype, pool, integer: bool):
 def test_indexer_topk_exact(q_dtype, pool, k):
     q, w, pos, req, cache, table = _indexer_case(q_dtype, pool, integer=True)
     got, want = torch.full((5, k), 99, dtype=torch.int32), torch.empty(5, k, dtype=torch.int32)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, 4)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(5, 12, k), 4)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
     assert torch.equal(got, want)
 
 
-def test_indexer_topk_chunks_tokens(monkeypatch):
-    # A workspace of one token's keys: the launcher loops over 5 token chunks.
+@pytest.mark.parametrize("chunks", [1, 3], ids=["one-chunk", "3-chunks-merged"])
+def test_indexer_topk_chunks_tokens_and_entries(chunks, monkeypatch):
+    # A workspace of one token's keys: the launcher loops over 5 launches of one token. With
+    # 4-entry chunks a token's 12 entries are scored and selected by 3 programs, then merged.
     q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
-    monkeypatch.setattr(indexer_tt, "WORKSPACE_BYTES", 8 * 12)
+    monkeypatch.setattr(indexer_tt, "CHUNK_MIN", 4 if chunks > 1 else 2048)
+    monkeypatch.setattr(indexer_tt, "chunks_per_token", lambda tokens: chunks)
+    monkeypatch.setattr(indexer_tt._ws, "CAND_PROGRAMS", 3)
     got, want = torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 8, dtype=torch.int32)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, 4)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(1, 12, 8)[:2 * 3 * 8 + 12], 4)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_indexer_topk_long_rows_with_many_ties(chunks, monkeypatch):
+    # Up to 2600 visible entries (three 1024-key scan blocks, the last partial), k = 512. Keys from
+    # {-2, 0, 2} and queries with 3 nonzero dims make most scores exact ties: token 0 (weights of
+    # both signs) cuts at a positive score shared by ~275 entries, token 1 cuts inside its ~270
+    # exact zeros (ReLU), token 2 (negative weights, scores <= 0, its zeros -0.0) cuts among
+    # negative ties. Every score is exact (small integers), so the reference's selection, tie-break
+    # included, is the answer; 4 chunks add the merge of chunk candidates.
+    monkeypatch.setattr(indexer_tt, "CHUNK_MIN", 1024 if chunks > 1 else 2048)
+    monkeypatch.setattr(indexer_tt, "chunks_per_token", lambda tokens: chunks)
+    n, bs = 2600, 64
+    blocks = -(-n // bs)
+    keys = torch.randint(-1, 2, (blocks * bs, 128)) * 2.0
+    cache = _pool("fp8", 128, blocks, bs)
+    quant_ref.pack_kv(keys, torch.arange(blocks * bs, dtype=torch.int32), cache)
+    table = torch.randperm(blocks).int().view(1, -1)
+    q = torch.zeros(3, 2, 128)
+    q[:, 0, :3], q[:, 1, :3] = torch.tensor([1.0, -1.0, 1.0]), torch.tensor([-1.0, 1.0, 1.0])
+    w = torch.tensor([[1.0, -1.0], [2.0, 1.0], [-1.0, -0.5]])
+    pos, req = _i32(4 * n - 1, 4 * 702, 4 * 1500 + 3), _i32(0, 0, 0)
+    got, want = torch.empty(3, 512, dtype=torch.int32), torch.empty(3, 512, dtype=torch.int32)
+    q8 = q.to(torch.float8_e4m3fn)
+    indexer_tt.indexer_topk(q8, w, pos, req, cache, table, got, testing.topk_workspace(3, blocks * bs, 512), 4)
+    indexer_ref.indexer_topk(q8, w, pos, req, cache, table, want, 4)
+    assert torch.equal(got, want)
+
+
+def test_indexer_score_keys_order_like_scores():
+    # The uint32 keys of the radix select: ordered like the scores, -0.0 equal to +0.0 (a ReLU'd
+    # score can be either), and never 0 (which marks "no entry").
+    @triton.jit
+    def keys(x_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, indexer_tt._key_of(tl.load(x_ptr + i)).to(tl.int32, bitcast=True))
+
+    x = torch.tensor([float("-inf"), -3e38, -1.0, -1e-40, -0.0, 0.0, 1e-40, 1.0, 3e38, float("inf")])
+    x = torch.cat([x, x.new_zeros(6)])
+    out = torch.empty(16, dtype=torch.int32)
+    keys[(1,)](x, out, N=16)
+    k = out[:10].long() & 0xFFFFFFFF  # as unsigned
+    assert (k[1:] - k[:-1] > 0).tolist() == [True] * 4 + [False] + [True] * 4  # -0.0 == 0.0
+    assert (k > 0).all()
 
 
 # ---- sparse_attn -------------------------------------------------------------------------------
-@pytest.mark.parametrize("stages", [1, 2], ids=["skip-empty-tiles", "pipelined"])
+@pytest.mark.parametrize("stages,n_split", [(1, 1), (2, 1), (1, 2)], ids=["skip-empty-tiles", "pipelined", "2-splits"])
 @pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), (torch.bfloat16, torch.bfloat16), ("fp8", torch.float32)],
                          ids=["fp8", "bf16", "fp8-window-fp32-comp"])
-def test_sparse_attn(w_pool, c_pool, stages, monkeypatch):
-    hb, bk, warps, _ = sparse_attn_tt.config(2, torch.bfloat16)
-    monkeypatch.setattr(sparse_attn_tt, "config", lambda *args: (hb, bk, warps, stages))
+def test_sparse_attn(w_pool, c_pool, stages, n_split, monkeypatch):
+    # 16-key tiles: the 8-key window is one tile, the 40 listed columns three more; two splits cut
+    # the entries between programs, merged with the sink by the combine kernel.
+    hb = sparse_attn_tt.config(2, torch.bfloat16)[0]
+    monkeypatch.setattr(sparse_attn_tt, "config", lambda *args: (hb, 16, 4, stages))
+    monkeypatch.setattr(sparse_attn_tt, "splits", lambda *args: n_split)
     t, h, window, ring = 4, 2, 8, 12
     pos, req = _i32(3, 20, 9, 0), _i32(0, 1, -1, 1)
     wc, cc = _pool(w_pool, 512, 2 * ring // BS), _pool(c_pool, 512, 4)
@@ -245,15 +297,16 @@ def test_sparse_attn(w_pool, c_pool, stages, monkeypatch):
             held = torch.arange(max(0, p - window + 1), p + 1)
             quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc)
     quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc)
-    idx = torch.randint(0, 16, (t, 5), dtype=torch.int32)
+    idx = torch.randint(0, 16, (t, 40), dtype=torch.int32)
     idx[0, 2:] = -1
     idx[1, 0] = -1
+    lens = _i32(40, 37, 40, 5)  # token 1 drops its last 3 columns, token 3 lists 5 (all in split 0)
     q, sinks = torch.randn(t, h, 512), torch.randn(h)
 
     def run(fn, dtype):
         as_dtype = (lambda c: c if c.dtype == torch.uint8 else c.to(dtype)) if dtype == torch.float64 else (lambda c: c)
         out = torch.full((t, h, 512), float("nan"), dtype=dtype)
-        fn(q.to(dtype), as_dtype(wc), as_dtype(cc), pos, req, idx, sinks, out, 512**-0.5, window, ring)
+        fn(q.to(dtype), as_dtype(wc), as_dtype(cc), pos, req, idx, lens, sinks, out, 512**-0.5, window, ring)
         return out
 
     got = run(sparse_attn_tt.sparse_attn, torch.bfloat16)
@@ -269,11 +322,11 @@ def test_sparse_attn_fp32():
     wc.normal_()
     cc.normal_()
     q, sinks = torch.randn(t, h, 512), torch.randn(h)
-    pos, req, idx = _i32(5, 30), _i32(1, 0), _i32(0, 3, -1, 7).view(2, 2)
+    pos, req, idx, lens = _i32(5, 30), _i32(1, 0), _i32(0, 3, -1, 7).view(2, 2), _i32(2, 2)
     got, want = torch.empty(t, h, 512), torch.empty(t, h, 512, dtype=torch.float64)
-    sparse_attn_tt.sparse_attn(q, wc, cc, pos, req, idx, sinks, got, 512**-0.5, window, ring)
-    sparse_attn_ref.sparse_attn(q.double(), wc.double(), cc.double(), pos, req, idx, sinks, want, 512**-0.5, window,
-                                ring)
+    sparse_attn_tt.sparse_attn(q, wc, cc, pos, req, idx, lens, sinks, got, 512**-0.5, window, ring)
+    sparse_attn_ref.sparse_attn(q.double(), wc.double(), cc.double(), pos, req, idx, lens, sinks, want, 512**-0.5,
+                                window, ring)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -301,7 +354,8 @@ def test_kernels_reject_other_layouts_by_name():
         inv_rope_tt.inv_rope(torch.randn(2, 2, 512), _i32(0, 1), INV_FREQ[:16], torch.empty(2, 2, 512))
     with pytest.raises(ValueError, match="q: .*index_head_dim 128"):
         indexer_tt.indexer_topk(torch.randn(2, 2, 64), torch.randn(2, 2), _i32(0, 1), _i32(0, 0), torch.zeros(2, 4, 64),
-                                _i32(0, 1).view(1, 2), torch.empty(2, 4, dtype=torch.int32), 4)
+                                _i32(0, 1).view(1, 2), torch.empty(2, 4, dtype=torch.int32),
+                                testing.topk_workspace(2, 8, 4), 4)
 
 
 # ---- warmup ------------------------------------------------------------------------------------
@@ -406,10 +460,16 @@ def record_launches():
             qi = torch.zeros(t, 64, 128, dtype=dtype)
             qi_out = torch.zeros(t, 64, 128, dtype=torch.float8_e4m3fn if mode == "fp8" else dtype)
             indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, qi_out, torch.zeros(t, 64))
-            indexer_tt.indexer_topk(qi_out, torch.zeros(t, 64), pos, req, _pool(pool, 128, 2),
-                                    torch.zeros(1, 2, dtype=torch.int32), torch.zeros(t, 512, dtype=torch.int32), 4)
+            for tokens in (t, 300):  # several chunks per token and their merge; one chunk per token
+                indexer_tt.indexer_topk(torch.zeros(tokens, 64, 128, dtype=qi_out.dtype), torch.zeros(tokens, 64),
+                                        torch.zeros(tokens, dtype=torch.int32), torch.zeros(tokens, dtype=torch.int32),
+                                        _pool(pool, 128, 2), torch.zeros(1, 2, dtype=torch.int32),
+                                        torch.zeros(tokens, 512, dtype=torch.int32),
+                                        testing.topk_workspace(tokens, 2 * BS, 512), 4)
             idx = torch.zeros(t, 512, dtype=torch.int32)
-            sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, torch.zeros(64), q, 0.04, 8, 8)
+            lens = torch.full((t,), idx.shape[1], dtype=torch.int32)
+            sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, torch.zeros(64), q, 0.04, 8,
+                                       8)
             inv_rope_tt.inv_rope(q, pos, INV_FREQ, q)
             for d in (512, 128):
                 rows = torch.zeros(t, d, dtype=dtype)
@@ -444,8 +504,9 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
     env["DSV4OPS_TRITON_AOT"] = "1"
     procs = {arch: subprocess.Popen([sys.executable, __file__, str(arch)], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env) for arch in (90, 100)}
-    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_scores_kernel",
-                "_finalize_kernel", "_sparse_attn_kernel", "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel"}
+    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_topk_kernel",
+                "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel", "_inv_rope_kernel", "_pack_kernel",
+                "_unpack_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, ops, testing
+from dsv4ops.bench import flashmla
 from dsv4ops.bench.timing import ceilings, eager_time_us, graph_time_us
 from dsv4ops.cache import CacheConfig, KVCacheManager
-from dsv4ops.cache.step import visible_entries
+from dsv4ops.cache.step import visible_counts, visible_entries
 from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.reference.functional import rms_norm
 from dsv4ops.reference.numerics import compressor_dtype
@@ -93,9 +94,11 @@ class Case:
         self.o = torch.empty_like(self.q)
         self.o_rot = torch.empty_like(self.q)
         self.idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
+        self.lens = torch.zeros_like(st.positions)
         c = layer.compressor
         if c is None:
             return
+        ratio = cfg.compress_ratio(layer.layer_idx)
         cdt = compressor_dtype("fp8", x.dtype)
         self.a, self.z = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt)), F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
         if self.kind == CSA:
@@ -109,6 +112,7 @@ class Case:
             self.idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
         else:
             self.idx = visible_entries(st, cfg.hca_ratio, self.manager.cfg.block_size)
+        self.lens = visible_counts(st, ratio).clamp(max=self.idx.shape[1])
 
     # ---- the ops of one step, each a closure over this case's buffers ----------------------------
     def op_calls(self) -> dict:
@@ -132,10 +136,10 @@ class Case:
                                                                    self.qi_out, self.wi_out)
                 calls["indexer_topk"] = lambda: d.indexer_topk(self.qi_out, self.wi_out, st.positions, st.req_slots,
                                                                cache.index, st.block_table(CSA), self.idx,
-                                                               cfg.csa_ratio)
+                                                               cache.topk_workspace, cfg.csa_ratio)
         calls["sparse_attn"] = lambda: d.sparse_attn(self.q_rot, cache.window, comp_cache, st.positions, st.req_slots,
-                                                     self.idx, layer.sinks, self.o, cfg.head_dim**-0.5, cfg.window,
-                                                     cache.ring_size)
+                                                     self.idx, self.lens, layer.sinks, self.o, cfg.head_dim**-0.5,
+                                                     cfg.window, cache.ring_size)
         calls["inv_rope"] = lambda: d.inv_rope(self.o, st.positions, layer.inv_freq, self.o_rot)
         return calls
 
@@ -184,8 +188,19 @@ class Case:
     def layer_fn(self):
         return lambda: self.layer(self.x, self.step)
 
+    def flashmla_call(self):
+        """FlashMLA's kernel on this case's pools and indices (decode, or sparse prefill on the keys
+        gathered to bf16), or None where it cannot run: not installed, or heads other than 64 / 128."""
+        if not flashmla.available() or self.model.num_heads not in (64, 128):
+            return None
+        st, cache = self.step, self.layer.cache
+        comp = cache.comp if self.layer.compressor is not None else cache.window
+        fn = flashmla.decode if self.new_tokens == 1 else flashmla.prefill
+        return fn(self.q_rot, cache.window, comp, st.positions, st.req_slots, self.idx, self.lens, self.layer.sinks,
+                  self.model.head_dim**-0.5, self.model.window, cache.ring_size)
 
-def _row(case: Case, op: str, us: float, mode: str, baseline_us: float | None) -> dict:
+
+def _row(case: Case, op: str, us: float, mode: str, baseline_us: float | None, flashmla_us: float | None = None) -> dict:
     nbytes, flops, ceiling = case.work(op)
     c = ceilings()[ceiling]
     rate = flops / (us * 1e-6) if ceiling == "bf16" else nbytes / (us * 1e-6)
@@ -193,6 +208,7 @@ def _row(case: Case, op: str, us: float, mode: str, baseline_us: float | None) -
         "layer": case.kind, "batch": case.batch, "context": case.context, "tokens": case.new_tokens, "op": op,
         "us": us, "timing": mode, "GB/s": nbytes / (us * 1e-6) / 1e9, "TFLOP/s": flops / (us * 1e-6) / 1e12,
         "ceiling": ceiling, "pct_ceiling": 100.0 * rate / c, "reference_us": baseline_us,
+        "flashmla_us": flashmla_us, "vs_flashmla": None if flashmla_us is None else us / flashmla_us,
     }
 
 
@@ -205,6 +221,11 @@ def _reference_backend():
         yield
 
 
+def _flashmla_us(case: Case) -> float | None:
+    fn = case.flashmla_call()
+    return None if fn is None else graph_time_us(fn)
+
+
 def bench_case(case: Case, with_reference: bool) -> list[dict]:
     rows = []
     for op, call in case.op_calls().items():
@@ -213,13 +234,53 @@ def bench_case(case: Case, with_reference: bool) -> list[dict]:
         if with_reference:
             with _reference_backend():
                 ref = eager_time_us(call, iters=3)
-        rows.append(_row(case, op, us, "graph", ref))
+        rows.append(_row(case, op, us, "graph", ref, _flashmla_us(case) if op == "sparse_attn" else None))
     core = graph_time_us(case.core())
     total = graph_time_us(case.layer_fn())
     base = {"layer": case.kind, "batch": case.batch, "context": case.context, "tokens": case.new_tokens}
     rows.append({**base, "op": "attention core (all ops)", "us": core, "timing": "graph"})
     rows.append({**base, "op": "projection GEMMs + norms (layer - core)", "us": total - core, "timing": "graph"})
     rows.append({**base, "op": "whole layer", "us": total, "timing": "graph"})
+    return rows
+
+
+# The sparse_attn rows of the FlashMLA comparison: (label, model, layer kind, batch, context, new tokens).
+SIDE_BY_SIDE = [
+    ("sliding 1 x 4K", FLASH, SLIDING, 1, 4096, 1),
+    ("sliding 128 x 4K", FLASH, SLIDING, 128, 4096, 1),
+    ("CSA 1 x 4K", FLASH, CSA, 1, 4096, 1),
+    ("CSA 32 x 4K", FLASH, CSA, 32, 4096, 1),
+    ("CSA 128 x 4K", FLASH, CSA, 128, 4096, 1),
+    ("HCA 128 x 64K", FLASH, HCA, 128, 65536, 1),
+    ("HCA 32 x 1M", FLASH, HCA, 32, 1 << 20, 1),
+    ("V4-Pro CSA 128 x 4K", DSV4AttentionConfig.pro(), CSA, 128, 4096, 1),
+    ("prefill CSA 4096 from 0", FLASH, CSA, 1, 4096, 4096),
+]
+
+
+def side_by_side(progress=print) -> list[dict]:
+    """dsv4ops' sparse_attn and FlashMLA's kernel on the same pools and indices, same timer, and the
+    largest difference of their outputs relative to FlashMLA's largest |output|."""
+    rows = []
+    for label, model, kind, batch, context, new in SIDE_BY_SIDE:
+        case = Case(kind, batch, context, new, model=model)
+        calls = case.op_calls()
+        for op in ("qkv_prep", "indexer_q_prep", "indexer_topk"):  # the inputs sparse_attn reads
+            if op in calls:
+                calls[op]()
+        ours = graph_time_us(calls["sparse_attn"])
+        row = _row(case, "sparse_attn", ours, "graph", None, _flashmla_us(case))
+        row["case"] = label
+        fn = case.flashmla_call()
+        if fn is not None:
+            calls["sparse_attn"]()
+            theirs = fn().float()
+            live = case.step.req_slots >= 0
+            row["rel_diff"] = ((case.o.float()[live] - theirs[live]).abs().max() / theirs[live].abs().max()).item()
+        progress(row)
+        rows.append(row)
+        del case
+        torch.cuda.empty_cache()
     return rows
 
 

@@ -35,7 +35,8 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsv4ops bench", description=__doc__)
-    ap.add_argument("--only", default="attention,router,memory", help="comma list of: attention, router, memory")
+    ap.add_argument("--only", default="attention,flashmla,router,memory",
+                    help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), router, memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args(argv)
@@ -45,7 +46,7 @@ def main(argv=None):
     if "memory" in parts:
         out["memory"] = memory.rows()
         print(memory.markdown(out["memory"]))
-    if "attention" in parts or "router" in parts:
+    if parts & {"attention", "flashmla", "router"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
     if "attention" in parts:
@@ -53,7 +54,16 @@ def main(argv=None):
 
         out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True))
         print(table(out["attention"], ["layer", "batch", "context", "tokens", "op", "us", "GB/s", "TFLOP/s",
-                                       "ceiling", "pct_ceiling", "reference_us"]))
+                                       "ceiling", "pct_ceiling", "reference_us", "flashmla_us"]))
+    if "flashmla" in parts:
+        from dsv4ops.bench import attention, flashmla
+
+        if not flashmla.available():
+            print("flashmla: not importable (see ../shared/bench-kit/README.md); side-by-side table skipped")
+        else:
+            out["flashmla"] = attention.side_by_side(progress=lambda r: print("row", json.dumps(r), flush=True))
+            print(table(out["flashmla"], ["case", "us", "flashmla_us", "vs_flashmla", "GB/s", "TFLOP/s", "ceiling",
+                                          "pct_ceiling", "rel_diff"]))
     if "router" in parts:
         from dsv4ops.bench import router
 

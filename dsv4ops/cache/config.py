@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
+from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.quant.reference import INDEXER_ENTRY_BYTES, indexer_block_bytes, main_block_bytes
 from dsv4ops.reference.numerics import Numerics
 
@@ -31,7 +32,10 @@ class CacheConfig:
     one step (sizes the window ring; defaults to max_step_tokens). kv_cache / indexer_cache: "fp8"
     (584-B / 132-B entries) or "bf16" (unquantized rows of dtype `exact_dtype`; float32 gives a
     bit-level comparison with an fp32 model). max_total_tokens: context held by all requests at once
-    (sizes the compressed pools; defaults to max_requests x max_context).
+    (sizes the compressed pools; defaults to max_requests x max_context). topk_tokens: tokens one
+    launch of the indexer's top-k serves (sizes its workspace, one row of max_context / 4 keys per
+    token, shared by the CSA layers; defaults to min(max_step_tokens, 256): a decode batch in one
+    launch, a long prefill chunk in several).
     """
 
     max_requests: int
@@ -43,6 +47,7 @@ class CacheConfig:
     exact_dtype: torch.dtype = torch.bfloat16
     max_request_step_tokens: int | None = None
     max_total_tokens: int | None = None
+    topk_tokens: int | None = None
     buckets: tuple[int, ...] = field(default=())
 
     def __post_init__(self):
@@ -60,6 +65,10 @@ class CacheConfig:
     @property
     def request_step_tokens(self) -> int:
         return self.max_request_step_tokens or self.max_step_tokens
+
+    @property
+    def topk_launch_tokens(self) -> int:
+        return self.topk_tokens or min(self.max_step_tokens, 256)
 
     @property
     def total_tokens(self) -> int:
@@ -133,9 +142,18 @@ def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) ->
     return pools
 
 
+def topk_workspace_words(model: DSV4AttentionConfig, cfg: CacheConfig) -> int:
+    """int32 words of the indexer top-k workspace all CSA layers share (0 without CSA layers)."""
+    if CSA not in {model.layer_type(i) for i in range(model.num_layers)}:
+        return 0
+    n_entries = blocks_per_request(cfg, model.csa_ratio) * cfg.block_size
+    return workspace_words(cfg.topk_launch_tokens, n_entries, model.index_topk)
+
+
 def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
-    """Bytes per context token (growth) and fixed bytes per request, over all main layers; paged
-    FP8 main entries count with their page padding (64 entries: 37440 B, 585 B each)."""
+    """Bytes per context token (growth) and fixed bytes per request, over all main layers, and the
+    fixed bytes of the manager (the indexer's top-k workspace); paged FP8 main entries count with
+    their page padding (64 entries: 37440 B, 585 B each)."""
     main = main_block_bytes(cfg.block_size) / cfg.block_size if cfg.kv_cache == "fp8" else 2.0 * model.head_dim
     idx = INDEXER_ENTRY_BYTES if cfg.indexer_cache == "fp8" else 2.0 * model.index_head_dim
     per_token = fixed = 0.0
@@ -150,4 +168,5 @@ def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
         if kind == CSA:
             per_token += idx / ratio
             fixed += 2 * ratio * 4 * model.index_head_dim * 4
-    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed}
+    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed,
+            "fixed_bytes": 4 * topk_workspace_words(model, cfg)}

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from dsv4ops.cache.config import CacheConfig, blocks_per_request, pool_blocks
+from dsv4ops.cache.config import CacheConfig, blocks_per_request, pool_blocks, topk_workspace_words
 from dsv4ops.cache.step import StepMeta
 from dsv4ops.config import CSA, HCA, DSV4AttentionConfig
 
@@ -43,8 +43,18 @@ class KVCacheManager:
         self.allocators = {k: BlockAllocator(pool_blocks(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
         self.tables = {k: torch.full((cfg.max_requests, w), -1, dtype=torch.int32) for k, w in self.widths.items()}
         self.free_slots = list(range(cfg.max_requests - 1, -1, -1))
+        self._topk_workspace: dict[torch.device, torch.Tensor] = {}
         self.slot_of: dict[object, int] = {}
         self.length: dict[object, int] = {}
+
+    def topk_workspace(self, device) -> torch.Tensor:
+        """The indexer top-k scratch every CSA layer attached to this manager shares on `device`
+        (layers run one after another; allocated once, so CUDA graphs keep its address)."""
+        device = torch.device(device)
+        if device not in self._topk_workspace:
+            self._topk_workspace[device] = torch.empty(topk_workspace_words(self.model, self.cfg), dtype=torch.int32,
+                                                       device=device)
+        return self._topk_workspace[device]
 
     # ---- requests ------------------------------------------------------------------------------
     def admit(self, request_id) -> int:

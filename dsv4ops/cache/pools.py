@@ -4,15 +4,17 @@ of the weights ignores them), allocated once and never reassigned (CUDA graphs k
 import torch
 from torch import nn
 
-from dsv4ops.cache.config import CacheConfig, layer_pools
-from dsv4ops.config import DSV4AttentionConfig
+from dsv4ops.cache.config import CacheConfig, layer_pools, topk_workspace_words
+from dsv4ops.config import CSA, DSV4AttentionConfig
 
 
 class LayerCache(nn.Module):
     """Buffers `window` (ring of every request), and for compressed layers `comp` (paged entries)
-    and `state` (fp32 compressor ring), and for CSA layers `index` and `index_state`."""
+    and `state` (fp32 compressor ring), and for CSA layers `index`, `index_state` and
+    `topk_workspace` (the indexer's scratch, one tensor shared by every CSA layer of a manager)."""
 
-    def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None):
+    def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None,
+                 topk_workspace: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
         self.ring_size = cfg.ring_size(model.window)
@@ -22,3 +24,7 @@ class LayerCache(nn.Module):
             fill = 255 if spec.dtype == torch.uint8 else float("nan")
             self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
                                  persistent=False)
+        if model.layer_type(layer_idx) == CSA:
+            if topk_workspace is None:
+                topk_workspace = torch.empty(topk_workspace_words(model, cfg), dtype=torch.int32, device=device)
+            self.register_buffer("topk_workspace", topk_workspace, persistent=False)

@@ -37,6 +37,11 @@ class StepMeta:
 pytree.register_dataclass(StepMeta)
 
 
+def visible_counts(step: StepMeta, ratio: int) -> Tensor:
+    """[T] int32: complete entries of each token's request, (t + 1) // m (0 for padding)."""
+    return torch.where(step.req_slots >= 0, (step.positions + 1) // ratio, 0).to(torch.int32)
+
+
 def visible_entries(step: StepMeta, ratio: int, block_size: int) -> Tensor:
     """[T, max entries] pool slots of every complete entry of each token's request (w < (t+1)//m),
     -1 elsewhere: the HCA key list, computed on the device inside the graph."""

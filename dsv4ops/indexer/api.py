@@ -9,6 +9,7 @@ from torch import Tensor
 from dsv4ops import _values
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops bound below)
 from dsv4ops.indexer import checks
+from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.quant.api import block_size
 
 _indexer_q_prep = torch.ops.dsv4.indexer_q_prep.default
@@ -61,20 +62,24 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     cache: a paged pool of d-wide keys (uint8 132-B entries need d = 128; see dsv4ops.quant.api);
     block_table [requests, blocks] int32: physical block of each block of a request's entries
     (-1 unallocated). Score of entry w: sum_h w_h relu(q_h . K_w) over the visible entries
-    w < (t + 1) // ratio; best first, exact ties to the lower entry, -1 after the visible ones.
+    w < (t + 1) // ratio; the k best (exact ties to the lower entry) in ascending entry order,
+    -1 after them. The CUDA kernel's scratch (indexer.workspace) is allocated per call here; the
+    serving layers hold one, sized by the cache config.
 
     Checked in eager mode: k >= 1; positions >= 0; req_slots in [-1, requests); block_table values
     in [-1, pool blocks), and allocated for every visible entry of a live token."""
     if not torch.compiler.is_compiling() and k < 1:
         raise ValueError(f"k: expected >= 1 entries per token, got {k}")
     idx = torch.empty((q.shape[0], k), dtype=torch.int32, device=q.device)
+    n_entries = block_table.shape[-1] * block_size(cache, q.shape[-1])  # shapes are checked below
+    workspace = torch.empty(workspace_words(q.shape[0], n_entries, k), dtype=torch.int32, device=q.device)
     if _values.has_data(q, weights, positions, req_slots, cache, block_table):
-        checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx, ratio)
+        checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx, workspace, ratio)
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, block_table.shape[0],
                          f"-1 or one of the {block_table.shape[0]} requests of block_table")
         _values.in_range("block_table", block_table, -1, cache.shape[0],
                          f"-1 or one of the pool's {cache.shape[0]} blocks")
         _check_visible_blocks(positions, req_slots, block_table, block_size(cache, q.shape[2]), ratio)
-    _indexer_topk(q, weights, positions, req_slots, cache, block_table, idx, ratio)
+    _indexer_topk(q, weights, positions, req_slots, cache, block_table, idx, workspace, ratio)
     return idx

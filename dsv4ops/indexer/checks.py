@@ -4,6 +4,7 @@ import torch
 from torch import Tensor
 
 from dsv4ops import _checks as c
+from dsv4ops.indexer.workspace import workspace_words
 
 _Q_OUT = c.FLOATS + (torch.float8_e4m3fn,)
 
@@ -26,7 +27,7 @@ def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tens
 
 
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
-                 block_table: Tensor, idx_out: Tensor, ratio: int):
+                 block_table: Tensor, idx_out: Tensor, workspace: Tensor, ratio: int):
     c.ndim("q", q, 3, "[tokens, index_heads, index_head_dim]")
     c.dtype("q", q, _Q_OUT)
     c.last_dim_contiguous("q", q)
@@ -44,4 +45,13 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     c.dtype("idx_out", idx_out, c.INDEX)
     c.size("idx_out", idx_out, 0, t, "tokens of q")
     c.same_device("idx_out", idx_out, q, "q")
+    c.ndim("workspace", workspace, 1, "[int32 words]")
+    c.dtype("workspace", workspace, c.INDEX)
+    c.contiguous("workspace", workspace)
+    c.same_device("workspace", workspace, q, "q")
+    n_entries = block_table.shape[1] * (c.paged_cache("cache", cache, q.shape[2], q))
+    need = workspace_words(1, n_entries, idx_out.shape[1])
+    torch._check(workspace.shape[0] >= need, lambda: f"workspace: expected >= {need} int32 words (one token's keys "
+                 f"and the chunk candidates: indexer.workspace.workspace_words(1, {n_entries}, "
+                 f"{idx_out.shape[1]})), got {workspace.shape[0]}")
     torch._check(ratio > 0, lambda: f"ratio: expected > 0, got {ratio}")

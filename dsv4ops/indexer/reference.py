@@ -4,7 +4,8 @@
 weights x d^-1/2 x H^-1/2, and for an e4m3 q_out the per-(token, head) power-of-two scale folded
 into the weights. `indexer_topk`: score_t[w] = sum_h w_h relu(q_h . K[w]) over the entries
 w < (t + 1) // ratio of the token's request (read through its block table), top-k with ties to the
-lower entry, written as global pool slots; -1 fills the rest and every row of a padding token.
+lower entry, written as global pool slots in ascending entry order; -1 fills the rest and every row
+of a padding token.
 """
 
 import torch
@@ -53,6 +54,9 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     scores = (scores * weights.float()[..., None]).sum(1).masked_fill(~visible, float("-inf"))
     kk = min(k, n_max)
     best = stable_topk(scores, kk)
-    chosen = slots.gather(1, best).where(visible.gather(1, best), -1)
+    picked = visible.gather(1, best)
+    # The picked entries in ascending entry order, then the -1 fill.
+    entry = torch.where(picked, best, n_max).sort(dim=1).values
+    chosen = slots.gather(1, entry.clamp(max=n_max - 1)).where(entry < n_max, -1)
     idx_out.fill_(-1)
     idx_out[:, :kk] = chosen.to(idx_out.dtype)

@@ -48,7 +48,7 @@ def block_size(cache: torch.Tensor, fmt: int) -> int:
 
 # ---- paged entries -----------------------------------------------------------------------------
 @triton.jit
-def _main_offsets(slots, block_size):
+def main_offsets(slots, block_size):
     block_bytes = ((block_size * 584 + 575) // 576) * 576
     blk = slots // block_size
     off = slots % block_size
@@ -74,7 +74,7 @@ def store_rows(cache_ptr, slots, mask, x, block_size, R: tl.constexpr, D: tl.con
         v = round_to(x, cache_ptr.dtype.element_ty, SOFT)
         tl.store(cache_ptr + slots[:, None] * D + cols[None, :], v, mask=mask[:, None])
     elif FMT == 1:
-        data_at, scale_at = _main_offsets(slots, block_size)
+        data_at, scale_at = main_offsets(slots, block_size)
         v = tl.reshape(round_via(x, tl.bfloat16, SOFT), [R, 8, 64])
         e = ue8m0_exponent(tl.max(tl.abs(v), axis=2))  # [R, 8]; block 7 is the bf16 rope part
         codes = f32_to_e4m3_bits(v * pow2(-e)[:, :, None], SOFT)
@@ -101,7 +101,7 @@ def store_rows(cache_ptr, slots, mask, x, block_size, R: tl.constexpr, D: tl.con
 def load_main_codes(cache_ptr, slots, mask, block_size, R: tl.constexpr, SOFT: tl.constexpr):
     """The 584-B entries at `slots` [R] as fp32 [R, 8, 64]: blocks 0..6 = e4m3 x 2^(s - 127),
     block 7 = the bf16 rope dims. Masked rows read nothing and hold 0."""
-    data_at, scale_at = _main_offsets(slots, block_size)
+    data_at, scale_at = main_offsets(slots, block_size)
     blk = tl.arange(0, 8)[None, :, None]
     c64 = tl.arange(0, 64)[None, None, :]
     m3 = mask[:, None, None]

@@ -1,7 +1,8 @@
 """Reference kernel of `dsv4::sparse_attn`: each query attends to its window (positions
 max(0, t - window + 1) .. t of its request's ring, itself included) and to the compressed entries
 listed in comp_idx (global pool slots, -1 = none), with the per-head sink in the denominator
-(spec 3.5). Padding tokens (request -1) get a zero row."""
+(spec 3.5); only the first comp_lens[t] columns of a row are listed. Padding tokens (request -1)
+get a zero row."""
 
 import torch
 from torch import Tensor
@@ -15,8 +16,11 @@ _CHUNK = 64
 
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int, ring_size: int) -> None:
+                comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int,
+                ring_size: int) -> None:
     d = q.shape[-1]
+    listed = torch.arange(comp_idx.shape[1], device=q.device)[None] < comp_lens.long()[:, None]
+    comp_idx = comp_idx.where(listed, -1)
     for s in range(0, q.shape[0], _CHUNK):
         qs, pos, req, idx = q[s:s + _CHUNK], positions[s:s + _CHUNK].long(), req_slots[s:s + _CHUNK], comp_idx[s:s + _CHUNK]
         n = qs.shape[0]

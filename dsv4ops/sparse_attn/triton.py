@@ -1,15 +1,24 @@
-"""Triton kernel of `dsv4::sparse_attn` (sparse_attn/reference.py is the specification), decode and
+"""Triton kernels of `dsv4::sparse_attn` (sparse_attn/reference.py is the specification), decode and
 prefill alike.
 
-One program per (token, block of HB heads). K = V is one shared 512-d head (MQA), so the program
-holds q [HB, 512] and streams key tiles [BK, 512]: first the token's window (positions
-t - window + 1 .. t of its request's ring), then its compressed entries (comp_idx, -1 = none).
-Tiles are read straight from the pools (FP8 584-B entries dequantized in registers: e4m3 x 2^(s-127)
-for the 448 nope dims, bf16 rope dims; float pools converted to q's dtype, as the reference's key
-copy), S = q k^T and O += P k run on the tensor cores in q's dtype with fp32 accumulation (P cast to
-q's dtype, as DeepSeek's kernel), online softmax in fp32 (exp2). The sink starts the running max and
-sum (logit s_h, no value), which is exactly its term in the denominator. Tiles with no valid key are
-skipped. Padding tokens (request -1) write zeros.
+Split-KV MQA. A token's keys are one list: its window (positions t - window + 1 .. t of its
+request's ring), then its compressed entries comp_idx[t, :comp_lens[t]] (-1 = none). K = V is one
+shared 512-d head, so a program holds q [HB heads, 512] and streams key tiles [BK, 512] of one
+split of that list: every key is read once for all HB heads. Grid (tokens, head blocks, splits).
+
+- FP8 584-B entries are dequantized in bf16 arithmetic, which is exact: e4m3 -> bf16 is exact and
+  the UE8M0 scale is a power of two (the bf16 with exponent field = the scale byte), so a tile
+  never exists in fp32 registers (an fp32 [64, 512] tile alone is 128 registers per thread at 8
+  warps). Float pools are converted to q's dtype, as the reference's key copy.
+- S = q k^T and O += P k on the tensor cores in q's dtype, fp32 accumulation, P cast to q's dtype
+  (DeepSeek's kernel); online softmax in fp32 (exp2).
+- One split: the sink opens the online softmax (running max s_h, sum e^0 = 1, no value), which is
+  exactly its term in the denominator; the output is written directly. Several splits (few tokens:
+  a decode batch that would leave SMs idle): each writes its normalized partial output and log2-sum
+  to a workspace, and `_combine_kernel` merges them with the sink. The workspace is allocated per
+  call from static sizes only (tokens, heads, splits), so the op stays CUDA-graph safe.
+- Tiles with no valid key are skipped; tiles past comp_lens are never visited, so the cost follows
+  each token's real key count, not the width of comp_idx. Padding tokens (request -1) write zeros.
 """
 
 import math
@@ -18,84 +27,179 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ops.quant.reference import MAIN_DIM
-from dsv4ops.quant.triton import block_size, load_rows, pool_format
-from dsv4ops.triton_helpers import INTERPRET, launch, require, round_to
+from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
+from dsv4ops.quant.triton import block_size, load_rows, main_offsets, pool_format
 from dsv4ops.sparse_attn import checks as _checks
+from dsv4ops.triton_helpers import INTERPRET, launch, require, round_to, to_f32
+
+# SM count of an H100 SXM: splits are chosen to give about two programs per SM.
+_SMS = 132
 
 
 @triton.jit
-def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, SOFT: tl.constexpr):
-    """One online-softmax step over key tile k [BK, D] (q's dtype) for q [HB, D]."""
-    if SOFT or q.dtype == tl.float32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+def _load_keys(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr,
+               KDT: tl.constexpr, SOFT: tl.constexpr):
+    """Key tile of `slots` in KDT as two tensors: k [BK, D] with its trailing R (rope) dims zeroed,
+    and rope [BK, R]. Rows with valid False are 0 and read nothing. Building one [BK, D] tile from
+    the e4m3 and the bf16 parts would hold both at full width in registers, next to an
+    accumulator that already takes 128 registers a thread."""
+    cols = tl.arange(0, R)[None, :]
+    if FMT == 1:
+        data_at, scale_at = main_offsets(slots, bs)
+        data_at = tl.multiple_of(data_at, 16)
+        rope_ptr = (pool_ptr + data_at + 448).to(tl.pointer_type(tl.bfloat16))
+        rope = round_to(to_f32(tl.load(rope_ptr[:, None] + cols, mask=valid[:, None], other=0.0), SOFT), KDT, SOFT)
     else:
-        s = tl.dot(q, tl.trans(k))
+        rope_at = slots[:, None] * D + (D - R) + cols
+        rope = round_to(to_f32(tl.load(pool_ptr + rope_at, mask=valid[:, None], other=0.0), SOFT), KDT, SOFT)
+    if FMT == 1 and KDT == tl.bfloat16 and not SOFT:
+        blk = tl.arange(0, 8)[None, :, None]
+        c64 = tl.arange(0, 64)[None, None, :]
+        codes = tl.load(pool_ptr + data_at[:, None, None] + blk * 64 + c64, mask=valid[:, None, None] & (blk < 7),
+                        other=0)
+        b8 = tl.arange(0, 8)[None, :]
+        sc = tl.load(pool_ptr + scale_at[:, None] + b8, mask=valid[:, None] & (b8 < 7), other=127)
+        # UE8M0 byte e -> the bf16 2^(e - 127): e in the exponent field, zero mantissa.
+        scale = (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+        k = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale[:, :, None], [BK, D])
+    else:
+        rows = load_rows(pool_ptr, slots, valid, bs, BK, D, FMT, SOFT)
+        k = round_to(tl.where(tl.arange(0, D)[None, :] < D - R, rows, 0.0), KDT, SOFT)
+    return k, rope
+
+
+@triton.jit
+def _dot(a, b, acc, SOFT: tl.constexpr):
+    """acc + a @ b: fp32 (IEEE) for fp32 operands and in the interpreter, else the operands' dtype
+    on the tensor cores with fp32 accumulation."""
+    if SOFT or a.dtype == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT: tl.constexpr):
+    """One online-softmax step over a key tile (k [BK, D], rope [BK, R]) for q [HB, D] (whose rope
+    dims meet k's zeros) and q_rope [HB, R]."""
+    s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), SOFT)
+    s = _dot(q_rope, tl.trans(rope), s, SOFT)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # m_new is -inf only while no key and no sink has been seen (a split's first empty tiles).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if SOFT or q.dtype == tl.float32:
-        pv = tl.dot(p, k.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(k.dtype), k)
-    return m_new, l_i, acc * alpha[:, None] + pv
+    p = p.to(k.dtype)  # P in the keys' dtype for P V, as DeepSeek's kernel
+    acc = _dot(p, k, acc * alpha[:, None], SOFT)
+    acc_r = _dot(p, rope, acc_r * alpha[:, None], SOFT)
+    return m_new, l_i, acc, acc_r
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_idx"])
-def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, sink_ptr, out_ptr, sq_t, sq_h, si_t, so_t,
-                        so_h, n_heads, n_idx, qk_scale, window, ring_size, w_bs, c_bs, D: tl.constexpr,
-                        HB: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, W_FMT: tl.constexpr,
-                        C_FMT: tl.constexpr, SOFT: tl.constexpr):
+def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, part_ptr,
+                        lse_ptr, sq_t, sq_h, si_t, so_t, so_h, n_heads, n_idx, qk_scale, window, ring_size, w_bs,
+                        c_bs, D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+                        SPLIT_KEYS: tl.constexpr, SPLITS: tl.constexpr, WIN: tl.constexpr, STAGES: tl.constexpr,
+                        W_FMT: tl.constexpr, C_FMT: tl.constexpr, SOFT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HB + tl.arange(0, HB)
+    split = tl.program_id(2)
+    hm = heads < n_heads
+    h64 = heads.to(tl.int64)
+    cols = tl.arange(0, D)
+    rcols = tl.arange(0, R)
+    req = tl.load(req_ptr + t)
+    kdt: tl.constexpr = q_ptr.dtype.element_ty
+    # This split's share of the key list [window (WIN slots) | entries (n_len)].
+    k_lo = split * SPLIT_KEYS
+    k_hi = k_lo + SPLIT_KEYS
+    if SPLITS == 1:
+        # The sink opens the online softmax: running max s_h, running sum e^0 = 1, no value. A
+        # padding token keeps acc = 0, so its row is written as zeros.
+        m_i = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
+        l_i = tl.full([HB], 1.0, tl.float32)
+    else:
+        m_i = tl.full([HB], float("-inf"), tl.float32)
+        l_i = tl.zeros([HB], tl.float32)
+    acc = tl.zeros([HB, D], tl.float32)
+    acc_r = tl.zeros([HB, R], tl.float32)
+    if req >= 0:
+        pos = tl.load(pos_ptr + t)
+        n_len = tl.minimum(tl.load(len_ptr + t), n_idx)
+        q_at = q_ptr + t * sq_t + h64[:, None] * sq_h
+        q = tl.load(q_at + cols[None, :], mask=hm[:, None], other=0.0)
+        q_rope = tl.load(q_at + (D - R) + rcols[None, :], mask=hm[:, None], other=0.0)
+        ring0 = req.to(tl.int64) * ring_size
+        # Window: list slots [0, WIN) hold positions pos - window + 1 + j for j < window.
+        for j0 in tl.range(tl.minimum(k_lo, WIN), tl.minimum(k_hi, WIN), BK, num_stages=STAGES):
+            j = j0 + tl.arange(0, BK)
+            wpos = pos - window + 1 + j
+            valid = (j < window) & (wpos >= 0)
+            if STAGES > 1 or tl.max(valid.to(tl.int32), axis=0) > 0:
+                slots = ring0 + tl.maximum(wpos, 0) % ring_size
+                k, rope = _load_keys(wc_ptr, slots, valid, w_bs, BK, D, R, W_FMT, kdt, SOFT)
+                m_i, l_i, acc, acc_r = _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT)
+        # Entries: list slots [WIN, WIN + n_len).
+        e_lo = tl.maximum(k_lo - WIN, 0)
+        e_hi = tl.minimum(k_hi - WIN, n_len)
+        for j0 in tl.range(e_lo, e_hi, BK, num_stages=STAGES):
+            j = j0 + tl.arange(0, BK)
+            idx = tl.load(idx_ptr + t * si_t + j, mask=j < e_hi, other=-1)
+            valid = idx >= 0
+            if STAGES > 1 or tl.max(valid.to(tl.int32), axis=0) > 0:
+                k, rope = _load_keys(cc_ptr, tl.maximum(idx, 0).to(tl.int64), valid, c_bs, BK, D, R, C_FMT, kdt, SOFT)
+                m_i, l_i, acc, acc_r = _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT)
+    if SPLITS == 1:
+        dst = out_ptr + t * so_t + h64[:, None] * so_h
+        odt: tl.constexpr = out_ptr.dtype.element_ty
+        tl.store(dst + cols[None, :], round_to(acc / l_i[:, None], odt, SOFT), mask=hm[:, None] & (cols < D - R))
+        tl.store(dst + (D - R) + rcols[None, :], round_to(acc_r / l_i[:, None], odt, SOFT), mask=hm[:, None])
+    else:
+        # Partial output normalized by its own sum, and the log2 of that sum (-inf: no key).
+        row = (t * SPLITS + split) * n_heads + h64
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        dst = part_ptr + row[:, None] * D
+        tl.store(dst + cols[None, :], acc / l_safe[:, None], mask=hm[:, None] & (cols < D - R))
+        tl.store(dst + (D - R) + rcols[None, :], acc_r / l_safe[:, None], mask=hm[:, None])
+        tl.store(lse_ptr + row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=hm)
+
+
+@triton.jit(do_not_specialize=["n_heads"])
+def _combine_kernel(part_ptr, lse_ptr, req_ptr, sink_ptr, out_ptr, so_t, so_h, n_heads, D: tl.constexpr,
+                    HB: tl.constexpr, SPLITS: tl.constexpr, SOFT: tl.constexpr):
+    """out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink): the splits' partials and the sink."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hm = heads < n_heads
     h64 = heads.to(tl.int64)
     cols = tl.arange(0, D)
     out = out_ptr + t * so_t + h64[:, None] * so_h + cols[None, :]
-    req = tl.load(req_ptr + t)
-    if req < 0:
+    if tl.load(req_ptr + t) < 0:
         tl.store(out, tl.zeros([HB, D], out_ptr.dtype.element_ty), mask=hm[:, None])
     else:
-        pos = tl.load(pos_ptr + t)
-        q = tl.load(q_ptr + t * sq_t + h64[:, None] * sq_h + cols[None, :], mask=hm[:, None], other=0.0)
-        kdt: tl.constexpr = q_ptr.dtype.element_ty
-        # The sink opens the online softmax: running max s_h, running sum e^0 = 1, no value.
-        m_i = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
-        l_i = tl.full([HB], 1.0, tl.float32)
+        sink = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
+        m = sink
+        for s in tl.static_range(SPLITS):
+            m = tl.maximum(m, tl.load(lse_ptr + (t * SPLITS + s) * n_heads + h64, mask=hm, other=float("-inf")))
+        den = tl.exp2(sink - m)
         acc = tl.zeros([HB, D], tl.float32)
-        ring0 = req.to(tl.int64) * ring_size
-        for j0 in tl.range(0, window, BK, num_stages=STAGES):
-            j = j0 + tl.arange(0, BK)
-            wpos = pos - window + 1 + j
-            valid = (j < window) & (wpos >= 0)
-            if STAGES > 1 or tl.max(valid.to(tl.int32), axis=0) > 0:
-                slots = ring0 + tl.maximum(wpos, 0) % ring_size
-                k = round_to(load_rows(wc_ptr, slots, valid, w_bs, BK, D, W_FMT, SOFT), kdt, SOFT)
-                m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, SOFT)
-        for j0 in tl.range(0, n_idx, BK, num_stages=STAGES):
-            j = j0 + tl.arange(0, BK)
-            idx = tl.load(idx_ptr + t * si_t + j, mask=j < n_idx, other=-1)
-            valid = idx >= 0
-            if STAGES > 1 or tl.max(valid.to(tl.int32), axis=0) > 0:
-                k = round_to(load_rows(cc_ptr, tl.maximum(idx, 0).to(tl.int64), valid, c_bs, BK, D, C_FMT, SOFT),
-                             kdt, SOFT)
-                m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, SOFT)
-        o = acc / l_i[:, None]
-        tl.store(out, round_to(o, out_ptr.dtype.element_ty, SOFT), mask=hm[:, None])
+        for s in tl.static_range(SPLITS):
+            row = (t * SPLITS + s) * n_heads + h64
+            w = tl.exp2(tl.load(lse_ptr + row, mask=hm, other=float("-inf")) - m)
+            den += w
+            acc += w[:, None] * tl.load(part_ptr + row[:, None] * D + cols[None, :], mask=hm[:, None], other=0.0)
+        tl.store(out, round_to(acc / den[:, None], out_ptr.dtype.element_ty, SOFT), mask=hm[:, None])
 
 
 def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int, int, int]:
     """(heads per program, keys per tile, warps, pipeline stages), from static dims only.
 
-    Measured on an H200 (V4-Flash decode, 128 x 1 token, 128 + 512 FP8 keys, h=64; the bench in
-    tests/test_kernels_gpu.py): the kernel is bound by the latency of each tile iteration (gather,
-    dequant, two dots), not by registers, so the widest tiles win although they spill: 64 heads x
-    64 keys 105 us; 64 x 32: 131 us; 32 x 64: 204 us; 16 x 32: 186 us; spill-free 32 x 16: 315 us;
-    Triton's cp.async pipeline (stages 2): 100 us at 64 x 64, 139 us at 64 x 32, within noise, so
-    the default stays on the tile-skipping loop. tl.dot needs >= 16 rows: fewer heads are padded.
-    fp32 activations or pools (exact mode) take [32, 512] fp32 tiles for 16 heads (shared memory)."""
+    bf16 tiles of 64 heads x 64 keys on 8 warps: the accumulator [64, 512] fp32 is 128 registers a
+    thread, the key tile stays bf16 (exact dequantization in bf16, see the module docstring).
+    tl.dot needs >= 16 rows: fewer heads are padded. fp32 activations or pools (exact mode) take
+    [32, 512] fp32 tiles for 16 heads (shared memory)."""
     if dtype == torch.float32 or torch.float32 in pool_dtypes:
         return 16, 32, 4, 1
     if num_heads > 32:
@@ -105,19 +209,47 @@ def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int
     return 16, 32, 4, 1
 
 
-def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, scale: float, window: int,
-                ring_size: int) -> None:
+def splits(programs: int, keys: int, bk: int) -> int:
+    """Splits of each token's key list: enough programs for about two per SM, each split at least
+    two tiles; one split (no workspace, no combine) once the tokens alone fill the GPU."""
+    if INTERPRET:
+        return 1 if keys <= 2 * bk else 2  # the interpreter runs both paths on tiny shapes
+    want = -(-2 * _SMS // max(programs, 1))
+    return max(1, min(want, keys // (2 * bk)))
+
+
+def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, scale: float,
+                window: int, ring_size: int) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
-    _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, window, ring_size)
+    _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, window,
+                        ring_size)
     t, h, d = q.shape
     require(d == MAIN_DIM, "sparse_attn", "q", f"head_dim {MAIN_DIM} (V4 layout)", d)
     if t == 0 or h == 0:
         return
     w_fmt, c_fmt = pool_format(window_cache, d), pool_format(comp_cache, d)
     hb, bk, warps, stages = config(h, q.dtype, (window_cache.dtype, comp_cache.dtype))
-    launch(_sparse_attn_kernel, (t, triton.cdiv(h, hb)),
-           (q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, q.stride(0), q.stride(1),
-            comp_idx.stride(0), out.stride(0), out.stride(1), h, comp_idx.shape[1], scale * math.log2(math.e), window,
-            ring_size, block_size(window_cache, w_fmt), block_size(comp_cache, c_fmt)),
-           dict(D=d, HB=hb, BK=bk, STAGES=stages, W_FMT=w_fmt, C_FMT=c_fmt, SOFT=INTERPRET), num_warps=warps)
+    n_idx = comp_idx.shape[1]
+    win = triton.cdiv(window, bk) * bk
+    n_split = splits(t * triton.cdiv(h, hb), win + n_idx, bk)
+    split_keys = triton.cdiv(triton.cdiv(win + n_idx, n_split), bk) * bk
+    n_split = triton.cdiv(win + n_idx, split_keys)
+    if n_split > 1:
+        part = torch.empty(t * n_split * h, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    grid = (t, triton.cdiv(h, hb), n_split)
+    launch(_sparse_attn_kernel, grid,
+           (q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, part, lse,
+            q.stride(0), q.stride(1), comp_idx.stride(0), out.stride(0), out.stride(1), h, n_idx,
+            scale * math.log2(math.e), window, ring_size, block_size(window_cache, w_fmt),
+            block_size(comp_cache, c_fmt)),
+           dict(D=d, R=MAIN_ROPE, HB=hb, BK=bk, SPLIT_KEYS=split_keys, SPLITS=n_split, WIN=win, STAGES=stages, W_FMT=w_fmt,
+                C_FMT=c_fmt, SOFT=INTERPRET), num_warps=warps)
+    if n_split > 1:
+        chb = 16
+        launch(_combine_kernel, (t, triton.cdiv(h, chb)),
+               (part, lse, req_slots, sinks, out, out.stride(0), out.stride(1), h),
+               dict(D=d, HB=chb, SPLITS=n_split, SOFT=INTERPRET), num_warps=4)
 
