@@ -221,16 +221,27 @@ def test_indexer_topk_exact(q_dtype, pool, k):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("chunks", [1, 3], ids=["one-chunk", "3-chunks-merged"])
-def test_indexer_topk_chunks_tokens_and_entries(chunks, monkeypatch):
-    # A workspace of one token's keys: the launcher loops over 5 launches of one token. With
-    # 4-entry chunks a token's 12 entries are scored and selected by 3 programs, then merged.
+@pytest.mark.parametrize("chunk", [2048, 8], ids=["one-chunk", "2-chunks-merged"])
+def test_indexer_topk_chunks_tokens_and_entries(chunk, monkeypatch):
+    # A workspace of one token's row: the launcher loops over 5 launches of one token. With 8-key
+    # chunks a token's 12 entries are selected in 2 chunks, then merged.
     q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
-    monkeypatch.setattr(indexer_tt, "CHUNK_MIN", 4 if chunks > 1 else 2048)
-    monkeypatch.setattr(indexer_tt, "chunks_per_token", lambda tokens: chunks)
-    monkeypatch.setattr(indexer_tt._ws, "CAND_PROGRAMS", 3)
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", chunk)
     got, want = torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 8, dtype=torch.int32)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(1, 12, 8)[:2 * 3 * 8 + 12], 4)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(1, 12, 8), 4)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
+    assert torch.equal(got, want)
+
+
+def test_indexer_topk_merge_of_tied_chunks_over_memory(monkeypatch):
+    # Zero weights: every score is exactly 0, each 8-key chunk keeps all its keys as candidates and
+    # all 40 survive the cut (more than one 8-key register block): the merge selects over memory and
+    # the first 8 entries must win.
+    q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 8)
+    w = torch.zeros_like(w)
+    got, want = torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 8, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(5, 12, 8), 4)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
     assert torch.equal(got, want)
 
@@ -242,9 +253,8 @@ def test_indexer_topk_long_rows_with_many_ties(chunks, monkeypatch):
     # both signs) cuts at a positive score shared by ~275 entries, token 1 cuts inside its ~270
     # exact zeros (ReLU), token 2 (negative weights, scores <= 0, its zeros -0.0) cuts among
     # negative ties. Every score is exact (small integers), so the reference's selection, tie-break
-    # included, is the answer; 4 chunks add the merge of chunk candidates.
-    monkeypatch.setattr(indexer_tt, "CHUNK_MIN", 1024 if chunks > 1 else 2048)
-    monkeypatch.setattr(indexer_tt, "chunks_per_token", lambda tokens: chunks)
+    # included, is the answer; 1024-key chunks add the merge of chunk candidates.
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 4096 // chunks)
     n, bs = 2600, 64
     blocks = -(-n // bs)
     keys = torch.randint(-1, 2, (blocks * bs, 128)) * 2.0
@@ -460,12 +470,12 @@ def record_launches():
             qi = torch.zeros(t, 64, 128, dtype=dtype)
             qi_out = torch.zeros(t, 64, 128, dtype=torch.float8_e4m3fn if mode == "fp8" else dtype)
             indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, qi_out, torch.zeros(t, 64))
-            for tokens in (t, 300):  # several chunks per token and their merge; one chunk per token
+            for tokens, blocks in ((t, 2), (t, 2100)):  # one chunk per row; rows of several chunks, merged
                 indexer_tt.indexer_topk(torch.zeros(tokens, 64, 128, dtype=qi_out.dtype), torch.zeros(tokens, 64),
                                         torch.zeros(tokens, dtype=torch.int32), torch.zeros(tokens, dtype=torch.int32),
-                                        _pool(pool, 128, 2), torch.zeros(1, 2, dtype=torch.int32),
+                                        _pool(pool, 128, 2), torch.zeros(1, blocks, dtype=torch.int32),
                                         torch.zeros(tokens, 512, dtype=torch.int32),
-                                        testing.topk_workspace(tokens, 2 * BS, 512), 4)
+                                        testing.topk_workspace(tokens, blocks * BS, 512), 4)
             idx = torch.zeros(t, 512, dtype=torch.int32)
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32)
             sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, torch.zeros(64), q, 0.04, 8,
@@ -504,9 +514,9 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
     env["DSV4OPS_TRITON_AOT"] = "1"
     procs = {arch: subprocess.Popen([sys.executable, __file__, str(arch)], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env) for arch in (90, 100)}
-    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_topk_kernel",
-                "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel", "_inv_rope_kernel", "_pack_kernel",
-                "_unpack_kernel"}
+    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_score_kernel",
+                "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel", "_inv_rope_kernel",
+                "_pack_kernel", "_unpack_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

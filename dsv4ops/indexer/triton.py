@@ -3,21 +3,21 @@
 `indexer_q_prep`: RoPE of the 128-d indexer query, head weights x d^-1/2 x H^-1/2, and for an e4m3
 q_out the per-(token, head) UE8M0 scale folded into the weights. Grid (tokens, head blocks).
 
-`indexer_topk`: exact top-k without a sort and without per-entry int64 keys.
-1. `_topk_kernel`, grid (tokens, chunks): a token's visible entries w < (t + 1) // ratio (only
-   these: the cost follows the real context, not the block table's width) are cut into at most P
-   chunks of at least CHUNK_MIN entries. Each program scores its chunk, 64 entries at a time through
-   the block table (132-B FP8 entries: e4m3 x e4m3 tl.dot on the tensor cores, the entry's power-of-
-   two scale after it; an unallocated block holds no entry), into the workspace as uint32 keys
-   ordered like the scores (-0.0 == +0.0; 0 = no entry). A radix select (4 passes of 8 bits,
-   histograms) finds the k-th largest key T and how many keys equal to T make the cut; one more
-   pass writes the entries with key > T and the lowest-index ones equal to T, in ascending entry
-   order, so exact ties go to the lower entry and the result is bitwise deterministic.
-   A token with one chunk writes its row (global slots, -1 fill) right there.
-2. `_merge_kernel` (launched only when P > 1, i.e. small batches): a token with several chunks
-   selects its top k from the chunks' candidates the same way; chunk order keeps entries ascending.
-The workspace (an op argument, sized by the cache config; `workspace_words`) holds the chunk
-candidates and one key row per token of a launch; a step with more tokens runs in several launches.
+`indexer_topk`: exact top-k without a sort and without per-entry int64 keys, three launches.
+1. `_score_kernel`, grid (tokens, G): a token's visible entries w < (t + 1) // ratio (only these: the
+   cost follows the real context, not the block table's width) are scored 64 at a time through the
+   block table (132-B FP8 entries: e4m3 x e4m3 tl.dot on the tensor cores with the query held in
+   shared memory, the entry's power-of-two scale after it; an unallocated block holds no entry)
+   into the workspace as uint32 keys ordered like the scores (-0.0 == +0.0; 0 = no entry).
+2. `_select_kernel`, grid (tokens, GC): each CHUNK of 4096 keys is loaded into registers; a binary
+   search over the 32 key bits (each step a count of the keys at or above the candidate) finds the
+   k-th largest key T; the keys above T and the lowest-index ones equal to T are written in
+   ascending entry order, so exact ties go to the lower entry and the result is bitwise
+   deterministic. A one-chunk token gets its row (global slots, -1 fill) here.
+3. `_merge_kernel` (rows longer than a chunk): the global cut is at or above every chunk's cut, so
+   the chunks' candidates at or above the highest cut are gathered (few: about k) and selected once.
+The workspace (an op argument, sized by the cache config; indexer/workspace.py) holds one row per
+token of a launch; a step with more tokens runs in several launches.
 """
 
 import torch
@@ -94,23 +94,17 @@ def _key_of(score):
 
 
 @triton.jit
-def _scores(q_ptr, w_ptr, cache_ptr, bt_ptr, t, req, e0, hi, sq_t, sq_h, sw_t, s_bt, n_heads, block_size,
-            D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr,
-            DOT: tl.constexpr, SOFT: tl.constexpr):
-    """Keys [BN] of entries e0 .. e0 + BN - 1 (< hi) of the token's request: score = sum_h w_h
-    relu(q_h . k_e); 0 where the entry is past hi or its block is unallocated (-1). Also the
-    entries and how many hold a key (counted from the block table, not from the keys: a reduction
-    of the dot's layout breaks Triton 3.6's sm_100 TMEM layout pass)."""
+def _scores(q, w, cache_ptr, bt_ptr, req, e0, hi, s_bt, block_size, D: tl.constexpr, BN: tl.constexpr,
+            FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, SOFT: tl.constexpr):
+    """Keys [BN] of entries e0 .. e0 + BN - 1 (< hi) of the token's request, for its query q [HP, D]
+    and head weights w [HP]: score = sum_h w_h relu(q_h . k_e); key 0 where the entry is past hi or
+    its block is unallocated (-1)."""
     e = e0 + tl.arange(0, BN)
     vis = e < hi
     blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + e // block_size, mask=vis, other=-1)
     vis = vis & (blk >= 0)
     slots = blk.to(tl.int64) * block_size + e % block_size
-    heads = tl.arange(0, HP)
-    hm = heads < n_heads
     cols = tl.arange(0, D)
-    q = tl.load(q_ptr + t * sq_t + heads.to(tl.int64)[:, None] * sq_h + cols[None, :], mask=hm[:, None], other=0)
-    w = tl.load(w_ptr + t * sw_t + heads, mask=hm, other=0.0)
     if DOT == 0:  # e4m3 query x e4m3 keys; the entry's power-of-two scale after the dot (exact)
         blk_at = (slots // block_size) * (block_size * 132)
         off = slots % block_size
@@ -133,61 +127,71 @@ def _scores(q_ptr, w_ptr, cache_ptr, bt_ptr, t, req, e0, hi, sq_t, sq_h, sw_t, s
             qf = to_f32(q, SOFT)
         s = tl.dot(qf, tl.trans(k), input_precision="ieee")
     s = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-    return tl.where(vis, _key_of(s), 0), e, tl.sum(vis.to(tl.int32), axis=0)
+    return tl.where(vis, _key_of(s), 0), e
 
 
 @triton.jit
-def _threshold(key_ptr, lo, hi, want, BLOCK: tl.constexpr):
-    """(T, take): the want-th largest nonzero uint32 key of key_ptr[lo:hi] and how many keys equal
-    to it belong to the top `want` (radix select, 4 passes of 8 bits). want >= 1 and at most the
-    number of nonzero keys."""
-    prefix = tl.zeros([], tl.uint32)
-    fixed = tl.zeros([], tl.uint32)
-    bins = tl.arange(0, 256)
-    for d in tl.static_range(4):
-        shift = 24 - 8 * d
-        hist = tl.zeros([256], tl.int32)
-        for i0 in range(lo, hi, BLOCK):
-            i = i0 + tl.arange(0, BLOCK)
-            key = tl.load(key_ptr + i, mask=i < hi, other=0).to(tl.uint32, bitcast=True)
-            m = (key != 0) & ((key & fixed) == prefix)
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=m)
-        ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with this digit or more
-        b = tl.sum((ge >= want).to(tl.int32), axis=0) - 1
-        want -= tl.sum(tl.where(bins > b, hist, 0), axis=0)
-        prefix |= b.to(tl.uint32) << shift
-        fixed |= tl.full([], 255, tl.uint32) << shift
-    return prefix, want
+def _visible(pos_ptr, req_ptr, t, ratio, n_entries):
+    """(request, visible entries) of token t: (t + 1) // ratio, 0 for padding."""
+    req = tl.load(req_ptr + t)
+    return req, tl.where(req >= 0, tl.minimum((tl.load(pos_ptr + t) + 1) // ratio, n_entries), 0)
+
+
+@triton.jit(do_not_specialize=["t0", "n_entries"])
+def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, ws_ptr, t0, sq_t, sq_h, sw_t, s_bt, n_heads,
+                  n_entries, ratio, block_size, row_words, D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
+                  G: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, SOFT: tl.constexpr):
+    """Program (token, g) scores the token's visible entries in tiles g, g + G, ... (the grid follows
+    the batch, the loop the token's real context) into its workspace row as uint32 keys."""
+    tc = tl.program_id(0).to(tl.int64)
+    t = t0 + tc
+    req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
+    e_first = tl.program_id(1) * BN
+    if e_first < n_vis:
+        heads = tl.arange(0, HP)
+        hm = heads < n_heads
+        q = tl.load(q_ptr + t * sq_t + heads.to(tl.int64)[:, None] * sq_h + tl.arange(0, D)[None, :],
+                    mask=hm[:, None], other=0)
+        w = tl.load(w_ptr + t * sw_t + heads, mask=hm, other=0.0)
+        row = ws_ptr + tc * row_words
+        for e0 in range(e_first, n_vis, G * BN):
+            key, e = _scores(q, w, cache_ptr, bt_ptr, req, e0, n_vis, s_bt, block_size, D, BN, FMT, Q_FP8, DOT, SOFT)
+            tl.store(row + e, key.to(tl.int32, bitcast=True), mask=e < n_vis)
 
 
 @triton.jit
-def _emit(key_ptr, val_ptr, lo, hi, T, take, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_size,
-          BLOCK: tl.constexpr, HAS_VAL: tl.constexpr, SLOTS: tl.constexpr):
-    """Write the selected entries of key_ptr[lo:hi] (key > T, and the first `take` keys == T) in
-    index order; the entry of position i is val_ptr[i] with HAS_VAL, else i. SLOTS: as global pool
-    slots through the block table; else the entries to out_ptr and their keys to out_key_ptr.
-    Returns how many were written."""
-    count = tl.zeros([], tl.int32)
-    seen = tl.zeros([], tl.int32)
-    for i0 in range(lo, hi, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        key = tl.load(key_ptr + i, mask=i < hi, other=0).to(tl.uint32, bitcast=True)
-        eq = ((key == T) & (key != 0)).to(tl.int32)
-        sel = ((key > T) | ((eq != 0) & (seen + tl.cumsum(eq, axis=0) - eq < take))).to(tl.int32)
-        at = count + tl.cumsum(sel, axis=0) - sel
-        if HAS_VAL:
-            entry = tl.load(val_ptr + i, mask=sel != 0, other=0)
-        else:
-            entry = i
-        if SLOTS:
-            blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + entry // block_size, mask=sel != 0, other=-1)
-            tl.store(out_ptr + at, blk * block_size + entry % block_size, mask=sel != 0)
-        else:
-            tl.store(out_ptr + at, entry, mask=sel != 0)
-            tl.store(out_key_ptr + at, key.to(tl.int32, bitcast=True), mask=sel != 0)
-        count += tl.sum(sel, axis=0)
-        seen += tl.sum(eq, axis=0)
-    return count
+def _kth_key(key, want):
+    """The want-th largest of the uint32 keys [N] (want >= 1, at most the nonzero keys): a binary
+    search over the 32 bits of the answer, each step counting the keys at or above the candidate."""
+    T = tl.zeros([], tl.uint32)
+    for b in tl.static_range(31, -1, -1):
+        cand = T | (tl.full([], 1, tl.uint32) << b)
+        T = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= want, cand, T)
+    return T
+
+
+@triton.jit
+def _select_block(key, entry, k, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_size, N: tl.constexpr,
+                  SLOTS: tl.constexpr):
+    """Write the top min(k, nonzero keys) of key [N] (entries `entry`, ascending), ties to the lower
+    entry, in ascending entry order: SLOTS as global pool slots through the block table, else entries
+    to out_ptr and keys to out_key_ptr. Returns (how many, the cut key)."""
+    valid = tl.sum((key != 0).to(tl.int32), axis=0)
+    want = tl.minimum(valid, k)
+    T = tl.zeros([], tl.uint32)  # want == valid: every nonzero key is selected
+    if want < valid:
+        T = _kth_key(key, want)
+    eq = ((key == T) & (key != 0)).to(tl.int32)
+    take = want - tl.sum((key > T).to(tl.int32), axis=0)
+    sel = ((key > T) | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < take))).to(tl.int32)
+    at = tl.cumsum(sel, axis=0) - sel
+    if SLOTS:
+        blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + entry // block_size, mask=sel != 0, other=-1)
+        tl.store(out_ptr + at, blk * block_size + entry % block_size, mask=sel != 0)
+    else:
+        tl.store(out_ptr + at, entry, mask=sel != 0)
+        tl.store(out_key_ptr + at, key.to(tl.int32, bitcast=True), mask=sel != 0)
+    return want, tl.where(want < valid, T, 0)
 
 
 @triton.jit
@@ -197,88 +201,119 @@ def _fill(ptr, lo, hi, value, BLOCK: tl.constexpr):
         tl.store(ptr + i, tl.full([BLOCK], value, tl.int32), mask=i < hi)
 
 
-@triton.jit
-def _count_keys(key_ptr, lo, hi, BLOCK: tl.constexpr):
-    n = tl.zeros([], tl.int32)
-    for i0 in range(lo, hi, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        n += tl.sum((tl.load(key_ptr + i, mask=i < hi, other=0) != 0).to(tl.int32), axis=0)
-    return n
-
-
-@triton.jit
-def _select(key_ptr, val_ptr, lo, hi, valid, k, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_size,
-            BLOCK: tl.constexpr, HAS_VAL: tl.constexpr, SLOTS: tl.constexpr):
-    """The top min(k, valid) keys of key_ptr[lo:hi] (valid: its nonzero keys) written by _emit."""
-    want = tl.minimum(valid, k)
-    T = tl.zeros([], tl.uint32)  # want == valid: every nonzero key is selected
-    take = tl.zeros([], tl.int32)
-    if want < valid:
-        T, take = _threshold(key_ptr, lo, hi, want, BLOCK)
-    return _emit(key_ptr, val_ptr, lo, hi, T, take, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_size, BLOCK,
-                 HAS_VAL, SLOTS)
-
-
-@triton.jit
-def _chunk(pos_ptr, req_ptr, t, ratio, n_entries, P: tl.constexpr, CMIN: tl.constexpr):
-    """(request, visible entries, entries per chunk, chunks) of token t: its visible entries cut
-    into at most P chunks of a multiple of CMIN entries."""
-    req = tl.load(req_ptr + t)
-    n_vis = tl.where(req >= 0, tl.minimum((tl.load(pos_ptr + t) + 1) // ratio, n_entries), 0)
-    c = tl.maximum(tl.cdiv(tl.cdiv(n_vis, P), CMIN), 1) * CMIN
-    return req, n_vis, c, tl.maximum(tl.cdiv(n_vis, c), 1)
-
-
 @triton.jit(do_not_specialize=["t0", "n_entries"])
-def _topk_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, idx_ptr, ws_ptr, t0, sq_t, sq_h, sw_t, s_bt, s_idx,
-                 n_heads, n_entries, ratio, block_size, k, ckey_at, centry_at, score_at, D: tl.constexpr,
-                 HP: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, CMIN: tl.constexpr, BLOCK: tl.constexpr,
-                 FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, SOFT: tl.constexpr):
-    """Program (token, chunk): score the chunk's entries into the workspace, then select the chunk's
-    top k. A token whose entries fit one chunk gets its final row here; otherwise every chunk
-    writes its (at most k) candidates, for _merge_kernel."""
+def _select_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n_entries, ratio, block_size, k,
+                   row_words, cand_at, CH: tl.constexpr, GC: tl.constexpr):
+    """Program (token, g) selects the top k of chunks g, g + GC, ... of CH keys each, held in
+    registers. A token with one chunk gets its final row; otherwise each chunk leaves its candidates
+    (entries ascending), their count and its cut key for _merge_kernel."""
     tc = tl.program_id(0).to(tl.int64)
-    p = tl.program_id(1)
     t = t0 + tc
-    req, n_vis, c, chunks = _chunk(pos_ptr, req_ptr, t, ratio, n_entries, P, CMIN)
-    if p < chunks:
-        lo = p * c
-        hi = tl.minimum(lo + c, n_vis)
-        row = ws_ptr + score_at + tc * n_entries
-        valid = tl.zeros([], tl.int32)
-        for e0 in range(lo, hi, BN):
-            key, e, n = _scores(q_ptr, w_ptr, cache_ptr, bt_ptr, t, req, e0, hi, sq_t, sq_h, sw_t, s_bt, n_heads,
-                                block_size, D, HP, BN, FMT, Q_FP8, DOT, SOFT)
-            tl.store(row + e, key.to(tl.int32, bitcast=True), mask=e < hi)
-            valid += n
-        tl.debug_barrier()  # the keys stored above are read back by other threads of the program
+    req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
+    chunks = tl.maximum(tl.cdiv(n_vis, CH), 1)
+    row = ws_ptr + tc * row_words
+    for c in range(tl.program_id(1), chunks, GC):
+        e = c * CH + tl.arange(0, CH)
+        key = tl.load(row + e, mask=e < n_vis, other=0).to(tl.uint32, bitcast=True)
         if chunks == 1:
             out = idx_ptr + t * s_idx
-            n = _select(row, row, lo, hi, valid, k, out, out, bt_ptr, req, s_bt, block_size, BLOCK, False, True)
-            _fill(out, n, k, -1, BLOCK)
+            n, _ = _select_block(key, e, k, out, out, bt_ptr, req, s_bt, block_size, CH, True)
+            _fill(out, n, k, -1, 1024)
         else:
-            at = (tc * P + p) * k
-            n = _select(row, row, lo, hi, valid, k, ws_ptr + centry_at + at, ws_ptr + ckey_at + at, bt_ptr, req,
-                        s_bt, block_size, BLOCK, False, False)
-            _fill(ws_ptr + ckey_at + at, n, k, 0, BLOCK)
+            cand = row + cand_at + c * (2 * k + 2)
+            n, cut = _select_block(key, e, k, cand + 2, cand + 2 + k, bt_ptr, req, s_bt, block_size, CH, False)
+            tl.store(cand, n)
+            tl.store(cand + 1, cut.to(tl.int32, bitcast=True))
 
 
 @triton.jit(do_not_specialize=["t0", "n_entries"])
 def _merge_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n_entries, ratio, block_size, k,
-                  ckey_at, centry_at, P: tl.constexpr, CMIN: tl.constexpr, BLOCK: tl.constexpr):
-    """The top k of a token's chunk candidates (in chunk order, so entries stay ascending)."""
+                  row_words, cand_at, CH: tl.constexpr, MAXC: tl.constexpr):
+    """A token with several chunks: the global cut is at or above every chunk's own cut (that chunk
+    alone has k keys at or above it), so only candidates at or above the highest chunk cut survive;
+    they are gathered, in chunk order (entries ascending), into one block of CH keys for the final
+    select. More survivors than CH (masses of exact ties) take the same select over memory blocks."""
     tc = tl.program_id(0).to(tl.int64)
     t = t0 + tc
-    req, n_vis, c, chunks = _chunk(pos_ptr, req_ptr, t, ratio, n_entries, P, CMIN)
+    req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
+    chunks = tl.cdiv(n_vis, CH)
     if chunks > 1:
-        at = tc * P * k
-        keys = ws_ptr + ckey_at + at
-        n = chunks * k
-        valid = _count_keys(keys, 0, n, BLOCK)
+        row = ws_ptr + tc * row_words
+        cs = tl.arange(0, MAXC)
+        cuts = tl.load(row + cand_at + cs * (2 * k + 2) + 1, mask=cs < chunks, other=0)
+        low = tl.max(cuts.to(tl.uint32, bitcast=True), axis=0)
+        # Survivors of each chunk, their offsets in the gathered block.
+        gather = row  # the keys row is free once every chunk has selected: reused as scratch
+        n_surv = tl.zeros([], tl.int32)
+        for c in range(0, chunks):
+            cand = row + cand_at + c * (2 * k + 2)
+            n = tl.load(cand)
+            j = tl.arange(0, 1024)
+            for j0 in range(0, n, 1024):
+                jj = j0 + j
+                ck = tl.load(cand + 2 + k + jj, mask=jj < n, other=0).to(tl.uint32, bitcast=True)
+                keep = ((ck >= low) & (jj < n)).to(tl.int32)
+                at = n_surv + tl.cumsum(keep, axis=0) - keep
+                ok = (keep != 0) & (at < CH)
+                tl.store(gather + at, ck.to(tl.int32, bitcast=True), mask=ok)
+                tl.store(gather + CH + at, tl.load(cand + 2 + jj, mask=jj < n, other=0), mask=ok)
+                n_surv += tl.sum(keep, axis=0)
         out = idx_ptr + t * s_idx
-        got = _select(keys, ws_ptr + centry_at + at, 0, n, valid, k, out, out, bt_ptr, req, s_bt, block_size, BLOCK,
-                      True, True)
-        _fill(out, got, k, -1, BLOCK)
+        e = tl.arange(0, CH)
+        if n_surv <= CH:
+            key = tl.load(gather + e, mask=e < n_surv, other=0).to(tl.uint32, bitcast=True)
+            entry = tl.load(gather + CH + e, mask=e < n_surv, other=0)
+            n, _ = _select_block(key, entry, k, out, out, bt_ptr, req, s_bt, block_size, CH, True)
+        else:
+            n = _select_memory(row + cand_at, chunks, k, out, bt_ptr, req, s_bt, block_size, CH)
+        _fill(out, n, k, -1, 1024)
+
+
+@triton.jit
+def _select_memory(cand_ptr, chunks, k, out_ptr, bt_ptr, req, s_bt, block_size, CH: tl.constexpr):
+    """The top k of every chunk's candidates read from memory (the rare case of more survivors than
+    a register block holds): binary search for the cut, then one pass writing the selection."""
+    j = tl.arange(0, 1024)
+    valid = tl.zeros([], tl.int32)
+    for c in range(0, chunks):
+        valid += tl.load(cand_ptr + c * (2 * k + 2))
+    want = tl.minimum(valid, k)
+    T = tl.zeros([], tl.uint32)
+    for b in tl.static_range(31, -1, -1):
+        probe = T | (tl.full([], 1, tl.uint32) << b)
+        count = tl.zeros([], tl.int32)
+        for c in range(0, chunks):
+            cand = cand_ptr + c * (2 * k + 2)
+            n = tl.load(cand)
+            for j0 in range(0, n, 1024):
+                ck = tl.load(cand + 2 + k + j0 + j, mask=j0 + j < n, other=0).to(tl.uint32, bitcast=True)
+                count += tl.sum((ck >= probe).to(tl.int32), axis=0)
+        T = tl.where(count >= want, probe, T)
+    above = tl.zeros([], tl.int32)
+    for c in range(0, chunks):
+        cand = cand_ptr + c * (2 * k + 2)
+        n = tl.load(cand)
+        for j0 in range(0, n, 1024):
+            ck = tl.load(cand + 2 + k + j0 + j, mask=j0 + j < n, other=0).to(tl.uint32, bitcast=True)
+            above += tl.sum((ck > T).to(tl.int32), axis=0)
+    take = want - above
+    written = tl.zeros([], tl.int32)
+    seen = tl.zeros([], tl.int32)
+    for c in range(0, chunks):
+        cand = cand_ptr + c * (2 * k + 2)
+        n = tl.load(cand)
+        for j0 in range(0, n, 1024):
+            jj = j0 + j
+            ck = tl.load(cand + 2 + k + jj, mask=jj < n, other=0).to(tl.uint32, bitcast=True)
+            entry = tl.load(cand + 2 + jj, mask=jj < n, other=0)
+            eq = ((ck == T) & (jj < n)).to(tl.int32)
+            sel = ((ck > T) | ((eq != 0) & (seen + tl.cumsum(eq, axis=0) - eq < take))).to(tl.int32)
+            at = written + tl.cumsum(sel, axis=0) - sel
+            blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + entry // block_size, mask=sel != 0, other=-1)
+            tl.store(out_ptr + at, blk * block_size + entry % block_size, mask=sel != 0)
+            written += tl.sum(sel, axis=0)
+            seen += tl.sum(eq, axis=0)
+    return written
 
 
 def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
@@ -291,18 +326,15 @@ def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
     return 2
 
 
-# A chunk is a multiple of this many entries (of the 64-entry tile too): below it the merge costs
-# more than the parallel scoring saves.
-CHUNK_MIN = 2048
-# Chunks per token at most (batch 1 at 1M context: 64 chunks of 4096 entries).
-MAX_CHUNKS = 64
-SCAN_BLOCK = 1024
+def score_programs(tokens: int, tiles: int) -> int:
+    """Scoring programs per token: about 16 per SM over the launch (each scores 64 entries at a time
+    with its query kept in shared memory), at most one per tile."""
+    return max(1, min(tiles, 16 * _ws.SMS // tokens))
 
 
-def chunks_per_token(tokens: int) -> int:
-    """Chunk programs per token: about two programs per SM over the launch, one for large batches.
-    tokens x chunks <= CAND_PROGRAMS, the candidate slots of the workspace."""
-    return max(1, min(MAX_CHUNKS, _ws.CAND_PROGRAMS // tokens))
+def select_programs(tokens: int, chunks: int) -> int:
+    """Select programs per token: about two per SM over the launch, at most one per chunk."""
+    return max(1, min(chunks, 2 * _ws.SMS // tokens))
 
 
 def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio: int) -> None:
@@ -317,23 +349,26 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
     fmt = pool_format(cache, d)
     bs = block_size(cache, fmt)
     n_entries = block_table.shape[1] * bs
-    rows = _ws.rows(workspace.numel(), n_entries, k)  # >= 1: checked with the metadata
+    row_words = _ws.row_words(n_entries, k)
+    rows = workspace.numel() // row_words  # >= 1: checked with the metadata
+    require(k <= _ws.CHUNK, "indexer_topk", "idx_out", f"k <= {_ws.CHUNK}", k)
     hp = max(16, triton.next_power_of_2(h))
     bn = 64 if hp <= 64 else 32
     dot = _dot_kind(q, cache, fmt)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qa = q.view(torch.uint8) if q_fp8 else q  # e4m3 codes load as bytes (masked lanes read 0)
-    ckey_at, centry_at, score_at = 0, _ws.CAND_PROGRAMS * k, 2 * _ws.CAND_PROGRAMS * k
+    chunks = _ws.chunks(n_entries)
     for t0 in range(0, t, rows):
         n = min(rows, t - t0)
-        p = chunks_per_token(n)
-        consts = dict(P=p, CMIN=CHUNK_MIN, BLOCK=SCAN_BLOCK)
-        launch(_topk_kernel, (n, p),
-               (qa, weights, positions, req_slots, cache, block_table, idx_out, workspace, t0, q.stride(0),
-                q.stride(1), weights.stride(0), block_table.stride(0), idx_out.stride(0), h, n_entries, ratio, bs, k,
-                ckey_at, centry_at, score_at),
-               dict(D=d, HP=hp, BN=bn, FMT=fmt, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET, **consts), num_warps=4)
-        if p > 1:
-            launch(_merge_kernel, (n,),
-                   (positions, req_slots, block_table, idx_out, workspace, t0, block_table.stride(0),
-                    idx_out.stride(0), n_entries, ratio, bs, k, ckey_at, centry_at), consts, num_warps=4)
+        g = score_programs(n, triton.cdiv(n_entries, bn))
+        launch(_score_kernel, (n, g),
+               (qa, weights, positions, req_slots, cache, block_table, workspace, t0, q.stride(0), q.stride(1),
+                weights.stride(0), block_table.stride(0), h, n_entries, ratio, bs, row_words),
+               dict(D=d, HP=hp, BN=bn, G=g, FMT=fmt, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
+        common = (positions, req_slots, block_table, idx_out, workspace, t0, block_table.stride(0), idx_out.stride(0),
+                  n_entries, ratio, bs, k, row_words, _ws.cand_at(n_entries))
+        gc = select_programs(n, chunks)
+        launch(_select_kernel, (n, gc), common, dict(CH=_ws.CHUNK, GC=gc), num_warps=8)
+        if chunks > 1:
+            launch(_merge_kernel, (n,), common, dict(CH=_ws.CHUNK, MAXC=triton.next_power_of_2(chunks)),
+                   num_warps=4)

@@ -132,24 +132,24 @@ def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_pt
         q = tl.load(q_at + cols[None, :], mask=hm[:, None], other=0.0)
         q_rope = tl.load(q_at + (D - R) + rcols[None, :], mask=hm[:, None], other=0.0)
         ring0 = req.to(tl.int64) * ring_size
-        # Window: list slots [0, WIN) hold positions pos - window + 1 + j for j < window.
-        for j0 in tl.range(tl.minimum(k_lo, WIN), tl.minimum(k_hi, WIN), BK, num_stages=STAGES):
+        # The key list: slots [0, WIN) are the window (positions pos - window + 1 + j, j < window),
+        # slots [WIN, WIN + n_len) the listed entries. WIN is a multiple of BK, so a tile is one or the
+        # other; one loop (not two) keeps one copy of the tile code, and of its registers.
+        for j0 in tl.range(k_lo, tl.minimum(k_hi, WIN + n_len), BK, num_stages=STAGES):
             j = j0 + tl.arange(0, BK)
+            in_win = j0 < WIN
             wpos = pos - window + 1 + j
-            valid = (j < window) & (wpos >= 0)
+            idx = tl.load(idx_ptr + t * si_t + (j - WIN), mask=(j >= WIN) & (j < WIN + n_len), other=-1)
+            valid = tl.where(j < WIN, (j < window) & (wpos >= 0), idx >= 0)
             if STAGES > 1 or tl.max(valid.to(tl.int32), axis=0) > 0:
-                slots = ring0 + tl.maximum(wpos, 0) % ring_size
-                k, rope = _load_keys(wc_ptr, slots, valid, w_bs, BK, D, R, W_FMT, kdt, SOFT)
-                m_i, l_i, acc, acc_r = _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT)
-        # Entries: list slots [WIN, WIN + n_len).
-        e_lo = tl.maximum(k_lo - WIN, 0)
-        e_hi = tl.minimum(k_hi - WIN, n_len)
-        for j0 in tl.range(e_lo, e_hi, BK, num_stages=STAGES):
-            j = j0 + tl.arange(0, BK)
-            idx = tl.load(idx_ptr + t * si_t + j, mask=j < e_hi, other=-1)
-            valid = idx >= 0
-            if STAGES > 1 or tl.max(valid.to(tl.int32), axis=0) > 0:
-                k, rope = _load_keys(cc_ptr, tl.maximum(idx, 0).to(tl.int64), valid, c_bs, BK, D, R, C_FMT, kdt, SOFT)
+                slots = tl.where(j < WIN, ring0 + tl.maximum(wpos, 0) % ring_size, tl.maximum(idx, 0).to(tl.int64))
+                if W_FMT == C_FMT:
+                    k, rope = _load_keys(tl.where(in_win, wc_ptr, cc_ptr), slots, valid, tl.where(in_win, w_bs, c_bs),
+                                         BK, D, R, W_FMT, kdt, SOFT)
+                elif in_win:
+                    k, rope = _load_keys(wc_ptr, slots, valid, w_bs, BK, D, R, W_FMT, kdt, SOFT)
+                else:
+                    k, rope = _load_keys(cc_ptr, slots, valid, c_bs, BK, D, R, C_FMT, kdt, SOFT)
                 m_i, l_i, acc, acc_r = _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT)
     if SPLITS == 1:
         dst = out_ptr + t * so_t + h64[:, None] * so_h
@@ -210,12 +210,14 @@ def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int
 
 
 def splits(programs: int, keys: int, bk: int) -> int:
-    """Splits of each token's key list: enough programs for about two per SM, each split at least
-    two tiles; one split (no workspace, no combine) once the tokens alone fill the GPU."""
+    """Splits of each token's key list, each at least two tiles: one (no workspace, no combine) once
+    the tokens fill half the SMs (measured on the H100, 128 x 4K CSA: 3 splits cost 2x one, the
+    partial outputs being 8x the keys' bytes); below, enough for about one program per SM."""
     if INTERPRET:
         return 1 if keys <= 2 * bk else 2  # the interpreter runs both paths on tiny shapes
-    want = -(-2 * _SMS // max(programs, 1))
-    return max(1, min(want, keys // (2 * bk)))
+    if programs >= _SMS // 2:
+        return 1
+    return max(1, min(-(-_SMS // max(programs, 1)), keys // (2 * bk)))
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, scale: float,
