@@ -224,24 +224,29 @@ def test_indexer_topk_exact(q_dtype, pool, k):
 @pytest.mark.parametrize("chunk", [2048, 8], ids=["one-chunk", "2-chunks-merged"])
 def test_indexer_topk_chunks_tokens_and_entries(chunk, monkeypatch):
     # A workspace of one token's row: the launcher loops over 5 launches of one token. With 8-key
-    # chunks a token's 12 entries are selected in 2 chunks, then merged.
+    # chunks a token's 12 entries are selected (top 4) in 2 chunks, whose lists are then merged.
     q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
     monkeypatch.setattr(indexer_tt._ws, "CHUNK", chunk)
-    got, want = torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 8, dtype=torch.int32)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(1, 12, 8), 4)
+    got, want = torch.empty(5, 4, dtype=torch.int32), torch.empty(5, 4, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(1, 12, 4), 4)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
     assert torch.equal(got, want)
 
 
-def test_indexer_topk_merge_of_tied_chunks_over_memory(monkeypatch):
-    # Zero weights: every score is exactly 0, each 8-key chunk keeps all its keys as candidates and
-    # all 40 survive the cut (more than one 8-key register block): the merge selects over memory and
-    # the first 8 entries must win.
-    q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
+def test_indexer_topk_merge_levels_keep_ties_to_the_lower_entry(monkeypatch):
+    # Zero weights: every score is exactly 0, so each 8-key chunk keeps its first 4 entries and the
+    # merge levels (2 lists a level with k = 4 and 8-key blocks; 3 chunks need 2 levels for the
+    # 20-entry rows) must keep the lowest entries overall.
     monkeypatch.setattr(indexer_tt._ws, "CHUNK", 8)
-    w = torch.zeros_like(w)
-    got, want = torch.empty(5, 8, dtype=torch.int32), torch.empty(5, 8, dtype=torch.int32)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(5, 12, 8), 4)
+    n, t = 20, 3
+    cache = _pool("fp8", 128, n // BS)
+    quant_ref.pack_kv(torch.randn(n, 128), torch.arange(n, dtype=torch.int32), cache)
+    table = torch.randperm(n // BS).int().view(1, -1)
+    q = torch.randn(t, 2, 128).to(torch.float8_e4m3fn)
+    w = torch.zeros(t, 2)
+    pos, req = _i32(4 * n - 1, 4 * 17 - 1, 4 * 9 - 1), _i32(0, 0, 0)
+    got, want = torch.empty(t, 4, dtype=torch.int32), torch.empty(t, 4, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, got, testing.topk_workspace(t, n, 4), 4)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
     assert torch.equal(got, want)
 
@@ -254,7 +259,7 @@ def test_indexer_topk_long_rows_with_many_ties(chunks, monkeypatch):
     # exact zeros (ReLU), token 2 (negative weights, scores <= 0, its zeros -0.0) cuts among
     # negative ties. Every score is exact (small integers), so the reference's selection, tie-break
     # included, is the answer; 1024-key chunks add the merge of chunk candidates.
-    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 4096 // chunks)
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 4096 // chunks)  # 4 chunks of 1024: their lists merge in one level
     n, bs = 2600, 64
     blocks = -(-n // bs)
     keys = torch.randint(-1, 2, (blocks * bs, 128)) * 2.0

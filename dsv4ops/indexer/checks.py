@@ -51,7 +51,6 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     c.same_device("workspace", workspace, q, "q")
     n_entries = block_table.shape[1] * (c.paged_cache("cache", cache, q.shape[2], q))
     need = workspace_words(1, n_entries, idx_out.shape[1])
-    torch._check(workspace.shape[0] >= need, lambda: f"workspace: expected >= {need} int32 words (one token's keys "
-                 f"and the chunk candidates: indexer.workspace.workspace_words(1, {n_entries}, "
-                 f"{idx_out.shape[1]})), got {workspace.shape[0]}")
+    torch._check(workspace.shape[0] >= need, lambda: f"workspace: expected >= {need} int32 words (one token's row: "
+                 f"indexer.workspace.workspace_words(1, {n_entries}, {idx_out.shape[1]})), got {workspace.shape[0]}")
     torch._check(ratio > 0, lambda: f"ratio: expected > 0, got {ratio}")

@@ -98,7 +98,8 @@ def _scores(q, w, cache_ptr, bt_ptr, req, e0, hi, s_bt, block_size, D: tl.conste
             FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, SOFT: tl.constexpr):
     """Keys [BN] of entries e0 .. e0 + BN - 1 (< hi) of the token's request, for its query q [HP, D]
     and head weights w [HP]: score = sum_h w_h relu(q_h . k_e); key 0 where the entry is past hi or
-    its block is unallocated (-1)."""
+    its block is unallocated (-1). Entries are the dot's rows and heads its columns, so the sum over
+    heads stays inside each warp (heads as rows would reduce across warps through shared memory)."""
     e = e0 + tl.arange(0, BN)
     vis = e < hi
     blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + e // block_size, mask=vis, other=-1)
@@ -112,21 +113,21 @@ def _scores(q, w, cache_ptr, bt_ptr, req, e0, hi, s_bt, block_size, D: tl.conste
         kscale = tl.load((cache_ptr + blk_at + block_size * 128 + off * 4).to(tl.pointer_type(tl.float32)),
                          mask=vis, other=0.0)
         if SOFT:
-            s = tl.dot(e4m3_bits_to_f32(q, SOFT), tl.trans(e4m3_bits_to_f32(codes, SOFT)), input_precision="ieee")
+            s = tl.dot(e4m3_bits_to_f32(codes, SOFT), tl.trans(e4m3_bits_to_f32(q, SOFT)), input_precision="ieee")
         else:
-            s = tl.dot(q.to(tl.float8e4nv, bitcast=True), tl.trans(codes.to(tl.float8e4nv, bitcast=True)))
-        s = s * kscale[None, :]
+            s = tl.dot(codes.to(tl.float8e4nv, bitcast=True), tl.trans(q.to(tl.float8e4nv, bitcast=True)))
+        s = s * kscale[:, None]
     elif DOT == 1:  # same 16-bit float dtype on both sides
         k = tl.load(cache_ptr + slots[:, None] * D + cols[None, :], mask=vis[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(k, tl.trans(q))
     else:  # fp32 (exact products, as the reference's fp32 einsum)
         k = load_rows(cache_ptr, slots, vis, block_size, BN, D, FMT, SOFT)
         if Q_FP8:
             qf = e4m3_bits_to_f32(q, SOFT)
         else:
             qf = to_f32(q, SOFT)
-        s = tl.dot(qf, tl.trans(k), input_precision="ieee")
-    s = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        s = tl.dot(k, tl.trans(qf), input_precision="ieee")
+    s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
     return tl.where(vis, _key_of(s), 0), e
 
 
@@ -161,12 +162,15 @@ def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, ws_ptr, t0,
 
 @triton.jit
 def _kth_key(key, want):
-    """The want-th largest of the uint32 keys [N] (want >= 1, at most the nonzero keys): a binary
-    search over the 32 bits of the answer, each step counting the keys at or above the candidate."""
+    """The want-th largest of the uint32 keys [N] (want >= 1, at most the nonzero keys): the answer
+    is built 2 bits at a time, 16 steps, each counting the keys at or above the 3 candidates of the
+    next 2 bits in one reduction (a step's cost is the reduction's latency, not the compares)."""
     T = tl.zeros([], tl.uint32)
-    for b in tl.static_range(31, -1, -1):
-        cand = T | (tl.full([], 1, tl.uint32) << b)
-        T = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= want, cand, T)
+    d = tl.arange(0, 4).to(tl.uint32)
+    for b in tl.static_range(30, -1, -2):
+        cand = T | (d << b)  # [4]: candidates T + 0, 1, 2, 3 in these 2 bits
+        count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+        T = tl.max(tl.where(count >= want, cand, 0), axis=0)
     return T
 
 
@@ -175,7 +179,7 @@ def _select_block(key, entry, k, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_
                   SLOTS: tl.constexpr):
     """Write the top min(k, nonzero keys) of key [N] (entries `entry`, ascending), ties to the lower
     entry, in ascending entry order: SLOTS as global pool slots through the block table, else entries
-    to out_ptr and keys to out_key_ptr. Returns (how many, the cut key)."""
+    to out_ptr and keys to out_key_ptr. Returns how many."""
     valid = tl.sum((key != 0).to(tl.int32), axis=0)
     want = tl.minimum(valid, k)
     T = tl.zeros([], tl.uint32)  # want == valid: every nonzero key is selected
@@ -191,7 +195,7 @@ def _select_block(key, entry, k, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_
     else:
         tl.store(out_ptr + at, entry, mask=sel != 0)
         tl.store(out_key_ptr + at, key.to(tl.int32, bitcast=True), mask=sel != 0)
-    return want, tl.where(want < valid, T, 0)
+    return want
 
 
 @triton.jit
@@ -205,8 +209,8 @@ def _fill(ptr, lo, hi, value, BLOCK: tl.constexpr):
 def _select_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n_entries, ratio, block_size, k,
                    row_words, cand_at, CH: tl.constexpr, GC: tl.constexpr):
     """Program (token, g) selects the top k of chunks g, g + GC, ... of CH keys each, held in
-    registers. A token with one chunk gets its final row; otherwise each chunk leaves its candidates
-    (entries ascending), their count and its cut key for _merge_kernel."""
+    registers. A token with one chunk gets its final row; otherwise each chunk leaves its candidate
+    list [count, k entries (ascending), k keys] for _merge_kernel."""
     tc = tl.program_id(0).to(tl.int64)
     t = t0 + tc
     req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
@@ -217,103 +221,44 @@ def _select_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n
         key = tl.load(row + e, mask=e < n_vis, other=0).to(tl.uint32, bitcast=True)
         if chunks == 1:
             out = idx_ptr + t * s_idx
-            n, _ = _select_block(key, e, k, out, out, bt_ptr, req, s_bt, block_size, CH, True)
+            n = _select_block(key, e, k, out, out, bt_ptr, req, s_bt, block_size, CH, True)
             _fill(out, n, k, -1, 1024)
         else:
-            cand = row + cand_at + c * (2 * k + 2)
-            n, cut = _select_block(key, e, k, cand + 2, cand + 2 + k, bt_ptr, req, s_bt, block_size, CH, False)
-            tl.store(cand, n)
-            tl.store(cand + 1, cut.to(tl.int32, bitcast=True))
+            lst = row + cand_at + c * (2 * k + 1)
+            tl.store(lst, _select_block(key, e, k, lst + 1, lst + 1 + k, bt_ptr, req, s_bt, block_size, CH, False))
 
 
 @triton.jit(do_not_specialize=["t0", "n_entries"])
 def _merge_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n_entries, ratio, block_size, k,
-                  row_words, cand_at, CH: tl.constexpr, MAXC: tl.constexpr):
-    """A token with several chunks: the global cut is at or above every chunk's own cut (that chunk
-    alone has k keys at or above it), so only candidates at or above the highest chunk cut survive;
-    they are gathered, in chunk order (entries ascending), into one block of CH keys for the final
-    select. More survivors than CH (masses of exact ties) take the same select over memory blocks."""
+                  row_words, in_at, out_at, level, CH: tl.constexpr, GS: tl.constexpr, MCH: tl.constexpr):
+    """One level of a tree of merges: program (token, g) loads the candidate lists g * GS ..
+    (g + 1) * GS - 1 of the level's input into one register block (list j at positions j * k ..,
+    unused positions key 0) and selects their top k: the token's final row when this level leaves it
+    one list, else list g of the next level. Lists stay in chunk order, so entries stay ascending."""
     tc = tl.program_id(0).to(tl.int64)
     t = t0 + tc
+    g = tl.program_id(1)
     req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
-    chunks = tl.cdiv(n_vis, CH)
-    if chunks > 1:
+    lists = tl.cdiv(n_vis, CH)
+    for _ in range(level):
+        lists = tl.cdiv(lists, GS)
+    if (lists > 1) & (g * GS < lists):
         row = ws_ptr + tc * row_words
-        cs = tl.arange(0, MAXC)
-        cuts = tl.load(row + cand_at + cs * (2 * k + 2) + 1, mask=cs < chunks, other=0)
-        low = tl.max(cuts.to(tl.uint32, bitcast=True), axis=0)
-        # Survivors of each chunk, their offsets in the gathered block.
-        gather = row  # the keys row is free once every chunk has selected: reused as scratch
-        n_surv = tl.zeros([], tl.int32)
-        for c in range(0, chunks):
-            cand = row + cand_at + c * (2 * k + 2)
-            n = tl.load(cand)
-            j = tl.arange(0, 1024)
-            for j0 in range(0, n, 1024):
-                jj = j0 + j
-                ck = tl.load(cand + 2 + k + jj, mask=jj < n, other=0).to(tl.uint32, bitcast=True)
-                keep = ((ck >= low) & (jj < n)).to(tl.int32)
-                at = n_surv + tl.cumsum(keep, axis=0) - keep
-                ok = (keep != 0) & (at < CH)
-                tl.store(gather + at, ck.to(tl.int32, bitcast=True), mask=ok)
-                tl.store(gather + CH + at, tl.load(cand + 2 + jj, mask=jj < n, other=0), mask=ok)
-                n_surv += tl.sum(keep, axis=0)
-        out = idx_ptr + t * s_idx
-        e = tl.arange(0, CH)
-        if n_surv <= CH:
-            key = tl.load(gather + e, mask=e < n_surv, other=0).to(tl.uint32, bitcast=True)
-            entry = tl.load(gather + CH + e, mask=e < n_surv, other=0)
-            n, _ = _select_block(key, entry, k, out, out, bt_ptr, req, s_bt, block_size, CH, True)
+        p = tl.arange(0, MCH)
+        j = g * GS + p // k
+        lst = row + in_at + j * (2 * k + 1)
+        count = tl.load(lst, mask=(p < GS * k) & (j < lists), other=0)
+        ok = (p % k < count) & (p < GS * k)
+        key = tl.load(lst + 1 + k + p % k, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        entry = tl.load(lst + 1 + p % k, mask=ok, other=0)
+        if lists <= GS:
+            out = idx_ptr + t * s_idx
+            n = _select_block(key, entry, k, out, out, bt_ptr, req, s_bt, block_size, MCH, True)
+            _fill(out, n, k, -1, 1024)
         else:
-            n = _select_memory(row + cand_at, chunks, k, out, bt_ptr, req, s_bt, block_size, CH)
-        _fill(out, n, k, -1, 1024)
-
-
-@triton.jit
-def _select_memory(cand_ptr, chunks, k, out_ptr, bt_ptr, req, s_bt, block_size, CH: tl.constexpr):
-    """The top k of every chunk's candidates read from memory (the rare case of more survivors than
-    a register block holds): binary search for the cut, then one pass writing the selection."""
-    j = tl.arange(0, 1024)
-    valid = tl.zeros([], tl.int32)
-    for c in range(0, chunks):
-        valid += tl.load(cand_ptr + c * (2 * k + 2))
-    want = tl.minimum(valid, k)
-    T = tl.zeros([], tl.uint32)
-    for b in tl.static_range(31, -1, -1):
-        probe = T | (tl.full([], 1, tl.uint32) << b)
-        count = tl.zeros([], tl.int32)
-        for c in range(0, chunks):
-            cand = cand_ptr + c * (2 * k + 2)
-            n = tl.load(cand)
-            for j0 in range(0, n, 1024):
-                ck = tl.load(cand + 2 + k + j0 + j, mask=j0 + j < n, other=0).to(tl.uint32, bitcast=True)
-                count += tl.sum((ck >= probe).to(tl.int32), axis=0)
-        T = tl.where(count >= want, probe, T)
-    above = tl.zeros([], tl.int32)
-    for c in range(0, chunks):
-        cand = cand_ptr + c * (2 * k + 2)
-        n = tl.load(cand)
-        for j0 in range(0, n, 1024):
-            ck = tl.load(cand + 2 + k + j0 + j, mask=j0 + j < n, other=0).to(tl.uint32, bitcast=True)
-            above += tl.sum((ck > T).to(tl.int32), axis=0)
-    take = want - above
-    written = tl.zeros([], tl.int32)
-    seen = tl.zeros([], tl.int32)
-    for c in range(0, chunks):
-        cand = cand_ptr + c * (2 * k + 2)
-        n = tl.load(cand)
-        for j0 in range(0, n, 1024):
-            jj = j0 + j
-            ck = tl.load(cand + 2 + k + jj, mask=jj < n, other=0).to(tl.uint32, bitcast=True)
-            entry = tl.load(cand + 2 + jj, mask=jj < n, other=0)
-            eq = ((ck == T) & (jj < n)).to(tl.int32)
-            sel = ((ck > T) | ((eq != 0) & (seen + tl.cumsum(eq, axis=0) - eq < take))).to(tl.int32)
-            at = written + tl.cumsum(sel, axis=0) - sel
-            blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + entry // block_size, mask=sel != 0, other=-1)
-            tl.store(out_ptr + at, blk * block_size + entry % block_size, mask=sel != 0)
-            written += tl.sum(sel, axis=0)
-            seen += tl.sum(eq, axis=0)
-    return written
+            nxt = row + out_at + g * (2 * k + 1)
+            tl.store(nxt, _select_block(key, entry, k, nxt + 1, nxt + 1 + k, bt_ptr, req, s_bt, block_size, MCH,
+                                        False))
 
 
 def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
@@ -337,6 +282,11 @@ def select_programs(tokens: int, chunks: int) -> int:
     return max(1, min(chunks, 2 * _ws.SMS // tokens))
 
 
+def _warps(block: int) -> int:
+    """One warp per 1024 keys of a register block, at most 4 (32 keys a thread)."""
+    return max(1, min(4, block // 1024))
+
+
 def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio: int) -> None:
     """Launcher of `dsv4::indexer_topk` (same arguments). No host sync: every size is static."""
     _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio)
@@ -351,13 +301,17 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
     n_entries = block_table.shape[1] * bs
     row_words = _ws.row_words(n_entries, k)
     rows = workspace.numel() // row_words  # >= 1: checked with the metadata
-    require(k <= _ws.CHUNK, "indexer_topk", "idx_out", f"k <= {_ws.CHUNK}", k)
+    ch = _ws.chunk(n_entries)
+    require(k <= ch // 2 or ch >= n_entries, "indexer_topk", "idx_out", f"k <= {ch // 2} (half a chunk)", k)
     hp = max(16, triton.next_power_of_2(h))
     bn = 64 if hp <= 64 else 32
     dot = _dot_kind(q, cache, fmt)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qa = q.view(torch.uint8) if q_fp8 else q  # e4m3 codes load as bytes (masked lanes read 0)
-    chunks = _ws.chunks(n_entries)
+    chunks = triton.cdiv(n_entries, ch)
+    region_a, region_b, _ = _ws.merge_regions(n_entries, k)
+    gs = _ws.merge_group(k)
+    mch = triton.next_power_of_2(gs * k)
     for t0 in range(0, t, rows):
         n = min(rows, t - t0)
         g = score_programs(n, triton.cdiv(n_entries, bn))
@@ -366,9 +320,12 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
                 weights.stride(0), block_table.stride(0), h, n_entries, ratio, bs, row_words),
                dict(D=d, HP=hp, BN=bn, G=g, FMT=fmt, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
         common = (positions, req_slots, block_table, idx_out, workspace, t0, block_table.stride(0), idx_out.stride(0),
-                  n_entries, ratio, bs, k, row_words, _ws.cand_at(n_entries))
+                  n_entries, ratio, bs, k, row_words)
         gc = select_programs(n, chunks)
-        launch(_select_kernel, (n, gc), common, dict(CH=_ws.CHUNK, GC=gc), num_warps=8)
-        if chunks > 1:
-            launch(_merge_kernel, (n,), common, dict(CH=_ws.CHUNK, MAXC=triton.next_power_of_2(chunks)),
-                   num_warps=4)
+        launch(_select_kernel, (n, gc), common + (region_a,), dict(CH=ch, GC=gc), num_warps=_warps(ch))
+        lists, level = chunks, 0
+        while lists > 1:  # a tree of merges: each level divides a token's lists by gs
+            regions = (region_a, region_b) if level % 2 == 0 else (region_b, region_a)
+            launch(_merge_kernel, (n, triton.cdiv(lists, gs)), common + regions + (level,),
+                   dict(CH=ch, GS=gs, MCH=mch), num_warps=_warps(mch))
+            lists, level = triton.cdiv(lists, gs), level + 1

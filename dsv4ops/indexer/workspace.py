@@ -1,30 +1,46 @@
 """The int32 scratch of `dsv4::indexer_topk`'s CUDA kernel: its layout and size (no triton import,
 so the cache can size and account for it anywhere).
 
-One row per token of a launch: the uint32 key of each of the request's entries (n_entries words),
-then, when a row is longer than one CHUNK, each chunk's candidates: [count, cut key, k entries,
-k keys] (see cand_at)."""
+One row per token of a launch: the uint32 key of each of the request's entries (n_entries words);
+when a row is longer than one chunk, then the candidate lists [count, k entries, k keys] of its
+chunks, and of the merge levels (two regions used in turn: see `merge_regions`)."""
 
 # SM count of an H100 SXM: the launch sizes aim at a few programs per SM.
 SMS = 132
-# Keys one select program holds in registers (32 a thread at 4 warps).
+# Keys one select program holds in registers at most (a chunk; a merge block).
 CHUNK = 4096
 
 
-def chunks(n_entries: int) -> int:
-    return -(-n_entries // CHUNK)
+def chunk(n_entries: int) -> int:
+    """Keys per chunk for rows of n_entries: a power of two, at most CHUNK (short rows select from a
+    small block: the cost of a select step is its reduction, longer for a larger block)."""
+    c = min(1024, CHUNK)
+    while c < min(n_entries, CHUNK):
+        c *= 2
+    return c
 
 
-def cand_at(n_entries: int) -> int:
-    """Offset of the chunk candidates in a row: after the keys, and after the 2 x CHUNK words the
-    merge gathers into (it reuses the keys' words, free by then)."""
-    return max(n_entries, 2 * CHUNK)
+def merge_group(k: int) -> int:
+    """Candidate lists one merge program selects from: as many k-lists as fit a CHUNK, at least 2."""
+    return max(2, CHUNK // k)
+
+
+def merge_regions(n_entries: int, k: int) -> tuple[int, int, int]:
+    """(offset of region A, offset of region B, words of one list): chunk lists go to A, merge level
+    i reads A (even i) or B (odd i) and writes the other."""
+    chunks = -(-n_entries // chunk(n_entries))
+    lst = 2 * k + 1
+    return n_entries, n_entries + chunks * lst, lst
 
 
 def row_words(n_entries: int, k: int) -> int:
     """int32 words of one token's row."""
-    c = chunks(n_entries)
-    return n_entries if c == 1 else cand_at(n_entries) + c * (2 * k + 2)
+    c = chunk(n_entries)
+    chunks = -(-n_entries // c)
+    if chunks == 1:
+        return n_entries
+    a, b, lst = merge_regions(n_entries, k)
+    return b + -(-chunks // merge_group(k)) * lst
 
 
 def workspace_words(tokens: int, n_entries: int, k: int) -> int:

@@ -196,14 +196,17 @@ def _combine_kernel(part_ptr, lse_ptr, req_ptr, sink_ptr, out_ptr, so_t, so_h, n
 def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int, int, int]:
     """(heads per program, keys per tile, warps, pipeline stages), from static dims only.
 
-    bf16 tiles of 64 heads x 64 keys on 8 warps: the accumulator [64, 512] fp32 is 128 registers a
-    thread, the key tile stays bf16 (exact dequantization in bf16, see the module docstring).
-    tl.dot needs >= 16 rows: fewer heads are padded. fp32 activations or pools (exact mode) take
-    [32, 512] fp32 tiles for 16 heads (shared memory)."""
+    bf16 tiles of 64 heads x 64 keys on 8 warps, two pipeline stages: the accumulator [64, 512]
+    fp32 is 128 registers a thread, the key tile stays bf16 (exact dequantization in bf16, see the
+    module docstring). Measured on the H100 (CSA 128 x 4K, 128 + 512 keys): 64 x 64 with 2 stages
+    82 us; one stage 115 us (the tile-skip branch of one stage spills: 816 B a thread, 112 B with
+    2 stages, ptxas); 64 x 32 with 2 stages 104 us; 16 heads x 64 keys 253 us (four programs read
+    and dequantize every key). tl.dot needs >= 16 rows: fewer heads are padded. fp32 activations or
+    pools (exact mode) take [32, 512] fp32 tiles for 16 heads (shared memory)."""
     if dtype == torch.float32 or torch.float32 in pool_dtypes:
         return 16, 32, 4, 1
     if num_heads > 32:
-        return 64, 64, 8, 1
+        return 64, 64, 8, 2
     if num_heads > 16:
         return 32, 64, 8, 1
     return 16, 32, 4, 1
@@ -211,13 +214,15 @@ def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int
 
 def splits(programs: int, keys: int, bk: int) -> int:
     """Splits of each token's key list, each at least two tiles: one (no workspace, no combine) once
-    the tokens fill half the SMs (measured on the H100, 128 x 4K CSA: 3 splits cost 2x one, the
-    partial outputs being 8x the keys' bytes); below, enough for about one program per SM."""
+    the tokens fill half the SMs (H100, CSA 128 x 4K: 3 splits cost 2x one, the partial outputs
+    being 8x the keys' bytes); below, one wave of programs (CSA 32 x 4K: 4 splits 46 us, 9 splits
+    54 us), or one split per 1024 keys for long lists (HCA 32 x 1M, 8320 keys: 10 splits 370 us, 5
+    splits 432 us)."""
     if INTERPRET:
         return 1 if keys <= 2 * bk else 2  # the interpreter runs both paths on tiny shapes
     if programs >= _SMS // 2:
         return 1
-    return max(1, min(-(-_SMS // max(programs, 1)), keys // (2 * bk)))
+    return max(1, min(max(_SMS // max(programs, 1), -(-keys // 1024)), keys // (2 * bk)))
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, scale: float,
