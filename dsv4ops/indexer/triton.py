@@ -141,7 +141,8 @@ def _visible(pos_ptr, req_ptr, t, ratio, n_entries):
 @triton.jit(do_not_specialize=["t0", "n_entries"])
 def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, ws_ptr, t0, sq_t, sq_h, sw_t, s_bt, n_heads,
                   n_entries, ratio, block_size, row_words, D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
-                  G: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, SOFT: tl.constexpr):
+                  G: tl.constexpr, STAGES: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr,
+                  SOFT: tl.constexpr):
     """Program (token, g) scores the token's visible entries in tiles g, g + G, ... (the grid follows
     the batch, the loop the token's real context) into its workspace row as uint32 keys."""
     tc = tl.program_id(0).to(tl.int64)
@@ -155,7 +156,7 @@ def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, ws_ptr, t0,
                     mask=hm[:, None], other=0)
         w = tl.load(w_ptr + t * sw_t + heads, mask=hm, other=0.0)
         row = ws_ptr + tc * row_words
-        for e0 in range(e_first, n_vis, G * BN):
+        for e0 in tl.range(e_first, n_vis, G * BN, num_stages=STAGES):
             key, e = _scores(q, w, cache_ptr, bt_ptr, req, e0, n_vis, s_bt, block_size, D, BN, FMT, Q_FP8, DOT, SOFT)
             tl.store(row + e, key.to(tl.int32, bitcast=True), mask=e < n_vis)
 
@@ -271,6 +272,10 @@ def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
     return 2
 
 
+# Software pipelining of the scoring loop's key loads.
+SCORE_STAGES = 3
+
+
 def score_programs(tokens: int, tiles: int) -> int:
     """Scoring programs per token: about 16 per SM over the launch (each scores 64 entries at a time
     with its query kept in shared memory), at most one per tile."""
@@ -318,7 +323,8 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
         launch(_score_kernel, (n, g),
                (qa, weights, positions, req_slots, cache, block_table, workspace, t0, q.stride(0), q.stride(1),
                 weights.stride(0), block_table.stride(0), h, n_entries, ratio, bs, row_words),
-               dict(D=d, HP=hp, BN=bn, G=g, FMT=fmt, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
+               dict(D=d, HP=hp, BN=bn, G=g, STAGES=SCORE_STAGES, FMT=fmt, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET),
+               num_warps=4)
         common = (positions, req_slots, block_table, idx_out, workspace, t0, block_table.stride(0), idx_out.stride(0),
                   n_entries, ratio, bs, k, row_words)
         gc = select_programs(n, chunks)
