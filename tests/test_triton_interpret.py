@@ -238,6 +238,7 @@ def test_indexer_topk_merge_levels_keep_ties_to_the_lower_entry(monkeypatch):
     # merge levels (2 lists a level with k = 4 and 8-key blocks; 3 chunks need 2 levels for the
     # 20-entry rows) must keep the lowest entries overall.
     monkeypatch.setattr(indexer_tt._ws, "CHUNK", 8)
+    monkeypatch.setattr(indexer_tt._ws, "MERGE_BLOCK", 8)
     n, t = 20, 3
     cache = _pool("fp8", 128, n // BS)
     quant_ref.pack_kv(torch.randn(n, 128), torch.arange(n, dtype=torch.int32), cache)
@@ -259,7 +260,7 @@ def test_indexer_topk_long_rows_with_many_ties(chunks, monkeypatch):
     # exact zeros (ReLU), token 2 (negative weights, scores <= 0, its zeros -0.0) cuts among
     # negative ties. Every score is exact (small integers), so the reference's selection, tie-break
     # included, is the answer; 1024-key chunks add the merge of chunk candidates.
-    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 4096 // chunks)  # 4 chunks of 1024: their lists merge in one level
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 4096 // chunks)  # 1024-key chunks: their lists merge in one level
     n, bs = 2600, 64
     blocks = -(-n // bs)
     keys = torch.randint(-1, 2, (blocks * bs, 128)) * 2.0
