@@ -21,7 +21,7 @@ import triton.language as tl
 
 from dsv4ops.indexer import checks as _checks
 from dsv4ops.quant.reference import INDEXER_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import FMT_INDEXER, block_size, load_rows, pool_format
+from dsv4ops.quant.triton import FMT_INDEXER, block_size, fmt_code, load_rows, not_yet
 from dsv4ops.triton_helpers import (
     INTERPRET,
     apply_rope,
@@ -67,9 +67,11 @@ def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, 
     tl.store(wo_ptr + t * swo_t + heads, w, mask=hm)
 
 
-def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out) -> None:
+def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> None:
     """Launcher of `dsv4::indexer_q_prep` (same arguments)."""
-    _checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out)
+    _checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+    if fmt not in ("exact", "fp8_132"):
+        not_yet("indexer_q_prep", f"fmt={fmt!r} (V4.1's MX4 query)")
     t, h, d = q.shape
     require_layout("indexer_q_prep", d, inv_freq.shape[0], dims=(INDEXER_DIM,))
     if t == 0 or h == 0:
@@ -162,16 +164,20 @@ def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
     return 2
 
 
-def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio: int) -> None:
+def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, ratio: int,
+                 cand_block: int, fmt: str) -> None:
     """Launcher of `dsv4::indexer_topk` (same arguments). No host sync: every size is static."""
-    _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio)
+    _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, ratio,
+                         cand_block, fmt)
+    code = fmt_code("indexer_topk", "fmt", fmt)
+    if cand is not None or cand_out is not None or q.dtype == torch.uint8:
+        not_yet("indexer_topk", "candidate blocks (cand, cand_out) or MX4 queries (V4.1)")
     t, h, d = q.shape
     require(d == INDEXER_DIM, "indexer_topk", "q", f"index_head_dim {INDEXER_DIM} (V4 layout)", d)
     require(h <= 128, "indexer_topk", "q", "at most 128 indexer heads", h)
     k = idx_out.shape[1]
     if t == 0 or k == 0:
         return
-    fmt = pool_format(cache, d)
     bs = block_size(cache, fmt)
     n_entries = block_table.shape[1] * bs
     kk = min(k, n_entries)
@@ -183,7 +189,7 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
     kp = triton.next_power_of_2(k)
     chunk = max(1, min(t, WORKSPACE_BYTES // (8 * n_entries)))
     keys = torch.empty(chunk, n_entries, dtype=torch.int64, device=q.device)
-    dot = _dot_kind(q, cache, fmt)
+    dot = _dot_kind(q, cache, code)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qa = q.view(torch.uint8) if q_fp8 else q  # e4m3 codes load as bytes (masked lanes read 0)
     for t0 in range(0, t, chunk):
@@ -191,7 +197,7 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
         launch(_scores_kernel, (n, triton.cdiv(n_entries, bn)),
                (qa, weights, positions, req_slots, cache, block_table, keys, t0, q.stride(0), q.stride(1),
                 weights.stride(0), block_table.stride(0), keys.stride(0), h, n_entries, ratio, bs),
-               dict(D=d, HP=hp, BN=bn, FMT=fmt, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
+               dict(D=d, HP=hp, BN=bn, FMT=code, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
         top = torch.topk(keys[:n], kk, dim=1, sorted=True).values
         launch(_finalize_kernel, (n,),
                (top, positions, req_slots, block_table, idx_out, t0, top.stride(0), block_table.stride(0),

@@ -1,7 +1,8 @@
 """Reference kernel of `dsv4::sparse_attn`: each query attends to its window (positions
 max(0, t - window + 1) .. t of its request's ring, itself included) and to the compressed entries
 listed in comp_idx (global pool slots, -1 = none), with the per-head sink in the denominator
-(spec 3.5). Padding tokens (request -1) get a zero row."""
+(spec 3.5). Padding tokens (request -1) get a zero row. Keys are read back in their pool's format
+(V4: fp8_584 or exact; V4.1: fp8_528 window rows and fp4_288 compressed rows)."""
 
 import torch
 from torch import Tensor
@@ -15,7 +16,8 @@ _CHUNK = 64
 
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int, ring_size: int) -> None:
+                comp_idx: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int, ring_size: int,
+                window_fmt: str, comp_fmt: str) -> None:
     d = q.shape[-1]
     for s in range(0, q.shape[0], _CHUNK):
         qs, pos, req, idx = q[s:s + _CHUNK], positions[s:s + _CHUNK].long(), req_slots[s:s + _CHUNK], comp_idx[s:s + _CHUNK]
@@ -25,10 +27,10 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
         wvalid = (wpos >= 0) & (req >= 0)[:, None]
         wslots = window_slots(wpos.clamp(min=0), req[:, None].expand(-1, window), ring_size).where(wvalid, -1)
         wkeys = torch.empty(n * window, d, dtype=q.dtype, device=q.device)
-        unpack_kv(window_cache, wslots.reshape(-1), wkeys)
+        unpack_kv(window_cache, wslots.reshape(-1), wkeys, window_fmt)
         cvalid = (idx >= 0) & (req >= 0)[:, None]
         ckeys = torch.empty(n * idx.shape[1], d, dtype=q.dtype, device=q.device)
-        unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys)
+        unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys, comp_fmt)
         keys = torch.cat([wkeys.view(n, window, d), ckeys.view(n, idx.shape[1], d)], 1)
         o = sink_attention(qs, keys, torch.cat([wvalid, cvalid], 1), sinks, scale)
         out[s:s + _CHUNK] = o.where((req >= 0)[:, None, None], 0).to(out.dtype)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.quant.reference import MAIN_DIM
-from dsv4ops.quant.triton import block_size, load_rows, pool_format
+from dsv4ops.quant.triton import block_size, fmt_code, load_rows
 from dsv4ops.triton_helpers import INTERPRET, launch, require, round_to
 from dsv4ops.sparse_attn import checks as _checks
 
@@ -106,18 +106,19 @@ def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, scale: float, window: int,
-                ring_size: int) -> None:
+                ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
-    _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, window, ring_size)
+    _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, window, ring_size,
+                        window_fmt, comp_fmt)
+    w_fmt, c_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt), fmt_code("sparse_attn", "comp_fmt", comp_fmt)
     t, h, d = q.shape
     require(d == MAIN_DIM, "sparse_attn", "q", f"head_dim {MAIN_DIM} (V4 layout)", d)
     if t == 0 or h == 0:
         return
-    w_fmt, c_fmt = pool_format(window_cache, d), pool_format(comp_cache, d)
     hb, bk, warps, stages = config(h, q.dtype, (window_cache.dtype, comp_cache.dtype))
     launch(_sparse_attn_kernel, (t, triton.cdiv(h, hb)),
            (q, window_cache, comp_cache, positions, req_slots, comp_idx, sinks, out, q.stride(0), q.stride(1),
             comp_idx.stride(0), out.stride(0), out.stride(1), h, comp_idx.shape[1], scale * math.log2(math.e), window,
-            ring_size, block_size(window_cache, w_fmt), block_size(comp_cache, c_fmt)),
+            ring_size, block_size(window_cache, window_fmt), block_size(comp_cache, comp_fmt)),
            dict(D=d, HB=hb, BK=bk, STAGES=stages, W_FMT=w_fmt, C_FMT=c_fmt, SOFT=INTERPRET), num_warps=warps)
 
