@@ -22,7 +22,7 @@ from torch import Tensor
 
 from dsv4ops.quant import codecs, formats
 from dsv4ops.quant.reference import pack_kv, unpack_kv
-from dsv4ops.reference.functional import apply_rope, rms_norm, rope_angles, stable_topk
+from dsv4ops.reference.functional import apply_rope, candidate_blocks, rms_norm, rope_angles, stable_topk
 
 MX4_ROW = formats.FORMATS["mxfp4_68"]
 
@@ -83,24 +83,6 @@ def _candidate_entries(cand: Tensor, cand_block: int) -> Tensor:
     blocks = cand.long()[:, :, None]
     entries = blocks * cand_block + torch.arange(cand_block, device=cand.device)
     return entries.where(blocks >= 0, -1).flatten(1)
-
-
-def candidate_blocks(scores: Tensor, n_visible: Tensor, cand_block: int, keep: int) -> Tensor:
-    """[T, keep] candidate blocks of score rows [T, N] over entries 0..N-1 (-inf = invisible)."""
-    t, n = scores.shape
-    n_blocks = -(-n // cand_block)
-    out = torch.full((t, keep), -1, dtype=torch.long, device=scores.device)
-    if n_blocks == 0:
-        return out
-    padded = F.pad(scores, (0, n_blocks * cand_block - n), value=float("-inf"))
-    block_score = padded.view(t, n_blocks, cand_block).amax(-1)
-    newest = ((n_visible - 1) // cand_block).clamp(min=0)
-    forced = torch.zeros_like(block_score, dtype=torch.bool).scatter_(1, newest[:, None], (n_visible >= 1)[:, None])
-    block_score = block_score.masked_fill(forced, float("inf"))
-    kk = min(keep, n_blocks)
-    best = stable_topk(block_score, kk)
-    out[:, :kk] = best.where(block_score.gather(1, best) > float("-inf"), -1)
-    return out
 
 
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
