@@ -219,13 +219,16 @@ class DeepseekV41AttentionStack(nn.Module):
         self.layers = nn.ModuleList(DeepseekV41Attention(config, i) for i in range(config.num_layers))
 
     def _apply(self, fn, recurse=True):
-        """`.to(dtype)` keeps what transformers keeps in fp32 (sinks, norm weights) and the fp32 RoPE
-        tables and compressor states in fp32."""
+        """`.to(dtype)` keeps in fp32 what transformers keeps in fp32 (sinks, norm weights; the ratio-2
+        compressor's wkv and wgate: "the reference stores fp32", spec 1.4, and they run in fp32), and
+        the RoPE tables and compressor states."""
         super()._apply(fn, recurse)
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            if name.rsplit(".", 1)[-1].startswith("state_") or name.endswith(_KEEP_FP32):
-                if t.is_floating_point() and t.dtype != torch.float32:
-                    t.data = t.data.float()
+            keep = name.rsplit(".", 1)[-1].startswith("state_") or name.endswith(_KEEP_FP32)
+            if name.endswith(("compressor.wkv.weight", "compressor.wgate.weight")):
+                keep = self.config.role(int(name.split(".")[1])).ratio > 1
+            if keep and t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
         return self
 
     def attach_cache(self, manager: V41CacheManager) -> None:

@@ -74,11 +74,13 @@ def test_load_deepseek_names_rejects_fp8_scales_unknown_and_missing_keys():
         DeepseekV41AttentionStack(CFG).load_deepseek_state_dict(unexpected)
 
 
-def test_to_bf16_keeps_sinks_norms_and_rope_tables_in_fp32():
+def test_to_bf16_keeps_sinks_norms_rope_tables_and_the_ratio_2_compressor_in_fp32():
     stack = DeepseekV41AttentionStack(CFG).to(torch.bfloat16)
+    ratio2 = {f"layers.{i}.compressor.{w}.weight" for i in (1, 3) for w in ("wkv", "wgate")}
     for name, t in [*stack.named_parameters(), *stack.named_buffers()]:
-        keep = name.endswith(("sinks", "norm.weight", "inv_freq", "ape"))
+        keep = name.endswith(("sinks", "norm.weight", "inv_freq", "ape")) or name in ratio2
         assert t.dtype == (torch.float32 if keep else torch.bfloat16), name
+    assert stack.layers[5].compressor.wkv.weight.dtype == torch.bfloat16  # ratio 1: the model dtype
 
 
 def test_bf16_stack_against_the_oracle():
