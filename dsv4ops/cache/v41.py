@@ -85,7 +85,9 @@ class V41StackCache(nn.Module):
 
 class V41CacheManager(KVCacheManager):
     """KVCacheManager for a V4.1 stack: one pool group per compress ratio of the KV sources; steps
-    carry V41StepMeta. `numerics` gives the pools' formats (checked against the stack at attach)."""
+    carry V41StepMeta. `numerics` gives the pools' formats (checked against the stack at attach);
+    the CacheConfig gives capacity, block size, buckets and the dtype of exact pools (its V4 modes
+    kv_cache / indexer_cache are not read)."""
 
     def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
                  device=None):
