@@ -7,8 +7,9 @@ import torch
 
 from dsv4ops import testing
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.layers_v41 import DEEPSEEK_NAMES, DeepseekV41AttentionStack
+from dsv4ops.layers_v41 import DEEPSEEK_NAMES, STATELESS_BLOCK, DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.testing_v41 import slots_to_entries
 
 CFG = DSV41AttentionConfig.tiny()
 OWN = {"q_a_proj.weight", "q_a_norm.weight", "q_b_proj.weight", "kv_proj.weight", "kv_norm.weight", "o_a_proj.weight",
@@ -86,15 +87,13 @@ def test_to_bf16_keeps_sinks_norms_rope_tables_and_the_ratio_2_compressor_in_fp3
 def test_bf16_stack_against_the_oracle():
     # The released model runs bf16: the stateless forward (through the ops) against the fp64 oracle,
     # within the bf16 oracle's own error, with the stack's selections fed to both oracles.
-    from dsv4ops.testing_v41 import slots_to_entries
-
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG), seed=4).to(torch.bfloat16)
     xs = torch.randn(CFG.num_layers, 1, 40, CFG.hidden_size).bfloat16()
     published = {}
     with torch.no_grad():
         ys = stack(xs, published=published)
     step = published["step"]
-    topk = {L: slots_to_entries(published["topk", L], step.block_table(CFG.role(L).ratio)[0], 128)[None]
+    topk = {L: slots_to_entries(published["topk", L], step.block_table(CFG.role(L).ratio)[0], STATELESS_BLOCK)[None]
             for L in (1, 3, 5, 7)}
     pools = {5: published["pool"].long()[None]}
     params = dict(stack.named_parameters())

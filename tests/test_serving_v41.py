@@ -19,9 +19,9 @@ from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import CacheFullError
 from dsv4ops.cache.v41 import V41CacheManager, memory, stack_pools
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.layers_v41 import DeepseekV41AttentionStack
+from dsv4ops.layers_v41 import STATELESS_BLOCK, DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics, stack_attention
-from dsv4ops.testing_v41 import check_pool, check_selection, serve_schedule
+from dsv4ops.testing_v41 import check_pool, check_selection, serve_schedule, slots_to_entries
 
 CFG = DSV41AttentionConfig.tiny()
 NUMERICS = {"exact": V41Numerics.exact(), "qat": V41Numerics()}
@@ -112,13 +112,11 @@ def test_stateless_forward_equals_the_oracle():
     with torch.no_grad():
         ys = stack(xs, published=published)
     assert ys.shape == (CFG.num_layers, 2, 64, CFG.hidden_size)
-    step, bs = published["step"], 128
-    from dsv4ops.testing_v41 import slots_to_entries
-
+    step = published["step"]
     for b, n in ((0, 64), (1, 64)):
         rows = slice(b * 64, b * 64 + n)
-        topk = {L: slots_to_entries(published["topk", L][rows], step.block_table(CFG.role(L).ratio)[b], bs)
-                for L in (1, 3, 5, 7)}
+        topk = {L: slots_to_entries(published["topk", L][rows], step.block_table(CFG.role(L).ratio)[b],
+                                    STATELESS_BLOCK) for L in (1, 3, 5, 7)}
         pools = {5: published["pool"][rows].long()}
         _check_against_oracle(stack, "qat", {"x": xs[:, b]}, {"x": ys[:, b]}, {"x": topk}, {"x": pools})
 
