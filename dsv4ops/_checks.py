@@ -4,14 +4,7 @@ symbolic shapes). Each error names the argument, what was expected and what came
 import torch
 from torch import Tensor
 
-from dsv4ops.quant.reference import (
-    INDEXER_DIM,
-    MAIN_DIM,
-    indexer_block_bytes,
-    indexer_block_size,
-    main_block_bytes,
-    main_block_size,
-)
+from dsv4ops.quant import formats
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INDEX = (torch.int32,)
@@ -66,27 +59,27 @@ def rope_table(inv_freq: Tensor, width: int, ref: Tensor):
     same_device("inv_freq", inv_freq, ref, "q")
 
 
-def paged_cache(name: str, cache: Tensor, width: int, ref: Tensor) -> int:
-    """A page pool for `width`-d rows: uint8 [blocks, bytes] of FP8 entries (512-d: 584 B,
-    128-d: 132 B) or float [blocks, block_size, width]. Returns the block size."""
+def paged_cache(name: str, cache: Tensor, width: int, ref: Tensor, fmt: str, fmt_name: str) -> int:
+    """A page pool of `width`-d rows in format `fmt` (dsv4ops/quant/formats.py): uint8 [blocks,
+    page bytes] of a byte format (its row width, whole pages), or an `exact` float [blocks,
+    block_size, width]. Returns the block size."""
+    torch._check(fmt in formats.NAMES, lambda: f"{fmt_name}: expected one of {list(formats.NAMES)}, got {fmt!r}")
     contiguous(name, cache)
     same_device(name, cache, ref, "the activations")
-    if cache.dtype == torch.uint8:
-        ndim(name, cache, 2, "[blocks, block bytes] (FP8 entries)")
-        torch._check(
-            width in (MAIN_DIM, INDEXER_DIM),
-            lambda: f"{name}: FP8 entries exist for {MAIN_DIM}-d (584 B) and {INDEXER_DIM}-d (132 B) rows, got {width}-d rows",
-        )
-        main = width == MAIN_DIM
-        bs = (main_block_size if main else indexer_block_size)(cache.shape[1])
-        expect = (main_block_bytes if main else indexer_block_bytes)(max(bs, 1))
-        torch._check(
-            bs >= 1 and cache.shape[1] == expect,
-            lambda: f"{name}: expected a page of whole {'584' if main else '132'}-B entries ({expect} B for "
-            f"{max(bs, 1)} entries), got {cache.shape[1]} B",
-        )
-        return bs
-    dtype(name, cache, FLOATS + (torch.uint8,))
-    ndim(name, cache, 3, "[blocks, block_size, dim]")
-    size(name, cache, 2, width, "row width")
-    return cache.shape[1]
+    if fmt == formats.EXACT:
+        dtype(name, cache, FLOATS)
+        ndim(name, cache, 3, "[blocks, block_size, dim] (exact rows)")
+        size(name, cache, 2, width, "row width")
+        return cache.shape[1]
+    f = formats.FORMATS[fmt]
+    dtype(name, cache, (torch.uint8,))
+    ndim(name, cache, 2, f"[blocks, page bytes] ({fmt} pages)")
+    torch._check(width == f.dim, lambda: f"{name}: format {fmt} stores {f.dim}-d rows, got {width}-d rows")
+    bs = f.block_size(cache.shape[1])
+    expect = f.padded(max(bs, 1))
+    torch._check(
+        bs >= 1 and cache.shape[1] == expect,
+        lambda: f"{name}: expected a page of whole {f.row_bytes}-B {fmt} rows ({expect} B for {max(bs, 1)} rows), "
+        f"got {cache.shape[1]} B",
+    )
+    return bs

@@ -144,17 +144,19 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
     kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
-    ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps)
+    fmt = cache.fmt
+    ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps, True, fmt["window"])
 
-    comp_cache, comp_idx = cache.window, torch.empty(t, 0, dtype=torch.int32, device=x.device)
+    comp_cache, comp_fmt = cache.window, fmt["window"]
+    comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
     comp_lens = torch.zeros_like(pos)
     if layer.compressor is not None:
         c, kind = layer.compressor, layer.layer_type
-        _compress(c, x, step, kind, layer.inv_freq, cache.state, cache.comp, layer.numerics.kv, eps)
-        comp_cache = cache.comp
+        _compress(c, x, step, kind, layer.inv_freq, cache.state, cache.comp, fmt["comp"], layer.numerics.kv, eps)
+        comp_cache, comp_fmt = cache.comp, fmt["comp"]
         if kind == CSA:
-            _compress(c.indexer, x, step, kind, layer.inv_freq, cache.index_state, cache.index, layer.numerics.indexer,
-                      eps)
+            _compress(c.indexer, x, step, kind, layer.inv_freq, cache.index_state, cache.index, fmt["index"],
+                      layer.numerics.indexer, eps)
             comp_idx = _select(c.indexer, x, qr, step, layer, cache)
         else:
             comp_idx = visible_entries(step, cfg.compress_ratio(layer.layer_idx), cache.cfg.block_size)
@@ -163,29 +165,30 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
 
     o = torch.empty_like(q_rot)
     ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, layer.sinks, o,
-                    cfg.head_dim**-0.5, cfg.window, cache.ring_size)
+                    cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
 
 
-def _compress(c, x, step, kind, inv_freq, state, pool, mode, eps):
+def _compress(c, x, step, kind, inv_freq, state, pool, fmt, mode, eps):
     cdt = compressor_dtype(mode, x.dtype)
     a = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt))
     z = F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
     torch.ops.dsv4.compressor_update(a, z, c.position_bias, step.positions, step.req_slots, step.entry_slots(kind),
-                                     c.kv_norm.weight, inv_freq, state, pool, eps)
+                                     c.kv_norm.weight, inv_freq, state, pool, None, eps, fmt)
 
 
 def _select(indexer, x, qr, step, layer, cache):
     cfg, t = layer.config, x.shape[0]
     q = F.linear(qr, indexer.q_b_proj.weight).view(t, cfg.index_n_heads, cfg.index_head_dim)
     w = F.linear(x, indexer.scorer.weights_proj.weight)
-    q_dtype = torch.float8_e4m3fn if layer.numerics.indexer == "fp8" else q.dtype
+    fmt = cache.fmt["index"]
+    q_dtype = torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype
     q_out = torch.empty(q.shape, dtype=q_dtype, device=x.device)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
-    torch.ops.dsv4.indexer_q_prep(q, w, step.positions, layer.inv_freq, q_out, w_out)
+    torch.ops.dsv4.indexer_q_prep(q, w, step.positions, layer.inv_freq, q_out, w_out, fmt)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
-    torch.ops.dsv4.indexer_topk(q_out, w_out, step.positions, step.req_slots, cache.index, step.block_table(CSA), idx,
-                                cache.topk_workspace, cfg.csa_ratio)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, step.positions, step.req_slots, cache.index, step.block_table(CSA), None,
+                                idx, None, cache.topk_workspace, cfg.csa_ratio, 0, fmt)
     return idx

@@ -59,74 +59,97 @@ def router_gate(
 
 # ---- quant: cache entries ----------------------------------------------------------------------
 @custom_op("dsv4::pack_kv", mutates_args=("cache",))
-def pack_kv(x: Tensor, slots: Tensor, cache: Tensor) -> None:
-    """Store rows x [N, d] at global slots of a page pool (-1: skipped). uint8 pools hold FP8 entries
-    (d = 512: the 584-B entry; d = 128: the 132-B indexer entry); float pools hold the rows as is."""
-    _quant_checks.pack_kv(x, slots, cache)
-    _quant.pack_kv(x, slots, cache)
+def pack_kv(x: Tensor, slots: Tensor, cache: Tensor, fmt: str) -> None:
+    """Store rows x [N, d] at global slots of a page pool of format `fmt` (-1: skipped): a byte
+    format of dsv4ops/quant/formats.py (uint8 pages) or `exact` (float rows as they are)."""
+    _quant_checks.pack_kv(x, slots, cache, fmt)
+    _quant.pack_kv(x, slots, cache, fmt)
 
 
 @custom_op("dsv4::unpack_kv", mutates_args=("out",))
-def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor) -> None:
-    """Read the entries at slots into out [N, d] (dequantized); rows with slot -1 become 0."""
-    _quant_checks.unpack_kv(cache, slots, out)
-    _quant.unpack_kv(cache, slots, out)
+def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor, fmt: str) -> None:
+    """Read the rows at slots of a pool of format `fmt` into out [N, d] (dequantized); rows with
+    slot -1 become 0."""
+    _quant_checks.unpack_kv(cache, slots, out, fmt)
+    _quant.unpack_kv(cache, slots, out, fmt)
 
 
 # ---- qkv_prep ----------------------------------------------------------------------------------
 @custom_op("dsv4::qkv_prep", mutates_args=("q_out", "window_cache"))
 def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_freq: Tensor, q_out: Tensor,
-             window_cache: Tensor, ring_size: int, eps: float) -> None:
-    """q_out = RoPE(weightless per-head RMSNorm(q)); the kv row, RoPE'd, goes to slot
-    req * ring_size + position % ring_size of the window pool (nothing for request -1)."""
-    _qkv_prep_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size)
-    _qkv_prep.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps)
+             window_cache: Tensor, ring_size: int, eps: float, q_norm: bool, window_fmt: str) -> None:
+    """q_out = RoPE(q), after a weightless per-head RMSNorm when q_norm (V4; not V4.1); the kv
+    row, RoPE'd, goes to slot req * ring_size + position % ring_size of the window pool (format
+    window_fmt; nothing for request -1)."""
+    _qkv_prep_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
+    _qkv_prep.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, q_norm,
+                       window_fmt)
 
 
 # ---- compressor --------------------------------------------------------------------------------
-@custom_op("dsv4::compressor_update", mutates_args=("state", "cache"))
+@custom_op("dsv4::compressor_update", mutates_args=("state", "cache", "latent_out"))
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      eps: float) -> None:
+                      latent_out: Tensor | None, eps: float, fmt: str) -> None:
     """Save every token's (a, z + ape) in its request's state ring; tokens that close a block pool
-    it (CSA: 8-slot overlap; HCA: 128), RMSNorm, RoPE at w*m and store the entry at entry_slots."""
+    it (CSA: 8-slot overlap; otherwise the m slots of the block), RMSNorm, RoPE at w*m and store
+    the entry at entry_slots (pool format fmt). latent_out [T, d], if given, gets each closing
+    token's entry before RoPE (0 in the other rows)."""
     _compressor_checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq,
-                                         state, cache)
+                                         state, cache, latent_out, fmt)
     _compressor.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
-                                  cache, eps)
+                                  cache, latent_out, eps, fmt)
 
 
 # ---- indexer -----------------------------------------------------------------------------------
 @custom_op("dsv4::indexer_q_prep", mutates_args=("q_out", "w_out"))
 def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tensor, q_out: Tensor,
-                   w_out: Tensor) -> None:
-    """q_out = RoPE(q) (e4m3 with a per-(token, head) pow2 scale if q_out is float8_e4m3fn);
+                   w_out: Tensor, fmt: str) -> None:
+    """q_out = RoPE(q), quantized per (token, head) row like keys of format fmt: `exact` (q's
+    dtype), `fp8_132` (e4m3, the pow2 scale folded into w_out) or `mxfp4_68` (the packed 68-B row);
     w_out = weights x d^-1/2 x H^-1/2 (x that scale)."""
-    _indexer_checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out)
-    _indexer.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out)
+    _indexer_checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+    _indexer.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
 
 
-@custom_op("dsv4::indexer_topk", mutates_args=("idx_out", "workspace"))
+@custom_op("dsv4::indexer_k_prep", mutates_args=("cache",))
+def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_slots: Tensor, wk: Tensor,
+                   k_norm_weight: Tensor, inv_freq: Tensor, cache: Tensor, ratio: int, eps: float, fmt: str) -> None:
+    """Index keys of the entries closed by this step: k = RoPE_{w*m}(RMSNorm(latent @ wk^T)) of each
+    token with (p + 1) % ratio == 0, stored at entry_slots (-1: none) of the key pool (format fmt)."""
+    _indexer_checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache,
+                                   ratio, fmt)
+    _indexer.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio,
+                            eps, fmt)
+
+
+@custom_op("dsv4::indexer_topk", mutates_args=("idx_out", "cand_out", "workspace"))
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
-                 block_table: Tensor, idx_out: Tensor, workspace: Tensor, ratio: int) -> None:
+                 block_table: Tensor, cand: Tensor | None, idx_out: Tensor, cand_out: Tensor | None,
+                 workspace: Tensor, ratio: int, cand_block: int, fmt: str) -> None:
     """The top-k entries (ties to the lower entry) of sum_h w_h relu(q_h . k) over the visible
-    entries w < (t + 1) // ratio of each token's request, as global slots in ascending entry order,
-    -1 after them. workspace: int32 scratch of the CUDA kernel (the reference ignores it)."""
-    _indexer_checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio)
-    _indexer.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, ratio)
+    entries w < (t + 1) // ratio of each token's request, or only over the entries of its candidate
+    blocks `cand` (blocks of cand_block entries), as global slots in ascending entry order, -1 after
+    them. cand_out, if given, gets the candidate-block pool of the same scores (block max, newest
+    block forced, best first). workspace: int32 scratch of the CUDA kernel (the reference ignores it)."""
+    _indexer_checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out,
+                                 workspace, ratio, cand_block, fmt)
+    _indexer.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, ratio,
+                          cand_block, fmt)
 
 
 # ---- sparse_attn -------------------------------------------------------------------------------
 @custom_op("dsv4::sparse_attn", mutates_args=("out",))
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int,
-                ring_size: int) -> None:
+                ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     """MQA with sink over each query's window (ring of its request, itself included) and the
-    compressed entries comp_idx[t, :comp_lens[t]] (-1 = none); K = V; padding tokens get zeros."""
+    compressed entries comp_idx[t, :comp_lens[t]] (-1 = none); K = V; padding tokens get zeros. The
+    pools' formats are window_fmt and comp_fmt."""
     _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks,
-                                    out, window, ring_size)
+                                    out, window, ring_size, window_fmt, comp_fmt)
     _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out,
-                             scale, window, ring_size)
+                             scale, window, ring_size, window_fmt, comp_fmt)
 
 
 # ---- output ------------------------------------------------------------------------------------

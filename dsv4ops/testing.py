@@ -120,28 +120,45 @@ def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: 
 
 # ---- inputs of the dsv4:: ops ------------------------------------------------------------------
 # Tiny valid argument sets, built fresh per call (the ops mutate them), as dicts in schema order.
-# Float pools take rows of any width, so the default rows are 16-d (rope 8); FP8 pools need 512-d
-# (584-B main entries) or 128-d (132-B indexer entries) rows. `fmt` is "fp8" or a float dtype.
+# Exact pools take rows of any width, so the default rows are 16-d (rope 8); byte formats fix the
+# width (512-d main rows, 128-d index rows) and take 64 rope dims. `fmt` is a float dtype (an exact
+# pool of that dtype), a format name of dsv4ops/quant/formats.py, or FP8: the V4 format of the
+# width (fp8_584 for 512-d rows, fp8_132 for 128-d rows).
 FP8 = "fp8"
 
 
-def page_pool(blocks: int, block_size: int, dim: int, fmt, device=None) -> Tensor:
-    """A poisoned page pool: FP8 entries (uint8, every byte 0xFF, an e4m3 NaN) or float rows (NaN)."""
-    from dsv4ops.quant.reference import MAIN_DIM, indexer_block_bytes, main_block_bytes
+def format_name(fmt, dim: int) -> str:
+    """The format name of a factory's `fmt` for `dim`-wide rows."""
+    from dsv4ops.quant import formats
 
+    if isinstance(fmt, torch.dtype):
+        return formats.EXACT
     if fmt == FP8:
-        nbytes = (main_block_bytes if dim == MAIN_DIM else indexer_block_bytes)(block_size)
-        return torch.full((blocks, nbytes), 255, dtype=torch.uint8, device=device)
-    return torch.full((blocks, block_size, dim), float("nan"), dtype=fmt, device=device)
+        return "fp8_584" if dim == 512 else "fp8_132"
+    return fmt
 
 
-def fill_pool(pool: Tensor, dim: int) -> Tensor:
+def page_pool(blocks: int, block_size: int, dim: int, fmt, device=None) -> Tensor:
+    """A poisoned page pool: a byte format (uint8, every byte 0xFF, an e4m3 NaN) or exact float rows
+    (NaN)."""
+    from dsv4ops.quant import formats
+
+    name = format_name(fmt, dim)
+    shape = formats.pool_shape(name, blocks, block_size, dim)
+    if name == formats.EXACT:
+        return torch.full(shape, float("nan"), dtype=fmt, device=device)
+    return torch.full(shape, 255, dtype=torch.uint8, device=device)
+
+
+def fill_pool(pool: Tensor, dim: int, fmt) -> Tensor:
     """Store a random N(0, 1) row in every slot of `pool` (through the reference pack); returns it."""
     from dsv4ops.quant.api import pool_slots
     from dsv4ops.quant.reference import pack_kv
 
-    n = pool_slots(pool, dim)
-    pack_kv(torch.randn(n, dim, device=pool.device), torch.arange(n, dtype=torch.int32, device=pool.device), pool)
+    name = format_name(fmt, dim)
+    n = pool_slots(pool, name)
+    pack_kv(torch.randn(n, dim, device=pool.device), torch.arange(n, dtype=torch.int32, device=pool.device), pool,
+            name)
     return pool
 
 
@@ -168,10 +185,15 @@ def _rows(shape, dtype, noncontig: bool) -> Tensor:
 
 
 def _dims(fmt, dim: int, main: bool = True) -> tuple[int, int]:
-    """(row width, rope dims): FP8 pools fix the width (512 main, 128 indexer) and take 64 rope dims."""
+    """(row width, rope dims): byte formats fix the width (V4's FP8: 512 main, 128 indexer) and take
+    64 rope dims."""
+    from dsv4ops.quant import formats
+
+    if isinstance(fmt, torch.dtype):
+        return dim, min(8, dim)
     if fmt == FP8:
         return (512 if main else 128), 64
-    return dim, min(8, dim)
+    return formats.get(fmt).dim, 64
 
 
 DEFAULT_RUNS = ((0, 5, 3), (1, 0, 2))  # request 0 continues at position 5, request 1 starts; + padding
@@ -181,28 +203,30 @@ def pack_kv_args(dtype=torch.float32, fmt=None, dim=16, main=True, slots=(5, -1,
                  block_size=4) -> dict:
     fmt = fmt or dtype
     dim, _ = _dims(fmt, dim, main)
+    name = format_name(fmt, dim)
     return dict(x=torch.randn(len(slots), dim, dtype=dtype), slots=torch.tensor(slots, dtype=torch.int32),
-                cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim))
+                cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim, fmt), fmt=name)
 
 
 def unpack_kv_args(dtype=torch.float32, fmt=None, dim=16, main=True, slots=(5, -1, 0), blocks=2,
                    block_size=4) -> dict:
     fmt = fmt or dtype
     dim, _ = _dims(fmt, dim, main)
-    return dict(cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim),
-                slots=torch.tensor(slots, dtype=torch.int32), out=torch.empty(len(slots), dim, dtype=dtype))
+    return dict(cache=fill_pool(page_pool(blocks, block_size, dim, fmt), dim, fmt),
+                slots=torch.tensor(slots, dtype=torch.int32), out=torch.empty(len(slots), dim, dtype=dtype),
+                fmt=format_name(fmt, dim))
 
 
 def qkv_prep_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, ring=8, requests=2,
-                  block_size=4, noncontig=False) -> dict:
+                  block_size=4, noncontig=False, q_norm=True) -> dict:
     fmt = fmt or dtype
     dim, rope = _dims(fmt, dim)
     positions, req_slots = step_tokens(*runs, pad=pad)
     t = positions.shape[0]
     return dict(q=_rows((t, heads, dim), dtype, noncontig), kv=torch.randn(t, dim, dtype=dtype), positions=positions,
                 req_slots=req_slots, inv_freq=rope_table(rope), q_out=torch.empty(t, heads, dim, dtype=dtype),
-                window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim),
-                ring_size=ring, eps=1e-6)
+                window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim, fmt),
+                ring_size=ring, eps=1e-6, q_norm=q_norm, window_fmt=format_name(fmt, dim))
 
 
 def entry_slots_of(positions: Tensor, req_slots: Tensor, ratio: int, per_request: int) -> Tensor:
@@ -213,43 +237,91 @@ def entry_slots_of(positions: Tensor, req_slots: Tensor, ratio: int, per_request
 
 
 def compressor_update_args(dtype=torch.float32, fmt=None, dim=8, ratio=4, overlap=True, main=True,
-                           runs=((0, 2, 5), (1, 0, 3)), pad=1, requests=2, blocks=4, block_size=4) -> dict:
+                           runs=((0, 2, 5), (1, 0, 3)), pad=1, requests=2, blocks=4, block_size=4,
+                           latent=False) -> dict:
+    """latent: a latent_out buffer (in the entry dtype) instead of None."""
+    from dsv4ops.compressor.checks import entry_dtype
+
     fmt = fmt or dtype
     d, rope = _dims(fmt, dim, main)
     rope = min(rope, d // 2)
     width = (2 if overlap else 1) * d
     positions, req_slots = step_tokens(*runs, pad=pad)
     t = positions.shape[0]
+    cache = fill_pool(page_pool(blocks, block_size, d, fmt), d, fmt)
+    name = format_name(fmt, d)
     return dict(
         kv=torch.randn(t, width, dtype=dtype), score=torch.randn(t, width, dtype=dtype),
         ape=torch.randn(ratio, width), positions=positions, req_slots=req_slots,
         entry_slots=entry_slots_of(positions, req_slots, ratio, blocks * block_size // requests),
         norm_weight=1 + 0.1 * torch.randn(d), inv_freq=rope_table(rope),
-        state=torch.randn(requests, width // d * ratio, 2 * width),
-        cache=fill_pool(page_pool(blocks, block_size, d, fmt), d), eps=1e-6,
+        state=torch.randn(requests, width // d * ratio, 2 * width), cache=cache,
+        latent_out=torch.empty(t, d, dtype=entry_dtype(cache, name)) if latent else None, eps=1e-6, fmt=name,
     )
 
 
-def indexer_q_prep_args(dtype=torch.float32, fp8=False, heads=2, dim=16, tokens=3, noncontig=False) -> dict:
+def indexer_q_prep_args(dtype=torch.float32, fmt="exact", heads=2, dim=16, tokens=3, noncontig=False) -> dict:
+    """fmt: the query's format (exact, fp8_132 or mxfp4_68; the last two take 128-d rows)."""
+    from dsv4ops.quant import formats
+
+    if fmt != formats.EXACT:
+        dim = formats.get(fmt).dim
+    out = {formats.EXACT: ((tokens, heads, dim), dtype), "fp8_132": ((tokens, heads, dim), torch.float8_e4m3fn),
+           "mxfp4_68": ((tokens, heads, 68), torch.uint8)}[fmt]
     return dict(q=_rows((tokens, heads, dim), dtype, noncontig), weights=torch.randn(tokens, heads, dtype=dtype),
                 positions=torch.arange(3, 3 + tokens, dtype=torch.int32), inv_freq=rope_table(min(8, dim)),
-                q_out=torch.empty(tokens, heads, dim, dtype=torch.float8_e4m3fn if fp8 else dtype),
-                w_out=torch.empty(tokens, heads))
+                q_out=torch.empty(*out[0], dtype=out[1]), w_out=torch.empty(tokens, heads), fmt=fmt)
+
+
+def mx4_query(q: Tensor) -> Tensor:
+    """Packed 68-B MX4 rows [T, H, 68] of a float query [T, H, 128] (the mxfp4_68 codec)."""
+    from dsv4ops.quant import codecs
+
+    t, h, d = q.shape
+    data, scales = codecs.encode("mxfp4_68", q.reshape(t * h, d))
+    return torch.cat([data, scales], 1).view(t, h, -1)
+
+
+def indexer_k_prep_args(dtype=torch.float32, fmt=None, dim=16, di=16, runs=((0, 2, 5), (1, 0, 3)), pad=1, ratio=2,
+                        requests=2, blocks=4, block_size=4, noncontig=False) -> dict:
+    """Keys of `fmt` (a dtype, FP8 or a format name; byte formats take 128-d keys)."""
+    fmt = fmt or dtype
+    di, rope = _dims(fmt, di, main=False)
+    positions, req_slots = step_tokens(*runs, pad=pad)
+    t = positions.shape[0]
+    return dict(latent=_rows((t, dim), dtype, noncontig), positions=positions, req_slots=req_slots,
+                entry_slots=entry_slots_of(positions, req_slots, ratio, blocks * block_size // requests),
+                wk=torch.randn(di, dim) / dim**0.5, k_norm_weight=1 + 0.1 * torch.randn(di),
+                inv_freq=rope_table(min(rope, di // 2)),
+                cache=fill_pool(page_pool(blocks, block_size, di, fmt), di, fmt), ratio=ratio, eps=1e-6,
+                fmt=format_name(fmt, di))
 
 
 def indexer_topk_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, ratio=2, k=3,
-                      requests=2, table_blocks=2, block_size=4, noncontig=False) -> dict:
-    """Request r owns blocks r * table_blocks ..; q is e4m3 when dtype is torch.float8_e4m3fn."""
-    fmt = fmt or (torch.float32 if dtype == torch.float8_e4m3fn else dtype)
+                      requests=2, table_blocks=2, block_size=4, noncontig=False, cand_blocks=0, pool_blocks=0,
+                      cand_block=2) -> dict:
+    """Request r owns blocks r * table_blocks ..; q is e4m3 when dtype is torch.float8_e4m3fn and
+    packed MX4 rows when dtype is torch.uint8. cand_blocks > 0: a `cand` of that many candidate
+    blocks per token (the first ones, then -1); pool_blocks > 0: a `cand_out` of that width."""
+    fmt = fmt or (torch.float32 if dtype in (torch.float8_e4m3fn, torch.uint8) else dtype)
     dim, _ = _dims(fmt, dim, main=False)
+    if dtype == torch.uint8:
+        dim = 128
     positions, req_slots = step_tokens(*runs, pad=pad)
     t = positions.shape[0]
-    q = _rows((t, heads, dim), torch.float32, noncontig).to(dtype)
+    q = _rows((t, heads, dim), torch.float32, noncontig)
+    q = mx4_query(q) if dtype == torch.uint8 else q.to(dtype)
     table = torch.arange(requests * table_blocks, dtype=torch.int32).view(requests, table_blocks)
+    cand = None
+    if cand_blocks:
+        cand = torch.arange(cand_blocks, dtype=torch.int32).repeat(t, 1)
+        cand[:, -1] = -1
     return dict(q=q, weights=torch.randn(t, heads), positions=positions, req_slots=req_slots,
-                cache=fill_pool(page_pool(requests * table_blocks, block_size, dim, fmt), dim), block_table=table,
-                idx_out=torch.empty(t, k, dtype=torch.int32),
-                workspace=topk_workspace(t, table_blocks * block_size, k), ratio=ratio)
+                cache=fill_pool(page_pool(requests * table_blocks, block_size, dim, fmt), dim, fmt), block_table=table,
+                cand=cand, idx_out=torch.empty(t, k, dtype=torch.int32),
+                cand_out=torch.empty(t, pool_blocks, dtype=torch.int32) if pool_blocks else None,
+                workspace=topk_workspace(t, table_blocks * block_size, k), ratio=ratio,
+                cand_block=cand_block if cand_blocks or pool_blocks else 0, fmt=format_name(fmt, dim))
 
 
 def topk_workspace(tokens: int, n_entries: int, k: int, device=None) -> Tensor:
@@ -260,10 +332,13 @@ def topk_workspace(tokens: int, n_entries: int, k: int, device=None) -> Tensor:
 
 
 def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, window=4, ring=8,
-                     requests=2, block_size=4, comp_blocks=2, entries=3, noncontig=False) -> dict:
+                     requests=2, block_size=4, comp_blocks=2, entries=3, noncontig=False, comp_fmt=None) -> dict:
     """comp_idx rows: random slots of the compressed pool, the last column -1; comp_lens lists every
-    column but the first token's last one (a listed -1 and an unlisted slot both read nothing)."""
+    column but the first token's last one (a listed -1 and an unlisted slot both read nothing).
+    comp_fmt: the compressed pool's format when it differs from the window's (V4.1: fp8_528 /
+    fp4_288)."""
     fmt = fmt or dtype
+    comp_fmt = comp_fmt or fmt
     dim, _ = _dims(fmt, dim)
     positions, req_slots = step_tokens(*runs, pad=pad)
     t = positions.shape[0]
@@ -272,10 +347,11 @@ def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAUL
     comp_lens = torch.full((t,), entries, dtype=torch.int32)
     comp_lens[0] = entries - 1
     return dict(q=_rows((t, heads, dim), dtype, noncontig),
-                window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim),
-                comp_cache=fill_pool(page_pool(comp_blocks, block_size, dim, fmt), dim), positions=positions,
-                req_slots=req_slots, comp_idx=comp_idx, comp_lens=comp_lens, sinks=torch.randn(heads),
-                out=torch.empty(t, heads, dim, dtype=dtype), scale=dim**-0.5, window=window, ring_size=ring)
+                window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim, fmt),
+                comp_cache=fill_pool(page_pool(comp_blocks, block_size, dim, comp_fmt), dim, comp_fmt),
+                positions=positions, req_slots=req_slots, comp_idx=comp_idx, comp_lens=comp_lens,
+                sinks=torch.randn(heads), out=torch.empty(t, heads, dim, dtype=dtype), scale=dim**-0.5,
+                window=window, ring_size=ring, window_fmt=format_name(fmt, dim), comp_fmt=format_name(comp_fmt, dim))
 
 
 def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=False) -> dict:
@@ -284,24 +360,32 @@ def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=Fals
 
 
 _PUBLIC = {
-    "pack_kv": lambda api, a: api.pack_kv(a["x"], a["slots"], a["cache"]),
-    "unpack_kv": lambda api, a: api.unpack_kv(a["cache"], a["slots"], a["out"].shape[1], a["out"].dtype),
+    "pack_kv": lambda api, a: api.pack_kv(a["x"], a["slots"], a["cache"], a["fmt"]),
+    "unpack_kv": lambda api, a: api.unpack_kv(a["cache"], a["slots"], a["out"].shape[1], a["out"].dtype, a["fmt"]),
     "qkv_prep": lambda api, a: api.qkv_prep(a["q"], a["kv"], a["positions"], a["req_slots"], a["inv_freq"],
-                                            a["window_cache"], a["ring_size"], a["eps"]),
+                                            a["window_cache"], a["ring_size"], a["eps"], a["window_fmt"],
+                                            q_norm=a["q_norm"]),
     "compressor_update": lambda api, a: api.compressor_update(
         a["kv"], a["score"], a["ape"], a["positions"], a["req_slots"], a["entry_slots"], a["norm_weight"],
-        a["inv_freq"], a["state"], a["cache"], a["eps"]),
+        a["inv_freq"], a["state"], a["cache"], a["eps"], a["fmt"], latent=a["latent_out"] is not None),
     "indexer_q_prep": lambda api, a: api.indexer_q_prep(a["q"], a["weights"], a["positions"], a["inv_freq"],
-                                                        fp8=a["q_out"].dtype == torch.float8_e4m3fn),
-    "indexer_topk": lambda api, a: api.indexer_topk(a["q"], a["weights"], a["positions"], a["req_slots"], a["cache"],
-                                                    a["block_table"], a["idx_out"].shape[1], a["ratio"]),
+                                                        fmt=a["fmt"]),
+    "indexer_k_prep": lambda api, a: api.indexer_k_prep(a["latent"], a["positions"], a["req_slots"],
+                                                        a["entry_slots"], a["wk"], a["k_norm_weight"], a["inv_freq"],
+                                                        a["cache"], a["ratio"], a["eps"], a["fmt"]),
+    "indexer_topk": lambda api, a: api.indexer_topk(
+        a["q"], a["weights"], a["positions"], a["req_slots"], a["cache"], a["block_table"], a["idx_out"].shape[1],
+        a["ratio"], a["fmt"], cand=a["cand"], cand_block=a["cand_block"],
+        pool_blocks=0 if a["cand_out"] is None else a["cand_out"].shape[1]),
     "sparse_attn": lambda api, a: api.sparse_attn(a["q"], a["window_cache"], a["comp_cache"], a["positions"],
                                                   a["req_slots"], a["comp_idx"], a["sinks"], a["scale"], a["window"],
-                                                  a["ring_size"], comp_lens=a["comp_lens"]),
+                                                  a["ring_size"], a["window_fmt"], a["comp_fmt"],
+                                                  comp_lens=a["comp_lens"]),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",
-           "indexer_q_prep": "indexer", "indexer_topk": "indexer", "sparse_attn": "sparse_attn", "inv_rope": "inv_rope"}
+           "indexer_q_prep": "indexer", "indexer_k_prep": "indexer", "indexer_topk": "indexer",
+           "sparse_attn": "sparse_attn", "inv_rope": "inv_rope"}
 
 
 def public(name: str):

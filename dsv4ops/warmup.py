@@ -14,16 +14,13 @@ import torch
 
 from dsv4ops.cache.config import CacheConfig, blocks_per_request, topk_workspace_words
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
-from dsv4ops.quant.reference import indexer_block_bytes, main_block_bytes
+from dsv4ops.cache.config import paged_pool
 from dsv4ops.reference.numerics import compressor_dtype
 
 
-def _pool(mode: str, dim: int, blocks: int, cache_cfg: CacheConfig, device) -> torch.Tensor:
-    bs = cache_cfg.block_size
-    if mode == "fp8":
-        nbytes = main_block_bytes(bs) if dim == 512 else indexer_block_bytes(bs)
-        return torch.zeros(blocks, nbytes, dtype=torch.uint8, device=device)
-    return torch.zeros(blocks, bs, dim, dtype=cache_cfg.exact_dtype, device=device)
+def _pool(fmt: str, dim: int, blocks: int, cache_cfg: CacheConfig, device) -> torch.Tensor:
+    spec = paged_pool("", cache_cfg, fmt, dim, blocks)
+    return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
 
 
 def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -37,12 +34,13 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
         first.setdefault(model_cfg.layer_type(i), i)
     kinds = set(first)
     numerics = cache_cfg.numerics()
+    main_fmt, index_fmt = cache_cfg.formats()
     bs, ring = cache_cfg.block_size, cache_cfg.ring_size(model_cfg.window)
     h, d = model_cfg.num_heads, model_cfg.head_dim
     hi, di = model_cfg.index_n_heads, model_cfg.index_head_dim
     eps = model_cfg.rms_norm_eps
     inv_freq = {k: model_cfg.inv_freq(i).to(device) for k, i in first.items()}
-    window = _pool(cache_cfg.kv_cache, d, -(-ring // bs), cache_cfg, device)
+    window = _pool(main_fmt, d, -(-ring // bs), cache_cfg, device)
     calls = 0
     for t in cache_cfg.buckets:
         pos = torch.zeros(t, dtype=torch.int32, device=device)
@@ -54,45 +52,47 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
         sinks = torch.zeros(h, dtype=torch.float32, device=device)
         for kind in sorted(kinds):
             freq = inv_freq[kind]
-            ops.qkv_prep(q, kv, pos, req, freq, q_rot, window, ring, eps)
+            ops.qkv_prep(q, kv, pos, req, freq, q_rot, window, ring, eps, True, main_fmt)
             comp, idx = window, torch.empty(t, 0, dtype=torch.int32, device=device)
             if kind != SLIDING:
                 ratio = model_cfg.csa_ratio if kind == CSA else model_cfg.hca_ratio
                 coff = 2 if kind == CSA else 1
                 nblk = blocks_per_request(cache_cfg, ratio)
                 table = torch.zeros(1, nblk, dtype=torch.int32, device=device)
-                comp = _pool(cache_cfg.kv_cache, d, 1, cache_cfg, device)
-                streams = [(d, comp, numerics.kv)]
+                comp = _pool(main_fmt, d, 1, cache_cfg, device)
+                streams = [(d, comp, main_fmt, numerics.kv)]
                 if kind == CSA:
-                    streams.append((di, _pool(cache_cfg.indexer_cache, di, 1, cache_cfg, device), numerics.indexer))
-                for dim, pool, mode in streams:
+                    streams.append((di, _pool(index_fmt, di, 1, cache_cfg, device), index_fmt, numerics.indexer))
+                for dim, pool, fmt, mode in streams:
                     cdt = compressor_dtype(mode, dtype)
                     a = torch.zeros(t, coff * dim, dtype=cdt, device=device)
                     ape = torch.zeros(ratio, coff * dim, dtype=torch.float32, device=device)
                     norm = torch.ones(dim, dtype=torch.float32, device=device)
                     state = torch.zeros(1, coff * ratio, 2 * coff * dim, dtype=torch.float32, device=device)
-                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, eps)
+                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, None, eps, fmt)
                     calls += 1
                 if kind == CSA:
                     qi = torch.zeros(t, hi, di, dtype=dtype, device=device)
                     wi = torch.zeros(t, hi, dtype=dtype, device=device)
-                    qi_dtype = torch.float8_e4m3fn if numerics.indexer == "fp8" else dtype
+                    qi_dtype = torch.float8_e4m3fn if index_fmt == "fp8_132" else dtype
                     qi_out = torch.empty(t, hi, di, dtype=qi_dtype, device=device)
                     wi_out = torch.empty(t, hi, dtype=torch.float32, device=device)
-                    ops.indexer_q_prep(qi, wi, pos, freq, qi_out, wi_out)
+                    ops.indexer_q_prep(qi, wi, pos, freq, qi_out, wi_out, index_fmt)
                     idx = torch.empty(t, model_cfg.index_topk, dtype=torch.int32, device=device)
                     ws = torch.empty(topk_workspace_words(model_cfg, cache_cfg), dtype=torch.int32, device=device)
-                    ops.indexer_topk(qi_out, wi_out, pos, req, streams[1][1], table, idx, ws, ratio)
+                    ops.indexer_topk(qi_out, wi_out, pos, req, streams[1][1], table, None, idx, None, ws, ratio, 0,
+                                     index_fmt)
                     calls += 2
                 else:
                     idx = torch.full((t, nblk * bs), -1, dtype=torch.int32, device=device)
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32, device=device)
-            ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, sinks, o, d**-0.5, model_cfg.window, ring)
+            ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, sinks, o, d**-0.5, model_cfg.window, ring,
+                            main_fmt, main_fmt)
             ops.inv_rope(o, pos, freq, o_rot)
             calls += 3
         rows = torch.empty(t, d, dtype=dtype, device=device)
-        ops.pack_kv(rows, none, window)
-        ops.unpack_kv(window, none, rows)
+        ops.pack_kv(rows, none, window, main_fmt)
+        ops.unpack_kv(window, none, rows, main_fmt)
         calls += 2
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from dsv4ops import reference
 from dsv4ops import testing as T
 from dsv4ops.quant.api import unpack_kv
+from dsv4ops.reference.functional import apply_rope, rope_angles
 from dsv4ops.reference.numerics import round_indexer_key, round_kv
 from dsv4ops.testing import FP8
 
@@ -35,8 +36,8 @@ class Stream:
     per request, each step ends with a padding token that closes a block (position ratio - 1) and
     carries a valid entry slot and random rows: it must write nothing."""
 
-    def __init__(self, w: dict, xs: dict, fmt=torch.float32, blocks_per_request: int = 2):
-        self.w, self.xs = w, xs
+    def __init__(self, w: dict, xs: dict, fmt=torch.float32, blocks_per_request: int = 2, eps: float = EPS):
+        self.w, self.xs, self.eps = w, xs, eps
         requests = len(xs)
         width = w["kv"].shape[0]
         self.a = {r: F.linear(x, w["kv"]) for r, x in xs.items()}
@@ -45,6 +46,7 @@ class Stream:
         self.per_request = blocks_per_request * BLOCK
         self.state = torch.full((requests, width // w["d"] * w["ratio"], 2 * width), float("nan"))
         self.cache = T.page_pool(requests * blocks_per_request, BLOCK, w["d"], fmt)
+        self.fmt = T.format_name(fmt, w["d"])
         self.spare = requests * self.per_request - 1  # never a real entry in these tests
 
     def step(self, new: dict, entry_slots=None):
@@ -66,11 +68,12 @@ class Stream:
         self.positions, self.req_slots, self.kv, self.score = positions, req_slots, kv, score
         T.call_public("compressor_update", dict(
             kv=kv, score=score, ape=self.w["ape"], positions=positions, req_slots=req_slots, entry_slots=entry_slots,
-            norm_weight=self.w["norm"], inv_freq=self.w["inv_freq"], state=self.state, cache=self.cache, eps=EPS))
+            norm_weight=self.w["norm"], inv_freq=self.w["inv_freq"], state=self.state, cache=self.cache,
+            latent_out=None, eps=self.eps, fmt=self.fmt))
 
     def entries(self, r: int, n: int) -> torch.Tensor:
         slots = torch.arange(r * self.per_request, r * self.per_request + n, dtype=I32)
-        return unpack_kv(self.cache, slots, self.w["d"], torch.float32)
+        return unpack_kv(self.cache, slots, self.w["d"], torch.float32, self.fmt)
 
 
 def _xs(lengths: dict) -> dict:
@@ -143,7 +146,9 @@ def test_csa_entry_pools_previous_a_stream_and_current_b_stream():
     # of window 0's b-stream alone (the oracle without overlap on the b-stream weights).
     alone = reference.compress(x[:m], w["kv"][d:], w["gate"][d:], w["ape"][:, d:], w["norm"], m, w["inv_freq"],
                                "exact", EPS)
-    assert torch.equal(base[0], alone[0])
+    # Two fp32 computations (a softmax over 8 slots, 4 weighing 0, and one over 4): sums in another
+    # order differ by float rounding, not by a slot (a wrong slot moves the entry by O(1)).
+    torch.testing.assert_close(base[0], alone[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind,token,moved", [(HCA, 127, [0]), (HCA, 128, [1]), (CSA, 5, [1, 2])],
@@ -230,6 +235,14 @@ BAD = [
      r"state: expected size 32 \(kv and score rows\) at dim 2, got 16"),
     ("cache-width", wa("cache", lambda a: a["cache"][..., :4].contiguous()),
      r"cache: expected size 8 \(row width\) at dim 2, got 4"),
+    ("fmt-unknown", wa("fmt", lambda a: "bf16"), r"fmt: expected one of \['fp8_584', "),
+    ("fmt-width", wa("fmt", lambda a: "fp4_288"), r"cache: expected dtype in \[torch.uint8\], got torch.float32"),
+    ("latent_out-dtype", wa("latent_out", lambda a: torch.empty(9, 8, dtype=torch.bfloat16)),
+     r"latent_out: expected dtype in \[torch.float32\], got torch.bfloat16", ("op",)),
+    ("latent_out-width", wa("latent_out", lambda a: torch.empty(9, 16)),
+     r"latent_out: expected size 8 \(d of norm_weight\) at dim 1, got 16", ("op",)),
+    ("latent_out-tokens", wa("latent_out", lambda a: torch.empty(8, 8)),
+     r"latent_out: expected size 9 \(tokens of kv\) at dim 0, got 8", ("op",)),
     # Values (public function only; eager). Tokens: request 0 at 2..6, request 1 at 0..2, padding.
     ("positions-negative", wa("positions", lambda a: torch.tensor([2, 3, 4, 5, 6, -1, 0, 1, 0], dtype=I32)),
      r"positions: expected >= 0 \(token positions\), got -1 at index 5", ("public",)),
@@ -256,3 +269,131 @@ BAD = [
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
     T.assert_bad_case("compressor_update", ARGS(), mutate, match, via)
+
+
+# ---- V4.1 (spec V4.1 2.3): ratio 2 = a 2-slot pool without overlap or position bias, ratio 1 = a
+# 1-slot pool; the entries against an independent float64 formula of the spec ---------------------
+V41_EPS = 1e-20  # V4.1's rms_norm_eps
+
+
+def _v41_weights(ratio: int, d: int = 8) -> dict:
+    w = _weights(ratio, False, d)
+    w["ape"] = torch.zeros(ratio, d)
+    if ratio == 1:
+        w["gate"] = torch.zeros(d, HIDDEN)  # score 0: the one slot weighs exactly 1
+    return w
+
+
+def _v41_formula(x: torch.Tensor, w: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latents, entries) of spec V4.1 2.3 in `dtype`: C_w = sum_p a_p e^{g_p} / sum_p e^{g_p} over the
+    2 tokens of group w (ratio 2) or C_p = a_p (ratio 1); latent = w_norm C / sqrt(mean C^2 + eps);
+    entry = the latent with its last R dims rotated at position w * m (pairs 2i, 2i + 1)."""
+    m, d = w["ratio"], w["d"]
+    xd = x.to(dtype)
+    a = xd @ w["kv"].to(dtype).T
+    n = x.shape[0] // m
+    if m == 2:
+        g = (xd @ w["gate"].to(dtype).T)[: 2 * n].view(n, 2, d)
+        e = torch.exp(g - g.amax(1, keepdim=True))
+        c = (a[: 2 * n].view(n, 2, d) * e).sum(1) / e.sum(1)
+    else:
+        c = a
+    lat = w["norm"].to(dtype) * c / torch.sqrt(c.square().mean(-1, keepdim=True) + V41_EPS)
+    r = 2 * w["inv_freq"].shape[0]
+    ang = (torch.arange(n) * m).to(dtype)[:, None] * w["inv_freq"].to(dtype)
+    x0, x1 = lat[:, d - r::2], lat[:, d - r + 1::2]
+    rot = torch.stack([x0 * ang.cos() - x1 * ang.sin(), x0 * ang.sin() + x1 * ang.cos()], -1).flatten(1)
+    return lat, torch.cat([lat[:, : d - r], rot], 1)
+
+
+def _v41_stream(ratio: int, lengths: dict, fmt=torch.float32, d: int = 8):
+    w = _v41_weights(ratio, d)
+    xs = _xs(lengths)
+    stream = Stream(w, xs, fmt, blocks_per_request=max(2, -(-max(lengths.values()) // ratio // BLOCK)), eps=V41_EPS)
+    return w, xs, stream
+
+
+V41_STEPS = {  # chunks ending on even and odd positions, decode tokens, requests interleaved
+    2: [{0: 3}, {1: 2, 0: 1}, {0: 1}, {0: 4, 1: 5}, {1: 1, 0: 1}, {0: 3, 1: 1}],
+    1: [{0: 3}, {1: 2, 0: 1}, {0: 4, 1: 5}, {1: 1, 0: 1}, {0: 4, 1: 1}],
+}
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_v41_entries_equal_the_spec_formula(ratio):
+    lengths = {0: 13, 1: 9}
+    w, xs, stream = _v41_stream(ratio, lengths)
+    for new in V41_STEPS[ratio]:
+        stream.step(new)
+    for r, x in xs.items():
+        n = lengths[r] // ratio
+        _, want64 = _v41_formula(x, w, torch.float64)
+        _, want32 = _v41_formula(x, w, torch.float32)
+        T.assert_close_to_ref(stream.entries(r, n), want64, want32, what=f"ratio {ratio} request {r}")
+
+
+def test_v41_ratio2_keeps_a_pending_row_and_a_decode_step_at_an_even_position_emits_nothing():
+    w, xs, stream = _v41_stream(2, {0: 6})
+    stream.step({0: 3})  # positions 0..2: entry 0 closes at 1; position 2 waits in the state ring
+    assert torch.equal(stream.state[0, 0, :8], stream.a[0][2]) and stream.state[0, 0, 8:].equal(stream.z[0][2])
+    stream.step({0: 1})  # position 3 closes entry 1 with the pending row of 2
+    before = stream.cache.clone()
+    stream.step({0: 1})  # position 4 (even): no entry
+    assert T.bytes_equal(stream.cache, before)
+    stream.step({0: 1})
+    _, want64 = _v41_formula(xs[0], w, torch.float64)
+    _, want32 = _v41_formula(xs[0], w, torch.float32)
+    T.assert_close_to_ref(stream.entries(0, 3), want64, want32)
+
+
+def test_v41_ratio2_group_zero_is_tokens_0_and_1_alone():
+    # No -inf slot at w = 0 (V4's CSA had one): entry 0 changes with tokens 0 and 1 only.
+    w = _v41_weights(2)
+    x = torch.randn(6, HIDDEN)
+    base = _entries_after(w, x)
+    for token, moved in ((0, [0]), (1, [0]), (2, [1]), (5, [2])):
+        x2 = x.clone()
+        x2[token] += 1.0
+        assert (_entries_after(w, x2) != base).any(-1).nonzero().flatten().tolist() == moved, token
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_v41_quantized_pool_holds_the_codec_of_the_bf16_entry(ratio):
+    # Before a quantized format the pooled entry is cast to bf16 (norm and RoPE in bf16): the fp4_288
+    # pool must hold exactly fp4_288(the entries of an exact bf16 pool), byte for byte.
+    from dsv4ops.quant import codecs
+
+    lengths = {0: 11, 1: 6}
+    runs = {}
+    for fmt in (torch.bfloat16, "fp4_288"):
+        torch.manual_seed(3)
+        w, xs, stream = _v41_stream(ratio, lengths, fmt, d=512)
+        for new in V41_STEPS[ratio][:4]:
+            stream.step({r: n for r, n in new.items() if stream.done[r] + n <= lengths[r]})
+        runs[fmt] = stream
+    exact, fp4 = runs[torch.bfloat16], runs["fp4_288"]
+    for r in lengths:
+        n = exact.done[r] // ratio
+        assert torch.equal(fp4.entries(r, n), codecs.roundtrip("fp4_288", exact.entries(r, n)))
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_latent_out_is_the_entry_before_rope_in_every_closing_row_and_zero_elsewhere(ratio):
+    args = T.compressor_update_args(torch.float32, ratio=ratio, overlap=False, latent=True)
+    args["ape"].zero_()
+    args["latent_out"].fill_(float("nan"))  # poison: every row must be written
+    T.call_op("compressor_update", args)
+    pos, req = args["positions"].long(), args["req_slots"].long()
+    closes = (req >= 0) & ((pos + 1) % ratio == 0)
+    lat = args["latent_out"]
+    assert (lat[~closes] == 0).all() and not lat[closes].isnan().any()
+    stored = unpack_kv(args["cache"], args["entry_slots"][closes], 8, torch.float32, "exact")
+    cos, sin = rope_angles((pos[closes] // ratio) * ratio, args["inv_freq"], torch.float32)
+    assert torch.equal(apply_rope(lat[closes], cos, sin), stored)
+
+
+def test_latent_out_public_function_returns_it_in_the_entry_dtype():
+    args = T.compressor_update_args(torch.float32, "fp4_288", ratio=2, overlap=False, runs=((0, 0, 4),), pad=0)
+    lat = T.call_public("compressor_update", dict(args, latent_out=torch.empty(0)))
+    assert lat.dtype == torch.bfloat16 and lat.shape == (4, 512)
+    assert T.call_public("compressor_update", T.compressor_update_args(torch.float32)) is None

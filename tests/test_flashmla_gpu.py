@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or not flashmla.available(),
                                  reason="needs a CUDA GPU and flash_mla")]
 
-BS, RING, WINDOW = 64, 256, 128
+BS, RING, WINDOW, FMT = 64, 256, 128, "fp8_584"
 
 
 def _case(heads: int, prefill: bool, entries: int = 512, seed: int = 0):
@@ -28,8 +28,8 @@ def _case(heads: int, prefill: bool, entries: int = 512, seed: int = 0):
         req = torch.arange(pos.shape[0], dtype=torch.int32, device="cuda")
     t = pos.shape[0]
     n_req = int(req.max()) + 1
-    wc = testing.fill_pool(testing.page_pool(n_req * RING // BS, BS, 512, "fp8", device="cuda"), 512)
-    cc = testing.fill_pool(testing.page_pool(2 * entries // BS + 1, BS, 512, "fp8", device="cuda"), 512)
+    wc = testing.fill_pool(testing.page_pool(n_req * RING // BS, BS, 512, "fp8", device="cuda"), 512, "fp8")
+    cc = testing.fill_pool(testing.page_pool(2 * entries // BS + 1, BS, 512, "fp8", device="cuda"), 512, "fp8")
     n_slots = cc.shape[0] * BS
     idx = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:entries] for _ in range(t)]).int()
     idx[torch.rand(idx.shape, device="cuda", generator=g) < 0.1] = -1  # -1 entries inside the list
@@ -42,13 +42,14 @@ def _case(heads: int, prefill: bool, entries: int = 512, seed: int = 0):
 
 def _ours(q, wc, cc, pos, req, idx, lens, sinks):
     out = torch.full_like(q, float("nan"))
-    torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING)
+    torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING, FMT, FMT)
     return out
 
 
 def _reference(dtype, q, wc, cc, pos, req, idx, lens, sinks):
     out = torch.empty(q.shape, dtype=dtype, device="cuda")
-    sparse_attn_ref.sparse_attn(q.to(dtype), wc, cc, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING)
+    sparse_attn_ref.sparse_attn(q.to(dtype), wc, cc, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING, FMT,
+                                FMT)
     return out
 
 

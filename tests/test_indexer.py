@@ -1,12 +1,15 @@
-"""dsv4::indexer_q_prep / dsv4::indexer_topk and their public functions: RoPE and weight folding
-(exact and FP8 queries), top-k over the visible entries through the block table (ties to the lower
-entry, -1 fill, padding rows), what a call writes, bad inputs. Issue 3."""
+"""dsv4::indexer_q_prep / dsv4::indexer_k_prep / dsv4::indexer_topk and their public functions: RoPE
+and weight folding (exact, FP8 and MX4 queries), V4.1's index keys, top-k over the visible entries
+through the block table (ties to the lower entry, -1 fill, padding rows), V4.1's candidate-block
+pool (published from the source's scores; reindex scoring restricted to it), what a call writes,
+bad inputs. Issues 3, 16."""
 
 from functools import partial
 
 import pytest
 import torch
 
+import format_model as M
 from dsv4ops import testing as T
 from dsv4ops.quant.reference import pack_kv
 from dsv4ops.reference.functional import apply_rope, rope_angles
@@ -20,14 +23,14 @@ BF16, FP32, E4M3, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torc
 @pytest.mark.parametrize("dtype,fp8", [(FP32, False), (BF16, False), (BF16, True), (FP32, True)],
                          ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8"])
 def test_q_prep_ropes_the_query_and_folds_the_weights(dtype, fp8):
-    args = T.indexer_q_prep_args(dtype, fp8=fp8, heads=3, tokens=4, noncontig=True)
+    args = T.indexer_q_prep_args(dtype, "fp8_132" if fp8 else "exact", heads=3, tokens=4, noncontig=True)
     args["q_out"].view(torch.uint8).fill_(0xFF)  # poison: NaN in every float dtype
     args["w_out"].fill_(float("nan"))
     T.call_op("indexer_q_prep", args)
     q, pos = args["q"], args["positions"]
     cos, sin = rope_angles(pos, args["inv_freq"], dtype)
     rotated = apply_rope(q, cos[:, None], sin[:, None])
-    w = args["weights"].float() * (16**-0.5 * 3**-0.5)  # d^-1/2 x H^-1/2
+    w = args["weights"].float() * (q.shape[2]**-0.5 * 3**-0.5)  # d^-1/2 x H^-1/2
     if not fp8:
         assert T.bytes_equal(args["q_out"], rotated) and torch.equal(args["w_out"], w)
         return
@@ -37,8 +40,25 @@ def test_q_prep_ropes_the_query_and_folds_the_weights(dtype, fp8):
     assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
 
 
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_q_prep_mx4_writes_the_packed_68_byte_row_of_each_head(dtype):
+    # V4.1's FP4 query (spec 2.5.1): MX4 of the RoPE'd head row, 64 B of nibbles then 4 UE8M0 bytes;
+    # the weights are not touched by the quantizer (one scale per 32 elements cannot fold).
+    args = T.indexer_q_prep_args(dtype, "mxfp4_68", heads=3, tokens=4, noncontig=True)
+    args["q_out"].fill_(0xAA)
+    args["w_out"].fill_(float("nan"))
+    T.call_op("indexer_q_prep", args)
+    cos, sin = rope_angles(args["positions"], args["inv_freq"], dtype)
+    rotated = apply_rope(args["q"], cos[:, None], sin[:, None])
+    for t in range(4):
+        for h in range(3):
+            data, scales = M.encode("mxfp4_68", rotated[t, h].float().tolist())
+            assert bytes(args["q_out"][t, h].tolist()) == data + scales, (t, h)
+    assert torch.equal(args["w_out"], args["weights"].float() * (128**-0.5 * 3**-0.5))
+
+
 def test_q_prep_public_function_allocates_contiguous_outputs():
-    args = T.indexer_q_prep_args(BF16, fp8=True, noncontig=True)
+    args = T.indexer_q_prep_args(BF16, "fp8_132", noncontig=True)
     q_out, w_out = T.call_public("indexer_q_prep", args)
     T.call_op("indexer_q_prep", args)
     assert q_out.is_contiguous() and q_out.dtype == E4M3 and w_out.dtype == FP32
@@ -63,15 +83,16 @@ def _topk_case(fmt, k: int, zero_weights: bool = False):
     keys = {r: torch.randn(n, dim) for r, n in ENTRIES.items()}
     for r, kr in keys.items():
         w = torch.arange(kr.shape[0])
-        pack_kv(kr, (TABLE[r, w // BS].long() * BS + w % BS).to(I32), pool)
+        pack_kv(kr, (TABLE[r, w // BS].long() * BS + w % BS).to(I32), pool, T.format_name(fmt, dim))
     q = torch.randn(t, H, dim)
     if fmt == FP8:
         q = q.to(E4M3)
         keys = {r: round_indexer_key(kr, "fp8") for r, kr in keys.items()}
     weights = torch.zeros(t, H) if zero_weights else torch.rand(t, H) + 0.5
     args = dict(q=q, weights=weights, positions=positions, req_slots=req_slots, cache=pool,
-                block_table=TABLE.clone(), idx_out=torch.full((t, k), 7777, dtype=I32),
-                workspace=T.topk_workspace(t, TABLE.shape[1] * BS, k), ratio=RATIO)
+                block_table=TABLE.clone(), cand=None, idx_out=torch.full((t, k), 7777, dtype=I32), cand_out=None,
+                workspace=T.topk_workspace(t, TABLE.shape[1] * BS, k), ratio=RATIO, cand_block=0,
+                fmt=T.format_name(fmt, dim))
     return args, keys
 
 
@@ -120,6 +141,7 @@ def test_topk_ties_pick_the_lower_entry():
 Q_PREP = partial(T.indexer_q_prep_args, FP32)
 TOPK = partial(T.indexer_topk_args, FP32)
 TOPK_FP8 = partial(T.indexer_topk_args, E4M3, FP8)
+K_PREP = partial(T.indexer_k_prep_args, FP32)
 wa = T.with_arg
 BAD = [
     # (id, op, factory, mutation, message[, paths])
@@ -163,7 +185,7 @@ BAD = [
     ("topk-req_slots-ndim", "indexer_topk", TOPK, wa("req_slots", lambda a: a["req_slots"][None]),
      r"req_slots: expected 1-D"),
     ("topk-cache-fp8-width", "indexer_topk", TOPK_FP8, wa("q", lambda a: a["q"][..., :64].contiguous()),
-     r"cache: FP8 entries exist for 512-d \(584 B\) and 128-d \(132 B\) rows, got 64-d rows"),
+     r"cache: format fp8_132 stores 128-d rows, got 64-d rows"),
     ("workspace-dtype", "indexer_topk", TOPK, wa("workspace", lambda a: a["workspace"].float()),
      r"workspace: expected dtype in \[torch.int32\]", ("op",)),
     ("workspace-small", "indexer_topk", TOPK, wa("workspace", lambda a: a["workspace"][:5]),
@@ -198,6 +220,64 @@ BAD = [
      wa("block_table", lambda a: torch.tensor([[-1, 1], [2, 3]], dtype=I32)),
      r"block_table: expected an allocated block \(>= 0\) for every visible entry, got -1 at block 0 of request 0 "
      r"\(position 5 sees 3 entries\)", ("public",)),
+    ("q_prep-fmt-unknown", "indexer_q_prep", Q_PREP, wa("fmt", lambda a: "fp4_288"),
+     r"fmt: expected one of \['exact', 'fp8_132', 'mxfp4_68'\], got 'fp4_288'"),
+    ("q_prep-mx4-width", "indexer_q_prep", partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
+     wa("q", lambda a: a["q"][..., :64].contiguous()), r"q: format mxfp4_68 quantizes 128-d rows, got 64-d rows"),
+    ("q_prep-mx4-row", "indexer_q_prep", partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
+     wa("q_out", lambda a: a["q_out"][..., :64].contiguous()),
+     r"q_out: expected size 68 \(mxfp4_68 query row\) at dim 2, got 64", ("op",)),
+    ("q_prep-mx4-dtype", "indexer_q_prep", partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
+     wa("q_out", lambda a: a["q_out"].float()), r"q_out: expected dtype in \[torch.uint8\]", ("op",)),
+    ("topk-q-mx4-row", "indexer_topk", partial(T.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7),
+     wa("q", lambda a: a["q"][..., :64].contiguous()),
+     r"q: expected size 68 \(bytes of a packed mxfp4_68 query row\) at dim 2, got 64"),
+    ("topk-fmt-unknown", "indexer_topk", TOPK, wa("fmt", lambda a: "fp8"), r"fmt: expected .*'fp8_584'"),
+    ("topk-cand-and-cand_out", "indexer_topk", partial(TOPK, cand_blocks=2),
+     wa("cand_out", lambda a: torch.empty(6, 2, dtype=I32)),
+     r"cand, cand_out: expected at most one \(a pool is published from unrestricted scores\)", ("op",)),
+    ("topk-cand-dtype", "indexer_topk", partial(TOPK, cand_blocks=2), wa("cand", lambda a: a["cand"].long()),
+     r"cand: expected dtype in \[torch.int32\], got torch.int64"),
+    ("topk-cand-size", "indexer_topk", partial(TOPK, cand_blocks=2), wa("cand", lambda a: a["cand"][1:]),
+     r"cand: expected size 6 \(tokens of q\) at dim 0, got 5"),
+    ("topk-cand_block", "indexer_topk", partial(TOPK, cand_blocks=2), wa("cand_block", lambda a: 0),
+     r"cand_block: expected > 0 entries per candidate block with cand, got 0"),
+    ("topk-cand_out-ndim", "indexer_topk", partial(TOPK, pool_blocks=2), wa("cand_out", lambda a: a["cand_out"][0]),
+     r"cand_out: expected 2-D \[tokens, candidate blocks\]", ("op",)),
+    ("topk-cand-high", "indexer_topk", partial(TOPK, cand_blocks=2),
+     wa("cand", lambda a: torch.tensor([[0, 4]] * 6, dtype=I32)),
+     r"cand: expected values in \[-1, 4\) \(-1 or one of the 4 candidate blocks of the table\), got 4", ("public",)),
+    ("topk-cand-twice", "indexer_topk", partial(TOPK, cand_blocks=2),
+     wa("cand", lambda a: torch.tensor([[0, 1]] * 5 + [[1, 1]], dtype=I32)),
+     r"cand: expected distinct candidate blocks per token, got block 1 twice for token 5", ("public",)),
+    ("topk-cand_out-dtype", "indexer_topk", partial(TOPK, pool_blocks=2), wa("cand_out", lambda a: torch.empty(6, 2)),
+     r"cand_out: expected dtype in \[torch.int32\], got torch.float32", ("op",)),
+    ("k_prep-latent-ndim", "indexer_k_prep", K_PREP, wa("latent", lambda a: a["latent"][None]),
+     r"latent: expected 2-D \[tokens, d\]"),
+    ("k_prep-latent-last-dim", "indexer_k_prep", K_PREP, wa("latent", lambda a: a["latent"].t().contiguous().t()),
+     r"latent: expected a contiguous last dim"),
+    ("k_prep-entry_slots-size", "indexer_k_prep", K_PREP, wa("entry_slots", lambda a: a["entry_slots"][1:]),
+     r"entry_slots: expected size 9 \(tokens of latent\) at dim 0, got 8"),
+    ("k_prep-wk-width", "indexer_k_prep", K_PREP, wa("wk", lambda a: a["wk"][:, :8].contiguous()),
+     r"wk: expected size 16 \(d of latent\) at dim 1, got 8"),
+    ("k_prep-k_norm-size", "indexer_k_prep", K_PREP, wa("k_norm_weight", lambda a: a["k_norm_weight"][:8]),
+     r"k_norm_weight: expected size 16 \(rows of wk\) at dim 0, got 8"),
+    ("k_prep-inv_freq-width", "indexer_k_prep", K_PREP, wa("inv_freq", lambda a: torch.ones(9)),
+     r"inv_freq: expected at most 8 frequencies \(head dim 16\), got 9"),
+    ("k_prep-cache-width", "indexer_k_prep", K_PREP, wa("cache", lambda a: a["cache"][..., :8].contiguous()),
+     r"cache: expected size 16 \(row width\) at dim 2, got 8"),
+    ("k_prep-fmt", "indexer_k_prep", K_PREP, wa("fmt", lambda a: "mxfp4_68"),
+     r"cache: expected dtype in \[torch.uint8\], got torch.float32"),
+    ("k_prep-ratio", "indexer_k_prep", K_PREP, wa("ratio", lambda a: 0), r"ratio: expected > 0, got 0"),
+    ("k_prep-positions-negative", "indexer_k_prep", K_PREP,
+     wa("positions", lambda a: torch.tensor([2, 3, 4, 5, 6, -1, 0, 1, 0], dtype=I32)),
+     r"positions: expected >= 0 \(token positions\), got -1 at index 5", ("public",)),
+    ("k_prep-entry_slots-high", "indexer_k_prep", K_PREP,
+     wa("entry_slots", lambda a: torch.tensor([-1, 16, -1, -1, -1, -1, -1, -1, -1], dtype=I32)),
+     r"entry_slots: expected values in \[-1, 16\) \(-1 or a slot of the pool's 16\), got 16 at index 1", ("public",)),
+    ("k_prep-entry_slots-twice", "indexer_k_prep", K_PREP,
+     wa("entry_slots", lambda a: torch.tensor([-1, 3, -1, 3, -1, -1, -1, -1, -1], dtype=I32)),
+     r"entry_slots: expected distinct slots among the tokens that close an entry, got 3 \(2 times\)", ("public",)),
     ("block_table-narrow", "indexer_topk", partial(T.indexer_topk_args, FP32, ratio=1),
      wa("block_table", lambda a: a["block_table"][:, :1].contiguous()),
      r"block_table: expected 2 blocks for the 6 visible entries of request 0 at position 5, got a table 1 blocks "
@@ -209,3 +289,177 @@ BAD = [
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, name, factory, mutate, match, *via = case
     T.assert_bad_case(name, factory(), mutate, match, via)
+
+
+# ---- V4.1: index keys (spec 2.4) ---------------------------------------------------------------
+def _k_formula(args: dict, dtype: torch.dtype) -> dict:
+    """{slot: key} of spec V4.1 2.4 in `dtype`: k = w_norm u / sqrt(mean u^2 + eps), u = latent wk^T,
+    its last R dims rotated (pairs 2i, 2i + 1) at position w * m, w = p // m, for the live tokens
+    that close an entry (slot != -1)."""
+    m, eps = args["ratio"], args["eps"]
+    r = 2 * args["inv_freq"].shape[0]
+    out = {}
+    for i, (p, req, slot) in enumerate(zip(args["positions"].tolist(), args["req_slots"].tolist(),
+                                           args["entry_slots"].tolist(), strict=True)):
+        if req < 0 or (p + 1) % m or slot < 0:
+            continue
+        u = args["latent"][i].to(dtype) @ args["wk"].to(dtype).T
+        k = args["k_norm_weight"].to(dtype) * u / torch.sqrt(u.square().mean() + eps)
+        ang = float((p // m) * m) * args["inv_freq"].to(dtype)
+        x0, x1 = k[-r::2], k[-r + 1::2]
+        rot = torch.stack([x0 * ang.cos() - x1 * ang.sin(), x0 * ang.sin() + x1 * ang.cos()], -1).flatten()
+        out[slot] = torch.cat([k[:-r], rot])
+    return out
+
+
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_k_prep_stores_the_key_of_every_closing_token_only(ratio):
+    args = T.indexer_k_prep_args(FP32, ratio=ratio, noncontig=True, block_size=8)
+    args["cache"].fill_(float("nan"))  # poison: only the closing tokens' slots may change
+    T.call_op("indexer_k_prep", args)
+    want64, want32 = _k_formula(args, torch.float64), _k_formula(args, torch.float32)
+    rows = args["cache"].view(-1, args["cache"].shape[-1])
+    assert want64 and sorted(want64) == [s for s in range(rows.shape[0]) if not rows[s].isnan().any()]
+    for slot in want64:
+        T.assert_close_to_ref(rows[slot], want64[slot], want32[slot], what=f"slot {slot}")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4_68", FP8])
+def test_k_prep_quantized_pool_holds_the_codec_of_the_key(fmt):
+    # The same keys through an exact bf16 pool and a quantized one: the quantized pool holds exactly
+    # the format's codes of the bf16 key (the model's bytes), every other byte untouched.
+    bs = 7 if fmt == "mxfp4_68" else 4
+    exact = T.indexer_k_prep_args(BF16, BF16, di=128, block_size=bs, blocks=6)
+    quant = dict(exact, cache=T.page_pool(6, bs, 128, fmt), fmt=T.format_name(fmt, 128))
+    exact["cache"].fill_(float("nan"))
+    T.call_op("indexer_k_prep", exact)
+    T.call_op("indexer_k_prep", quant)
+    rows = exact["cache"].view(-1, 128)
+    live = {s: rows[s].float().tolist() for s in range(rows.shape[0]) if not rows[s].isnan().any()}
+    assert bytes(quant["cache"].view(-1).tolist()) == M.pool_bytes(quant["fmt"], 6, bs, live)
+
+
+def test_k_prep_public_function_checks_slots_and_writes_nothing_for_padding():
+    args = T.indexer_k_prep_args(FP32, runs=(), pad=3)
+    before = args["cache"].clone()
+    T.call_public("indexer_k_prep", args)
+    assert T.bytes_equal(args["cache"], before)
+
+
+# ---- V4.1: MX4 queries x MX4 keys, the candidate pool (spec 2.5-2.8) ---------------------------
+def _mx4_values(q: torch.Tensor) -> torch.Tensor:
+    """fp64 values of packed MX4 query rows [T, H, 68] through the format model."""
+    t, h, _ = q.shape
+    return torch.tensor([[M.decode("mxfp4_68", bytes(q[i, j, :64].tolist()), bytes(q[i, j, 64:].tolist()))
+                          for j in range(h)] for i in range(t)], dtype=torch.float64)
+
+
+def _mx4_case(n_entries: int, t: int = 6, heads: int = 2, bs: int = 7, seed: int = 0):
+    """One request with `n_entries` MX4 keys (entries 2 and 5 equal: exact score ties), t tokens at
+    the last positions (ratio 1), powers-of-two head weights (every score is exact in fp32).
+    Returns (args, fp64 key values [n, 128], block table, block size)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(n_entries, 128, generator=g)
+    keys[5] = keys[2]
+    blocks = -(-n_entries // bs)
+    table = torch.arange(blocks, dtype=I32)[None].flip(1)  # pages in reverse order
+    pool = T.page_pool(blocks, bs, 128, "mxfp4_68")
+    w = torch.arange(n_entries)
+    pack_kv(keys, (table[0, w // bs].long() * bs + w % bs).to(I32), pool, "mxfp4_68")
+    positions = torch.arange(n_entries - t, n_entries, dtype=I32)
+    q = T.mx4_query(torch.randn(t, heads, 128, generator=g))
+    weights = torch.exp2(torch.randint(-3, 3, (t, heads), generator=g).float()) * (
+        torch.randint(0, 2, (t, heads), generator=g) * 2 - 1)
+    kv = torch.tensor([M.roundtrip("mxfp4_68", k.tolist()) for k in keys], dtype=torch.float64)
+    args = dict(q=q, weights=weights, positions=positions, req_slots=torch.zeros(t, dtype=I32), cache=pool,
+                block_table=table, cand=None, idx_out=torch.full((t, 8), 7777, dtype=I32), cand_out=None,
+                workspace=T.topk_workspace(t, blocks * bs, 8), ratio=1, cand_block=4, fmt="mxfp4_68")
+    return args, kv, table, bs
+
+
+def _scores(args: dict, kv: torch.Tensor) -> torch.Tensor:
+    """fp64 [t, n] scores sum_h w_h relu(q_h . k), entries a token does not see -inf."""
+    s = ((_mx4_values(args["q"]) @ kv.T).relu() * args["weights"].double()[..., None]).sum(1)
+    unseen = torch.arange(kv.shape[0])[None] >= (args["positions"].long() + 1)[:, None]
+    return s.masked_fill(unseen, float("-inf"))
+
+
+def _slot(table, bs, w: int) -> int:
+    return int(table[0, w // bs]) * bs + w % bs
+
+
+def _best(scores_row, entries, k):
+    """The k best of `entries` by (score desc, entry asc), -inf dropped, in ascending entry order."""
+    order = sorted((e for e in entries if scores_row[e] > float("-inf")), key=lambda e: (-scores_row[e].item(), e))
+    return sorted(order[:k])
+
+
+def test_topk_mx4_query_and_keys_against_the_format_model():
+    args, kv, table, bs = _mx4_case(40)
+    scores = _scores(args, kv)
+    T.call_op("indexer_topk", args)
+    for i in range(6):
+        want = [_slot(table, bs, e) for e in _best(scores[i], range(40), 8)]
+        assert args["idx_out"][i].tolist() == want, i
+    assert (scores[:, 2] == scores[:, 5]).all()  # the tie was there to be broken
+
+
+def _expected_blocks(scores_row, n_visible: int, cand_block: int, keep: int) -> list:
+    """Spec V4.1 2.6, written out: block b = entries [b cb, (b + 1) cb), its score the max of its
+    visible entries, the block of the newest visible entry forced, the best `keep` (ties to the
+    lower block), blocks without a visible entry dropped; -1 fill."""
+    n_blocks = -(-scores_row.shape[0] // cand_block)
+    score = {b: max(scores_row[b * cand_block: (b + 1) * cand_block].tolist()) for b in range(n_blocks)}
+    if n_visible:
+        score[(n_visible - 1) // cand_block] = float("inf")
+    order = sorted((b for b in score if score[b] > float("-inf")), key=lambda b: (-score[b], b))[:keep]
+    return order + [-1] * (keep - len(order))
+
+
+@pytest.mark.parametrize("keep", [3, 20])
+def test_candidate_blocks_of_the_source_scores(keep):
+    args, kv, table, bs = _mx4_case(40)
+    scores = _scores(args, kv)
+    args["cand_out"] = torch.full((6, keep), 7777, dtype=I32)
+    T.call_op("indexer_topk", args)
+    for i in range(6):
+        want = _expected_blocks(scores[i], int(args["positions"][i]) + 1, 4, keep)
+        assert args["cand_out"][i].tolist() == want, i
+    # The source's own top-k is over every visible entry, not its pool (pitfall 13): unchanged.
+    plain = dict(args, cand_out=None, idx_out=torch.empty_like(args["idx_out"]))
+    T.call_op("indexer_topk", plain)
+    assert torch.equal(plain["idx_out"], args["idx_out"])
+
+
+def test_candidate_pool_forces_the_newest_block_even_when_it_scores_lowest():
+    args, kv, table, bs = _mx4_case(40)
+    args["weights"] = -args["weights"].abs()  # every score <= 0: the newest block may score lowest
+    args["cand_out"] = torch.empty(6, 2, dtype=I32)
+    T.call_op("indexer_topk", args)
+    assert args["cand_out"][:, 0].tolist() == (args["positions"].long() // 4).tolist()
+
+
+@pytest.mark.parametrize("keep", [2, 4])
+def test_reindex_scores_only_the_candidate_entries(keep, monkeypatch):
+    # A reindex layer (spec 2.7): its own query and weights, the source's keys, its top-k inside the
+    # source's pool. The pool's blocks come in score order (not entry order): ties still go to the
+    # lower entry. Cost follows the pool: the keys read are the candidates' only.
+    from dsv4ops.indexer import reference as ref
+
+    src, kv, table, bs = _mx4_case(40)
+    src["cand_out"] = torch.empty(6, keep, dtype=I32)
+    T.call_op("indexer_topk", src)
+    g = torch.Generator().manual_seed(1)
+    args = dict(src, q=T.mx4_query(torch.randn(6, 2, 128, generator=g)), weights=torch.rand(6, 2, generator=g).round(),
+                cand=src["cand_out"], cand_out=None, idx_out=torch.full((6, 8), 7777, dtype=I32))
+    read = []
+    real = ref.unpack_kv
+    monkeypatch.setattr(ref, "unpack_kv", lambda c, s, o, f: (read.append(int((s >= 0).sum())), real(c, s, o, f)))
+    T.call_op("indexer_topk", args)
+    scores = _scores(args, kv)
+    pools = [[e for b in row if b >= 0 for e in range(4 * b, 4 * b + 4) if e <= p]
+             for p, row in zip(args["positions"].tolist(), src["cand_out"].tolist(), strict=True)]
+    assert read == [sum(len(pool) for pool in pools)] and max(len(pool) for pool in pools) <= 4 * keep < 40
+    for i in range(6):
+        want = [_slot(table, bs, e) for e in _best(scores[i], pools[i], 8)]
+        assert args["idx_out"][i].tolist() == want + [-1] * (8 - len(want)), i

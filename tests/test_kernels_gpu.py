@@ -26,6 +26,7 @@ from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.indexer import reference as indexer_ref
 from dsv4ops.qkv_prep import reference as qkv_prep_ref
 from dsv4ops.inv_rope import reference as inv_rope_ref
+from dsv4ops.quant import formats
 from dsv4ops.quant import reference as quant_ref
 from dsv4ops.sparse_attn import reference as sparse_attn_ref
 
@@ -63,17 +64,20 @@ def _pool(fmt, dim: int, blocks: int, bs: int = BS) -> torch.Tensor:
     return testing.page_pool(blocks, bs, dim, fmt, device=DEV)
 
 
+def _fmt(pool: torch.Tensor, dim: int) -> str:
+    """The V4 format of a pool: fp8_584 / fp8_132 by width for uint8 pools, exact otherwise."""
+    return testing.format_name(FP8 if pool.dtype == torch.uint8 else pool.dtype, dim)
+
+
 def _n_slots(pool: torch.Tensor, dim: int) -> int:
-    if pool.dtype != torch.uint8:
-        return pool.shape[0] * pool.shape[1]
-    size = quant_ref.main_block_size if dim == 512 else quant_ref.indexer_block_size
-    return pool.shape[0] * size(pool.shape[1])
+    return pool.shape[0] * formats.block_size(pool.shape, _fmt(pool, dim))
 
 
 def _rows(pool: torch.Tensor, dim: int) -> torch.Tensor:
     """Every entry of a pool, dequantized by the reference, float64 (unwritten FP8 entries: NaN)."""
     out = torch.empty(_n_slots(pool, dim), dim, dtype=torch.float32, device=pool.device)
-    quant_ref.unpack_kv(pool, torch.arange(out.shape[0], dtype=torch.int32, device=pool.device), out)
+    quant_ref.unpack_kv(pool, torch.arange(out.shape[0], dtype=torch.int32, device=pool.device), out,
+                        _fmt(pool, dim))
     return out.double()
 
 
@@ -102,13 +106,14 @@ def test_pack_unpack_bit_exact(dim, pool, dtype):
     slots = torch.randperm(blocks * BS, device=DEV)[:n].to(torch.int32)
     slots[::7] = -1
     got, want = _pool(pool, dim, blocks), _pool(pool, dim, blocks)
-    _op("pack_kv")(x, slots, got)
-    quant_ref.pack_kv(x, slots, want)
+    fmt = _fmt(got, dim)
+    _op("pack_kv")(x, slots, got, fmt)
+    quant_ref.pack_kv(x, slots, want, fmt)
     assert testing.bytes_equal(got, want), "pack_kv"
     out = torch.full((n, dim), float("nan"), dtype=dtype, device=DEV)
     expect = torch.empty(n, dim, dtype=dtype, device=DEV)
-    _op("unpack_kv")(want, slots, out)
-    quant_ref.unpack_kv(want, slots, expect)
+    _op("unpack_kv")(want, slots, out, fmt)
+    quant_ref.unpack_kv(want, slots, expect, fmt)
     assert testing.bytes_equal(out, expect), "unpack_kv"
 
 
@@ -124,7 +129,7 @@ def test_qkv_prep(pool, heads):
     def run(fn, dtype, pool_kind):
         cache = _pool(pool_kind, 512, 3 * RING // BS)
         q_out = torch.full((t, heads, 512), float("nan"), dtype=dtype, device=DEV)
-        fn(q.to(dtype), kv.to(dtype), pos, req, _inv_freq(), q_out, cache, RING, 1e-6)
+        fn(q.to(dtype), kv.to(dtype), pos, req, _inv_freq(), q_out, cache, RING, 1e-6, True, _fmt(cache, 512))
         return q_out, _rows(cache, 512)
 
     q_k, rows_k = run(_op("qkv_prep"), torch.bfloat16, pool)
@@ -172,7 +177,7 @@ def test_compressor_update(case, pool):
         kv, score = (torch.randn(pos.shape[0], width, device=DEV).to(adt) for _ in range(2))
         for name, (state, cache) in runs.items():
             fn = _op("compressor_update") if name == "kernel" else compressor_ref.compressor_update
-            fn(kv, score, ape, pos, req, entry, w, _inv_freq(), state, cache, 1e-6)
+            fn(kv, score, ape, pos, req, entry, w, _inv_freq(), state, cache, None, 1e-6, _fmt(cache, d))
         assert testing.bytes_equal(runs["kernel"][0], runs["ref"][0]), "state rows (exact)"
     got, lowp, ref = (_rows(runs[n][1], d) for n in ("kernel", "ref", "ref64"))
     written = _written(ref)
@@ -190,7 +195,7 @@ def test_indexer_q_prep(out_dtype):
     def run(fn, dtype, odt):
         q_out = torch.full((t, h, 128), float("nan"), device=DEV).to(odt)
         w_out = torch.full((t, h), float("nan"), device=DEV)
-        fn(q.to(dtype), w.to(dtype), pos, _inv_freq(), q_out, w_out)
+        fn(q.to(dtype), w.to(dtype), pos, _inv_freq(), q_out, w_out, "fp8_132" if odt == torch.float8_e4m3fn else "exact")
         return q_out.double() * w_out.double()[..., None]  # what the scores see
 
     got = run(_op("indexer_q_prep"), torch.bfloat16, out_dtype)
@@ -209,7 +214,7 @@ def _indexer_case(q_dtype, pool, integer: bool, t: int = 12):
     cache = _pool(pool, 128, blocks)
     n = blocks * BS
     keys = torch.randint(-8, 9, (n, 128), device=DEV).float() if integer else torch.randn(n, 128, device=DEV)
-    quant_ref.pack_kv(keys, torch.arange(n, dtype=torch.int32, device=DEV), cache)
+    quant_ref.pack_kv(keys, torch.arange(n, dtype=torch.int32, device=DEV), cache, _fmt(cache, 128))
     q = torch.randint(-8, 9, (t, h, 128), device=DEV).float() if integer else torch.randn(t, h, 128, device=DEV)
     w = torch.tensor([1.0, -0.5, 2.0, 0.25], device=DEV).repeat(t, -(-h // 4))[:, :h].contiguous()
     span = per * BS * 4  # positions covering every entry of a request (ratio 4)
@@ -227,8 +232,9 @@ def test_indexer_topk_exact(q_dtype, pool, k):
     q, w, pos, req, cache, table = _indexer_case(q_dtype, pool, integer=True)
     got = torch.full((q.shape[0], k), 12345, dtype=torch.int32, device=DEV)
     want = torch.empty_like(got)
-    _op("indexer_topk")(q, w, pos, req, cache, table, got, _workspace(q, table, k), 4)
-    indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
+    _op("indexer_topk")(q, w, pos, req, cache, table, None, got, None, _workspace(q, table, k), 4, 0,
+                        _fmt(cache, 128))
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, _fmt(cache, 128))
     assert torch.equal(got, want)
 
 
@@ -244,12 +250,13 @@ def test_indexer_topk_selection_random():
     k = 8 if ON_CPU else 64
     got = torch.empty(q.shape[0], k, dtype=torch.int32, device=DEV)
     want = torch.empty_like(got)
-    _op("indexer_topk")(q, w, pos, req, cache, table, got, _workspace(q, table, k), 4)
-    indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
+    _op("indexer_topk")(q, w, pos, req, cache, table, None, got, None, _workspace(q, table, k), 4, 0,
+                        _fmt(cache, 128))
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, _fmt(cache, 128))
     n = table.shape[1] * BS
     slots = (table.long()[:, :, None] * BS + torch.arange(BS, device=DEV)).view(3, n)
     keys = torch.empty(slots.numel(), 128, device=DEV)
-    quant_ref.unpack_kv(cache, slots.flatten().to(torch.int32), keys)
+    quant_ref.unpack_kv(cache, slots.flatten().to(torch.int32), keys, _fmt(cache, 128))
     scores = torch.einsum("thd,rnd->trhn", q.double(), keys.double().view(3, n, 128)).relu()
     scores = (scores * w.double()[:, None, :, None]).sum(2)  # [t, request, entry]
     band = 1e-5 * (q.double().abs().sum(-1).amax() * keys.abs().amax() * w.abs().sum(-1).amax()).item()
@@ -278,7 +285,7 @@ def _long_case(t: int, n: int, heads: int, k: int, seed: int = 0):
     for s in range(0, blocks * BS, 1 << 16):
         m = min(1 << 16, blocks * BS - s)
         keys = (torch.randint(-1, 2, (m, 128), device=DEV, generator=g) * 2).float()
-        quant_ref.pack_kv(keys, torch.arange(s, s + m, dtype=torch.int32, device=DEV), cache)
+        quant_ref.pack_kv(keys, torch.arange(s, s + m, dtype=torch.int32, device=DEV), cache, "fp8_132")
     table = torch.randperm(blocks, device=DEV, generator=g).to(torch.int32)[None]
     q = torch.zeros(t, heads, 128, device=DEV)
     q[:, :, :3] = torch.randint(-1, 2, (t, heads, 3), device=DEV, generator=g).float()
@@ -300,11 +307,11 @@ def test_indexer_topk_at_serving_scale_is_exact_and_deterministic(t, n, k):
     q, w, pos, req, cache, table = _long_case(t, n, INDEX_HEADS, k)
     got = torch.full((t, k), 12345, dtype=torch.int32, device=DEV)
     ws = _workspace(q, table, k)
-    _op("indexer_topk")(q, w, pos, req, cache, table, got, ws, 4)
+    _op("indexer_topk")(q, w, pos, req, cache, table, None, got, None, ws, 4, 0, "fp8_132")
     again = torch.full_like(got, -7)
-    _op("indexer_topk")(q, w, pos, req, cache, table, again, ws.fill_(0x5A5A5A5A), 4)
+    _op("indexer_topk")(q, w, pos, req, cache, table, None, again, None, ws.fill_(0x5A5A5A5A), 4, 0, "fp8_132")
     want = torch.empty_like(got)
-    indexer_ref.indexer_topk(q, w, pos, req, cache, table, want, 4)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, "fp8_132")
     assert torch.equal(got, want)
     assert torch.equal(got, again), "run to run"
     first = torch.arange(k, device=DEV)
@@ -323,9 +330,9 @@ def _attn_case(heads, w_pool, c_pool, prefill: bool, entries: int):
         starts = [0, 5, 7, 8, 100, 5000] if ON_CPU else [0, 5, 126, 127, 128, 1000, 4095, 70000] * 2
         pos, req = _steps(*[(i, s, 1) for i, s in enumerate(starts)], pad=3)
     t, n_req = pos.shape[0], int(req.max()) + 1
-    wc = testing.fill_pool(_pool(w_pool, 512, n_req * RING // BS), 512)
+    wc = testing.fill_pool(_pool(w_pool, 512, n_req * RING // BS), 512, w_pool)
     c_blocks = max(2, -(-2 * entries // BS))
-    cc = testing.fill_pool(_pool(c_pool, 512, c_blocks), 512)
+    cc = testing.fill_pool(_pool(c_pool, 512, c_blocks), 512, c_pool)
     idx = torch.stack([torch.randperm(c_blocks * BS, device=DEV)[:entries] for _ in range(t)]).to(torch.int32)
     keep = torch.randint(0, entries + 1, (t, 1), device=DEV)
     idx = torch.where(torch.arange(entries, device=DEV)[None] < keep, idx, -1).to(torch.int32)
@@ -338,7 +345,8 @@ def _attn_case(heads, w_pool, c_pool, prefill: bool, entries: int):
 def _attn(fn, dtype, q, wc, cc, pos, req, idx, lens, sinks):
     as64 = (lambda c: c if c.dtype == torch.uint8 else c.double()) if dtype == torch.float64 else (lambda c: c)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
-    fn(q.to(dtype), as64(wc), as64(cc), pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING)
+    w_, c_ = as64(wc), as64(cc)
+    fn(q.to(dtype), w_, c_, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING, _fmt(w_, 512), _fmt(c_, 512))
     return out
 
 
@@ -382,32 +390,34 @@ def test_inv_rope(heads):
 def _op_args(name: str, fp8: bool = True) -> tuple:
     h, pos, req = HEADS[0], *_steps((0, 3, 3), (1, 0, 2), pad=1)
     t = pos.shape[0]
-    win = testing.fill_pool(_pool(FP8, 512, 2 * RING // BS), 512)
+    win = testing.fill_pool(_pool(FP8, 512, 2 * RING // BS), 512, FP8)
     if name == "pack_kv":
-        return torch.randn(t, 512, device=DEV), torch.arange(t, dtype=torch.int32, device=DEV), _pool(FP8, 512, 1)
+        return (torch.randn(t, 512, device=DEV), torch.arange(t, dtype=torch.int32, device=DEV), _pool(FP8, 512, 1),
+                "fp8_584")
     if name == "unpack_kv":
-        return win, torch.arange(t, dtype=torch.int32, device=DEV), torch.empty(t, 512, device=DEV)
+        return win, torch.arange(t, dtype=torch.int32, device=DEV), torch.empty(t, 512, device=DEV), "fp8_584"
     if name == "qkv_prep":
         return (torch.randn(t, h, 512, device=DEV), torch.randn(t, 512, device=DEV), pos, req, _inv_freq(),
-                torch.empty(t, h, 512, device=DEV), win, RING, 1e-6)
+                torch.empty(t, h, 512, device=DEV), win, RING, 1e-6, True, "fp8_584")
     if name == "compressor_update":
         entry = torch.where((req >= 0) & ((pos + 1) % 4 == 0), req * 4 + pos // 4, -1).to(torch.int32)
         return (torch.randn(t, 1024, device=DEV), torch.randn(t, 1024, device=DEV), torch.randn(4, 1024, device=DEV),
                 pos, req, entry, torch.ones(512, device=DEV), _inv_freq(), torch.randn(2, 8, 2048, device=DEV),
-                _pool(FP8, 512, 2), 1e-6)
+                _pool(FP8, 512, 2), None, 1e-6, "fp8_584")
     if name == "indexer_q_prep":
         return (torch.randn(t, INDEX_HEADS, 128, device=DEV), torch.randn(t, INDEX_HEADS, device=DEV), pos,
                 _inv_freq(), torch.empty(t, INDEX_HEADS, 128, device=DEV,
                                          dtype=torch.float8_e4m3fn if fp8 else torch.float32),
-                torch.empty(t, INDEX_HEADS, device=DEV))
+                torch.empty(t, INDEX_HEADS, device=DEV), "fp8_132" if fp8 else "exact")
     if name == "indexer_topk":
         q, w, pos, req, cache, table = _indexer_case(*((torch.float8_e4m3fn, FP8) if fp8 else
                                                        (torch.bfloat16, torch.bfloat16)), integer=False)
-        return q, w, pos, req, cache, table, torch.empty(q.shape[0], 8, dtype=torch.int32, device=DEV), \
-            _workspace(q, table, 8), 4
+        return (q, w, pos, req, cache, table, None, torch.empty(q.shape[0], 8, dtype=torch.int32, device=DEV), None,
+                _workspace(q, table, 8), 4, 0, _fmt(cache, 128))
     if name == "sparse_attn":
         q, wc, cc, pos, req, idx, lens, sinks = _attn_case(h, FP8, FP8, prefill=False, entries=16)
-        return q, wc, cc, pos, req, idx, lens, sinks, torch.empty_like(q), 512**-0.5, WINDOW, RING
+        return (q, wc, cc, pos, req, idx, lens, sinks, torch.empty_like(q), 512**-0.5, WINDOW, RING, "fp8_584",
+                "fp8_584")
     if name == "inv_rope":
         return torch.randn(t, h, 512, device=DEV), pos, _inv_freq(), torch.empty(t, h, 512, device=DEV)
     raise KeyError(name)
@@ -470,17 +480,18 @@ def test_pool_over_2gib_written_and_read_at_its_far_end():
     bs = 64
     blocks = (2**31) // quant_ref.main_block_bytes(bs) + 8
     pool = torch.full((blocks, quant_ref.main_block_bytes(bs)), 255, dtype=torch.uint8, device="cuda")
+    f = "fp8_584"
     assert pool.numel() > 2**31
     last = blocks * bs - 1
     slots = _i32([last, last - 70, 3, -1])
     x = torch.randn(4, 512, device="cuda")
-    torch.ops.dsv4.pack_kv(x, slots, pool)
+    torch.ops.dsv4.pack_kv(x, slots, pool, f)
     got = torch.full((4, 512), float("nan"), device="cuda")
-    torch.ops.dsv4.unpack_kv(pool, slots, got)
+    torch.ops.dsv4.unpack_kv(pool, slots, got, f)
     want = _fp8_rows(x[:3])  # the same rows through a small pool, reference packer and unpacker
     assert torch.equal(got[:3].double(), want) and (got[3] == 0).all()
     ref_read = torch.empty(3, 512, device="cuda")
-    quant_ref.unpack_kv(pool, slots[:3], ref_read)
+    quant_ref.unpack_kv(pool, slots[:3], ref_read, f)
     assert torch.equal(ref_read.double(), want)
     # qkv_prep into a window ring at the end of the pool, then attention reading it back.
     ring = 256
@@ -488,17 +499,18 @@ def test_pool_over_2gib_written_and_read_at_its_far_end():
     pos, req = _i32([0, 1, 2]), _i32([req_slot] * 3)
     q, kv = torch.randn(3, 64, 512, device="cuda").bfloat16(), torch.randn(3, 512, device="cuda").bfloat16()
     q_out = torch.empty_like(q)
-    torch.ops.dsv4.qkv_prep(q, kv, pos, req, _inv_freq(), q_out, pool, ring, 1e-6)
+    torch.ops.dsv4.qkv_prep(q, kv, pos, req, _inv_freq(), q_out, pool, ring, 1e-6, True, f)
     kv_rows = torch.empty(3, 512, device="cuda")
-    quant_ref.unpack_kv(pool, (req * ring + pos).to(torch.int32), kv_rows)
+    quant_ref.unpack_kv(pool, (req * ring + pos).to(torch.int32), kv_rows, f)
     assert kv_rows.isfinite().all() and torch.equal(kv_rows[:, :448].double(), _fp8_rows(kv.float())[:, :448])
     o, o_ref = torch.empty_like(q), torch.empty_like(q)
     idx = torch.full((3, 1), -1, dtype=torch.int32, device="cuda")
     sinks, lens = torch.zeros(64, device="cuda"), _i32([1, 1, 1])
-    torch.ops.dsv4.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o, 512**-0.5, 128, ring)
-    sparse_attn_ref.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o_ref, 512**-0.5, 128, ring)
+    torch.ops.dsv4.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o, 512**-0.5, 128, ring, f, f)
+    sparse_attn_ref.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o_ref, 512**-0.5, 128, ring, f, f)
     o64 = torch.empty(q.shape, dtype=torch.float64, device="cuda")
-    sparse_attn_ref.sparse_attn(q_out.double(), pool, pool, pos, req, idx, lens, sinks, o64, 512**-0.5, 128, ring)
+    sparse_attn_ref.sparse_attn(q_out.double(), pool, pool, pos, req, idx, lens, sinks, o64, 512**-0.5, 128, ring, f,
+                                f)
     testing.assert_close_to_ref(o, o64, o_ref, what="attention over the far end")
 
 
@@ -506,9 +518,9 @@ def _fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """x through the 584-B entry format (the reference packer and unpacker), float64."""
     pool = testing.page_pool(1, x.shape[0], 512, FP8, device=x.device)
     slots = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
-    quant_ref.pack_kv(x, slots, pool)
+    quant_ref.pack_kv(x, slots, pool, "fp8_584")
     out = torch.empty_like(x, dtype=torch.float32)
-    quant_ref.unpack_kv(pool, slots, out)
+    quant_ref.unpack_kv(pool, slots, out, "fp8_584")
     return out.double()
 
 

@@ -22,9 +22,10 @@ CALLS = {
     "unpack_kv": partial(T.unpack_kv_args, BF16, FP8),
     "qkv_prep": partial(T.qkv_prep_args, BF16, FP8, noncontig=True),
     "compressor_update": partial(T.compressor_update_args, BF16, FP8),
-    "indexer_q_prep": partial(T.indexer_q_prep_args, BF16, fp8=True, noncontig=True),
-    "indexer_topk": partial(T.indexer_topk_args, torch.float8_e4m3fn, FP8),
-    "sparse_attn": partial(T.sparse_attn_args, BF16, FP8, noncontig=True),
+    "indexer_q_prep": partial(T.indexer_q_prep_args, BF16, "mxfp4_68", noncontig=True),
+    "indexer_k_prep": partial(T.indexer_k_prep_args, BF16, "mxfp4_68", block_size=7, blocks=2),
+    "indexer_topk": partial(T.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7, ratio=1, pool_blocks=2),
+    "sparse_attn": partial(T.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288", noncontig=True),
     "inv_rope": partial(T.inv_rope_args, BF16, noncontig=True),
 }
 
@@ -71,12 +72,13 @@ def test_public_function_compiles_without_graph_breaks(name):
 # name -> (argument to replace, its bad replacement, the checks' message). Replacements are new
 # tensors: Python indexing of a fake CUDA tensor fails on the CPU-only build.
 BAD_SHAPES = {
-    "pack_kv": ("x", lambda a: a["x"].new_empty(3, 256), "cache: FP8 entries exist for 512-d"),
+    "pack_kv": ("x", lambda a: a["x"].new_empty(3, 256), "cache: format fp8_584 stores 512-d rows, got 256-d"),
     "unpack_kv": ("slots", lambda a: a["slots"].new_empty(1, 3), r"slots: expected 1-D \[tokens\], got shape"),
     "qkv_prep": ("kv", lambda a: a["kv"].new_empty(5, 512), r"kv: expected shape \(6, 512\) \(as q\[:, 0\]\)"),
     "compressor_update": ("state", lambda a: a["state"].new_empty(2, 7, 2048),
                           r"state: expected size 8 \(coff \* ratio ring rows\)"),
     "indexer_q_prep": ("weights", lambda a: a["weights"].new_empty(3, 1), r"weights: expected shape \(3, 2\)"),
+    "indexer_k_prep": ("wk", lambda a: a["wk"].new_empty(128, 8), r"wk: expected size 16 \(d of latent\)"),
     "indexer_topk": ("block_table", lambda a: a["block_table"].new_empty(2), r"block_table: expected 2-D"),
     "sparse_attn": ("sinks", lambda a: a["sinks"].new_empty(1), r"sinks: expected size 2 \(heads of q\)"),
     "inv_rope": ("positions", lambda a: a["positions"].new_empty(2), r"positions: expected size 3 \(tokens of o\)"),

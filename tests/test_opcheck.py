@@ -1,5 +1,6 @@
 """torch.library.opcheck (schema, autograd registration, fake tensor, AOT dispatch with dynamic
-shapes) on every attention op, from one table of sample inputs per op. Issue 3."""
+shapes) on every attention op, from one table of sample inputs per op (V4 and V4.1 formats and
+options). Issues 3, 16."""
 
 from functools import partial
 
@@ -20,18 +21,25 @@ SAMPLES = {
         partial(T.pack_kv_args, FP32, BF16, slots=(1,)),
         partial(T.pack_kv_args, BF16, FP8),
         partial(T.pack_kv_args, FP32, FP8, main=False),
+        partial(T.pack_kv_args, BF16, "fp8_528"),
+        partial(T.pack_kv_args, FP32, "fp4_288", slots=(1, 2)),
+        partial(T.pack_kv_args, BF16, "mxfp4_68", block_size=7, slots=(13, -1)),
     ],
     "unpack_kv": [
         partial(T.unpack_kv_args, FP32),
         partial(T.unpack_kv_args, BF16, slots=(-1,)),
         partial(T.unpack_kv_args, BF16, FP8),
         partial(T.unpack_kv_args, FP32, FP8, main=False),
+        partial(T.unpack_kv_args, BF16, "fp8_528"),
+        partial(T.unpack_kv_args, FP32, "fp4_288"),
+        partial(T.unpack_kv_args, FP32, "mxfp4_68", block_size=7, slots=(13, -1)),
     ],
     "qkv_prep": [
         partial(T.qkv_prep_args, FP32),
         partial(T.qkv_prep_args, BF16, FP8),
         partial(T.qkv_prep_args, BF16, heads=1, runs=((1, 3, 1),), pad=0),
         partial(T.qkv_prep_args, FP32, noncontig=True),
+        partial(T.qkv_prep_args, BF16, "fp8_528", q_norm=False),
     ],
     "compressor_update": [
         partial(T.compressor_update_args, FP32),
@@ -39,10 +47,13 @@ SAMPLES = {
         partial(T.compressor_update_args, FP32, FP8, main=False),
         partial(T.compressor_update_args, BF16, ratio=128, overlap=False, runs=((1, 125, 4),), pad=0),
         partial(T.compressor_update_args, FP32, runs=((0, 3, 1),), pad=0),
+        partial(T.compressor_update_args, FP32, "fp4_288", ratio=2, overlap=False, latent=True),
+        partial(T.compressor_update_args, BF16, ratio=1, overlap=False, latent=True),
     ],
     "indexer_q_prep": [
         partial(T.indexer_q_prep_args, FP32),
-        partial(T.indexer_q_prep_args, BF16, fp8=True),
+        partial(T.indexer_q_prep_args, BF16, "fp8_132"),
+        partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
         partial(T.indexer_q_prep_args, BF16, heads=1, tokens=1),
         partial(T.indexer_q_prep_args, FP32, noncontig=True),
     ],
@@ -51,12 +62,21 @@ SAMPLES = {
         partial(T.indexer_topk_args, torch.float8_e4m3fn, FP8),
         partial(T.indexer_topk_args, BF16, heads=1, runs=((0, 7, 1),), pad=0, k=1),
         partial(T.indexer_topk_args, FP32, noncontig=True),
+        partial(T.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7),
+        partial(T.indexer_topk_args, FP32, ratio=1, pool_blocks=3),
+        partial(T.indexer_topk_args, BF16, ratio=1, cand_blocks=3),
+    ],
+    "indexer_k_prep": [
+        partial(T.indexer_k_prep_args, FP32),
+        partial(T.indexer_k_prep_args, BF16, "mxfp4_68", block_size=7, blocks=2),
+        partial(T.indexer_k_prep_args, FP32, FP8, ratio=1, noncontig=True),
     ],
     "sparse_attn": [
         partial(T.sparse_attn_args, FP32),
         partial(T.sparse_attn_args, BF16, FP8),
         partial(T.sparse_attn_args, BF16, heads=1, runs=((1, 2, 1),), pad=0),
         partial(T.sparse_attn_args, FP32, noncontig=True),
+        partial(T.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
     ],
     "inv_rope": [
         partial(T.inv_rope_args, FP32),
@@ -95,4 +115,6 @@ def test_opcheck(name, factory):
         checks = ALL_CHECKS[1:]
     # The CPU kernel is the reference itself, so eager and traced runs agree bit for bit: no atol.
     res = torch.library.opcheck(op, tuple(args.values()), test_utils=checks, raise_exception=False)
+    # (opcheck's test_schema also proves that every listed mutable argument, cand_out and latent_out
+    # included, is declared: an undeclared write fails it.)
     assert set(res) == set(checks) and all(v == "SUCCESS" for v in res.values()), res

@@ -1,5 +1,5 @@
-"""dsv4::qkv_prep and qkv_prep.api.qkv_prep: q's norm + RoPE, the window-ring insert (exactly the
-live tokens' slots), padding tokens, bad inputs. Issue 3."""
+"""dsv4::qkv_prep and qkv_prep.api.qkv_prep: q's norm (V4; none in V4.1) + RoPE, the window-ring
+insert in the pool's format (exactly the live tokens' slots), padding tokens, bad inputs. Issues 3, 16."""
 
 from functools import partial
 
@@ -17,28 +17,42 @@ RUNS = ((0, 5, 3), (1, 9, 2))
 
 
 def _expected(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_out and the pool from the reference primitives: RoPE(head RMSNorm(q)); RoPE(kv) packed at
-    req * ring + position % ring for the live tokens, into a copy of the pool."""
+    """q_out and the pool from the reference primitives: RoPE(head RMSNorm(q)) (RoPE(q) without
+    q_norm); RoPE(kv) packed at req * ring + position % ring for the live tokens, into a copy of the
+    pool."""
     q, kv, pos, req, ring = args["q"], args["kv"], args["positions"], args["req_slots"], args["ring_size"]
     cos, sin = rope_angles(pos, args["inv_freq"], q.dtype)
-    q_out = apply_rope(head_rms_norm(q, args["eps"]), cos[:, None], sin[:, None])
+    q_out = apply_rope(head_rms_norm(q, args["eps"]) if args["q_norm"] else q, cos[:, None], sin[:, None])
     live = req >= 0
     slots = (req.long() * ring + pos.long() % ring)[live].to(I32)
     pool = args["window_cache"].clone()
-    pack_kv(apply_rope(kv, cos, sin)[live], slots, pool)
+    pack_kv(apply_rope(kv, cos, sin)[live], slots, pool, args["window_fmt"])
     return q_out, pool
 
 
-@pytest.mark.parametrize("dtype,fmt", [(FP32, FP32), (BF16, BF16), (BF16, FP8), (FP32, FP8)],
-                         ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8"])
-def test_writes_q_out_and_the_live_tokens_window_slots(dtype, fmt):
-    args = T.qkv_prep_args(dtype, fmt, runs=RUNS, pad=2, noncontig=dtype == FP32)
-    args["window_cache"].fill_(255 if fmt == FP8 else float("nan"))  # poison
+@pytest.mark.parametrize("dtype,fmt,q_norm", [(FP32, FP32, True), (BF16, BF16, True), (BF16, FP8, True),
+                                               (FP32, FP8, True), (BF16, "fp8_528", False), (FP32, FP32, False)],
+                         ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8", "v41-bf16-fp8_528", "v41-fp32"])
+def test_writes_q_out_and_the_live_tokens_window_slots(dtype, fmt, q_norm):
+    args = T.qkv_prep_args(dtype, fmt, runs=RUNS, pad=2, noncontig=dtype == FP32, q_norm=q_norm)
+    args["window_cache"].fill_(255 if args["window_cache"].dtype == torch.uint8 else float("nan"))  # poison
     args["q_out"].fill_(float("nan"))
     q_out, pool = _expected(args)
     T.call_op("qkv_prep", args)
     assert T.bytes_equal(args["q_out"], q_out)  # every row written, padding rows included
     assert T.bytes_equal(args["window_cache"], pool)  # live slots only; everything else still poison
+
+
+def test_q_norm_flag_is_the_only_difference_between_v4_and_v41_queries():
+    # Same inputs: V4's q is RoPE(q / rms(q)); V4.1's is RoPE(q). The norm scales each head by one
+    # number, so the V4 row is the V4.1 row times that head's rsqrt(mean(q^2) + eps).
+    args = T.qkv_prep_args(FP32, runs=RUNS, pad=0)
+    v41 = dict(args, q_norm=False, q_out=torch.empty_like(args["q_out"]))
+    T.call_op("qkv_prep", args)
+    T.call_op("qkv_prep", v41)
+    rms = torch.rsqrt(args["q"].double().square().mean(-1, keepdim=True) + args["eps"])
+    torch.testing.assert_close(args["q_out"].double(), v41["q_out"].double() * rms, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(args["q_out"], v41["q_out"])
 
 
 def test_public_function_returns_q_out():
@@ -88,7 +102,14 @@ BAD = [
     ("window_cache-width", ARGS, w("window_cache", lambda a: a["window_cache"][..., :8].contiguous()),
      r"window_cache: expected size 16 \(row width\) at dim 2, got 8"),
     ("window_cache-fp8-width", FP8_ARGS, w("window_cache", lambda a: torch.zeros(4, 4 * 132, dtype=torch.uint8)),
-     r"window_cache: expected a page of whole 584-B entries"),
+     r"window_cache: expected a page of whole 584-B fp8_584 rows"),
+    ("window_fmt-unknown", ARGS, w("window_fmt", lambda a: "fp8"), r"window_fmt: expected one of \['fp8_584', "),
+    ("window_fmt-mismatch", FP8_ARGS, w("window_fmt", lambda a: "fp8_528"),
+     r"window_cache: expected a page of whole 528-B fp8_528 rows \(3072 B for 5 rows\), got 2880 B"),
+    ("window_fmt-exact-on-bytes", FP8_ARGS, w("window_fmt", lambda a: "exact"),
+     r"window_cache: expected dtype in \[torch.float32, torch.bfloat16, torch.float16\], got torch.uint8"),
+    ("window_fmt-bytes-on-floats", ARGS, w("window_fmt", lambda a: "fp8_528"),
+     r"window_cache: expected dtype in \[torch.uint8\], got torch.float32"),
     ("ring_size-positive", ARGS, w("ring_size", lambda a: 0), r"ring_size: expected > 0, got 0"),
     ("ring_size-pool", ARGS, w("ring_size", lambda a: 17), r"ring_size: expected <= the pool's 16 slots, got 17"),
     # Values (public function only; eager).

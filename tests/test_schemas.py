@@ -7,7 +7,7 @@ from expecttest import assert_expected_inline
 from dsv4ops.testing import dsv4_ops
 
 PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
-          "indexer_q_prep", "indexer_topk", "sparse_attn", "inv_rope"}
+          "indexer_q_prep", "indexer_k_prep", "indexer_topk", "sparse_attn", "inv_rope"}
 
 
 def _schema(name: str) -> str:
@@ -31,31 +31,35 @@ def test_router_gate():
 
 
 def test_pack_kv():
-    assert_expected_inline(_schema("pack_kv"), """dsv4::pack_kv(Tensor x, Tensor slots, Tensor(a2!) cache) -> ()""")
+    assert_expected_inline(_schema("pack_kv"), """dsv4::pack_kv(Tensor x, Tensor slots, Tensor(a2!) cache, str fmt) -> ()""")
 
 
 def test_unpack_kv():
-    assert_expected_inline(_schema("unpack_kv"), """dsv4::unpack_kv(Tensor cache, Tensor slots, Tensor(a2!) out) -> ()""")
+    assert_expected_inline(_schema("unpack_kv"), """dsv4::unpack_kv(Tensor cache, Tensor slots, Tensor(a2!) out, str fmt) -> ()""")
 
 
 def test_qkv_prep():
-    assert_expected_inline(_schema("qkv_prep"), """dsv4::qkv_prep(Tensor q, Tensor kv, Tensor positions, Tensor req_slots, Tensor inv_freq, Tensor(a5!) q_out, Tensor(a6!) window_cache, SymInt ring_size, float eps) -> ()""")
+    assert_expected_inline(_schema("qkv_prep"), """dsv4::qkv_prep(Tensor q, Tensor kv, Tensor positions, Tensor req_slots, Tensor inv_freq, Tensor(a5!) q_out, Tensor(a6!) window_cache, SymInt ring_size, float eps, bool q_norm, str window_fmt) -> ()""")
 
 
 def test_compressor_update():
-    assert_expected_inline(_schema("compressor_update"), """dsv4::compressor_update(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor norm_weight, Tensor inv_freq, Tensor(a8!) state, Tensor(a9!) cache, float eps) -> ()""")
+    assert_expected_inline(_schema("compressor_update"), """dsv4::compressor_update(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor norm_weight, Tensor inv_freq, Tensor(a8!) state, Tensor(a9!) cache, Tensor(a10!)? latent_out, float eps, str fmt) -> ()""")
 
 
 def test_indexer_q_prep():
-    assert_expected_inline(_schema("indexer_q_prep"), """dsv4::indexer_q_prep(Tensor q, Tensor weights, Tensor positions, Tensor inv_freq, Tensor(a4!) q_out, Tensor(a5!) w_out) -> ()""")
+    assert_expected_inline(_schema("indexer_q_prep"), """dsv4::indexer_q_prep(Tensor q, Tensor weights, Tensor positions, Tensor inv_freq, Tensor(a4!) q_out, Tensor(a5!) w_out, str fmt) -> ()""")
+
+
+def test_indexer_k_prep():
+    assert_expected_inline(_schema("indexer_k_prep"), """dsv4::indexer_k_prep(Tensor latent, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor wk, Tensor k_norm_weight, Tensor inv_freq, Tensor(a7!) cache, SymInt ratio, float eps, str fmt) -> ()""")
 
 
 def test_indexer_topk():
-    assert_expected_inline(_schema("indexer_topk"), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, Tensor(a6!) idx_out, Tensor(a7!) workspace, SymInt ratio) -> ()""")
+    assert_expected_inline(_schema("indexer_topk"), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, Tensor? cand, Tensor(a7!) idx_out, Tensor(a8!)? cand_out, Tensor(a9!) workspace, SymInt ratio, SymInt cand_block, str fmt) -> ()""")
 
 
 def test_sparse_attn():
-    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor sinks, Tensor(a8!) out, float scale, SymInt window, SymInt ring_size) -> ()""")
+    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor sinks, Tensor(a8!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt) -> ()""")
 
 
 def test_inv_rope():

@@ -1,6 +1,7 @@
 """dsv4::sparse_attn and sparse_attn.api.sparse_attn: each query attends to exactly its window
-(itself included) and its listed compressed entries, with the sink in the denominator; -1 entries
-and padding tokens read nothing; bad inputs. Issue 3."""
+(itself included) and its listed compressed entries, with the sink in the denominator, reading each
+pool in its format (V4: fp8_584 / exact; V4.1: fp8_528 window rows, fp4_288 compressed rows); -1
+entries and padding tokens read nothing; bad inputs. Issues 3, 16."""
 
 from functools import partial
 
@@ -24,25 +25,28 @@ COMP_IDX = [[0, 3, -1], [-1, -1, -1], [4, 1, 2], [2, -1, -1], [0, 1, 4], [6, 7, 
 COMP_LENS = [3, 3, 2, 1, 0, 3]
 
 
-def _case(dtype, fmt, heads: int):
+def _case(dtype, fmt, heads: int, comp_fmt=None):
     """Arguments whose pools hold rows only where a query may read; and those rows as read back."""
-    dim = 512 if fmt == FP8 else 16
+    comp_fmt = comp_fmt or fmt
+    dim = 16 if isinstance(fmt, torch.dtype) else 512
+    wf, cf = T.format_name(fmt, dim), T.format_name(comp_fmt, dim)
     positions, req_slots = T.step_tokens(*RUNS, pad=1)
-    window_cache, comp_cache = T.page_pool(4, BS, dim, fmt), T.page_pool(2, BS, dim, fmt)
+    window_cache, comp_cache = T.page_pool(4, BS, dim, fmt), T.page_pool(2, BS, dim, comp_fmt)
     rows = {}
     for r, ps in STORED.items():
         for p in ps:
             rows[r, p] = torch.randn(1, dim)
-            pack_kv(rows[r, p], torch.tensor([r * RING + p % RING], dtype=I32), window_cache)
-    pack_kv(torch.randn(5, dim), torch.arange(5, dtype=I32), comp_cache)
+            pack_kv(rows[r, p], torch.tensor([r * RING + p % RING], dtype=I32), window_cache, wf)
+    pack_kv(torch.randn(5, dim), torch.arange(5, dtype=I32), comp_cache, cf)
     t = positions.shape[0]
     args = dict(q=torch.randn(t, heads, dim, dtype=dtype), window_cache=window_cache, comp_cache=comp_cache,
                 positions=positions, req_slots=req_slots, comp_idx=torch.tensor(COMP_IDX, dtype=I32),
                 comp_lens=torch.tensor(COMP_LENS, dtype=I32), sinks=torch.randn(heads),
-                out=torch.full((t, heads, dim), float("nan"), dtype=dtype), scale=dim**-0.5, window=WINDOW, ring_size=RING)
-    read = {k: unpack_kv(window_cache, torch.tensor([k[0] * RING + k[1] % RING], dtype=I32), dim, FP32)[0]
+                out=torch.full((t, heads, dim), float("nan"), dtype=dtype), scale=dim**-0.5, window=WINDOW,
+                ring_size=RING, window_fmt=wf, comp_fmt=cf)
+    read = {k: unpack_kv(window_cache, torch.tensor([k[0] * RING + k[1] % RING], dtype=I32), dim, FP32, wf)[0]
             for k in rows}
-    comp = unpack_kv(comp_cache, torch.arange(5, dtype=I32), dim, FP32)
+    comp = unpack_kv(comp_cache, torch.arange(5, dtype=I32), dim, FP32, cf)
     return args, read, comp
 
 
@@ -63,10 +67,12 @@ def _reference(args: dict, read: dict, comp: torch.Tensor, dtype: torch.dtype) -
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("dtype,fmt,heads", [(FP32, FP32, 2), (BF16, BF16, 2), (BF16, FP8, 1), (FP32, FP8, 2)],
-                         ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8"])
-def test_attends_to_exactly_its_window_and_entries(dtype, fmt, heads):
-    args, read, comp = _case(dtype, fmt, heads)
+@pytest.mark.parametrize("dtype,fmt,heads,comp_fmt",
+                         [(FP32, FP32, 2, None), (BF16, BF16, 2, None), (BF16, FP8, 1, None), (FP32, FP8, 2, None),
+                          (BF16, "fp8_528", 2, "fp4_288"), (FP32, "fp8_528", 1, "fp4_288")],
+                         ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8", "v41-bf16", "v41-fp32"])
+def test_attends_to_exactly_its_window_and_entries(dtype, fmt, heads, comp_fmt):
+    args, read, comp = _case(dtype, fmt, heads, comp_fmt)
     T.call_op("sparse_attn", args)
     out = args["out"]
     # Rows outside every window and comp slots 5..7 are NaN poison: reading any of them shows here.
@@ -104,8 +110,11 @@ BAD = [
      r"q: expected a contiguous last dim"),
     ("window_cache-width", wa("window_cache", lambda a: a["window_cache"][..., :8].contiguous()),
      r"window_cache: expected size 16 \(row width\) at dim 2, got 8"),
-    ("comp_cache-fp8", wa("comp_cache", lambda a: torch.zeros(2, 528, dtype=torch.uint8)),
-     r"comp_cache: FP8 entries exist for 512-d \(584 B\) and 128-d \(132 B\) rows, got 16-d rows"),
+    ("comp_cache-bytes", wa("comp_cache", lambda a: torch.zeros(2, 528, dtype=torch.uint8)),
+     r"comp_cache: expected dtype in \[torch.float32, torch.bfloat16, torch.float16\], got torch.uint8"),
+    ("comp_fmt-width", wa("comp_fmt", lambda a: "fp4_288"),
+     r"comp_cache: expected dtype in \[torch.uint8\], got torch.float32"),
+    ("comp_fmt-unknown", wa("comp_fmt", lambda a: "nvfp4"), r"comp_fmt: expected one of \['fp8_584'"),
     ("positions-device", wa("positions", lambda a: a["positions"].to("meta")),
      r"positions: expected device cpu \(as q\), got meta"),
     ("req_slots-size", wa("req_slots", lambda a: a["req_slots"][:-1]), r"req_slots: expected size 6 \(tokens of q\)"),

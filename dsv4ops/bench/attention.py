@@ -18,6 +18,7 @@ from dsv4ops.bench.timing import ceilings, eager_time_us, graph_time_us
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.step import visible_counts, visible_entries
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.quant import formats
 from dsv4ops.reference.functional import rms_norm
 from dsv4ops.reference.numerics import compressor_dtype
 
@@ -38,19 +39,13 @@ def _prefilled(manager: KVCacheManager, rid, length: int):
     manager.length[rid] = length
 
 
-def _fill(pool: torch.Tensor, dim: int, gen: torch.Generator):
+def _fill(pool: torch.Tensor, dim: int, fmt: str, gen: torch.Generator):
     """Random entries in every slot of a pool (values of an RMS-normed row: ~N(0, 1))."""
-    slots = pool.shape[0] * (pool.shape[1] if pool.dtype != torch.uint8 else _entries_per_block(pool, dim))
+    slots = pool.shape[0] * formats.block_size(pool.shape, fmt)
     for s in range(0, slots, 1 << 18):
         n = min(1 << 18, slots - s)
         rows = torch.randn(n, dim, device=pool.device, dtype=torch.bfloat16, generator=gen)
-        ops.pack_kv(rows, torch.arange(s, s + n, device=pool.device, dtype=torch.int32), pool)
-
-
-def _entries_per_block(pool, dim):
-    from dsv4ops.quant.reference import indexer_block_size, main_block_size
-
-    return (main_block_size if dim == 512 else indexer_block_size)(pool.shape[1])
+        ops.pack_kv(rows, torch.arange(s, s + n, device=pool.device, dtype=torch.int32), pool, fmt)
 
 
 class Case:
@@ -73,7 +68,7 @@ class Case:
         cache = self.layer.cache
         for name, dim in (("window", 512), ("comp", 512), ("index", 128)):
             if hasattr(cache, name):
-                _fill(getattr(cache, name), dim, gen)
+                _fill(getattr(cache, name), dim, cache.fmt[name], gen)
         for name in ("state", "index_state"):
             if hasattr(cache, name):
                 getattr(cache, name).normal_(generator=gen)
@@ -117,29 +112,29 @@ class Case:
     # ---- the ops of one step, each a closure over this case's buffers ----------------------------
     def op_calls(self) -> dict:
         layer, cache, st, cfg = self.layer, self.layer.cache, self.step, self.model
-        eps, d = cfg.rms_norm_eps, torch.ops.dsv4
+        eps, d, fmt = cfg.rms_norm_eps, torch.ops.dsv4, cache.fmt
         calls = {"qkv_prep": lambda: d.qkv_prep(self.q, self.kv, st.positions, st.req_slots, layer.inv_freq,
-                                                self.q_rot, cache.window, cache.ring_size, eps)}
-        comp_cache = cache.window
+                                                self.q_rot, cache.window, cache.ring_size, eps, True, fmt["window"])}
+        comp_cache, comp_fmt = cache.window, fmt["window"]
         if layer.compressor is not None:
             c = layer.compressor
-            comp_cache = cache.comp
+            comp_cache, comp_fmt = cache.comp, fmt["comp"]
             calls["compressor_update"] = lambda: d.compressor_update(
                 self.a, self.z, c.position_bias, st.positions, st.req_slots, st.entry_slots(self.kind),
-                c.kv_norm.weight, layer.inv_freq, cache.state, cache.comp, eps)
+                c.kv_norm.weight, layer.inv_freq, cache.state, cache.comp, None, eps, fmt["comp"])
             if self.kind == CSA:
                 ix = c.indexer
                 calls["compressor_update (indexer)"] = lambda: d.compressor_update(
                     self.ia, self.iz, ix.position_bias, st.positions, st.req_slots, st.entry_slots(CSA),
-                    ix.kv_norm.weight, layer.inv_freq, cache.index_state, cache.index, eps)
+                    ix.kv_norm.weight, layer.inv_freq, cache.index_state, cache.index, None, eps, fmt["index"])
                 calls["indexer_q_prep"] = lambda: d.indexer_q_prep(self.qi, self.wi, st.positions, layer.inv_freq,
-                                                                   self.qi_out, self.wi_out)
+                                                                   self.qi_out, self.wi_out, fmt["index"])
                 calls["indexer_topk"] = lambda: d.indexer_topk(self.qi_out, self.wi_out, st.positions, st.req_slots,
-                                                               cache.index, st.block_table(CSA), self.idx,
-                                                               cache.topk_workspace, cfg.csa_ratio)
+                                                               cache.index, st.block_table(CSA), None, self.idx, None,
+                                                               cache.topk_workspace, cfg.csa_ratio, 0, fmt["index"])
         calls["sparse_attn"] = lambda: d.sparse_attn(self.q_rot, cache.window, comp_cache, st.positions, st.req_slots,
                                                      self.idx, self.lens, layer.sinks, self.o, cfg.head_dim**-0.5,
-                                                     cfg.window, cache.ring_size)
+                                                     cfg.window, cache.ring_size, fmt["window"], comp_fmt)
         calls["inv_rope"] = lambda: d.inv_rope(self.o, st.positions, layer.inv_freq, self.o_rot)
         return calls
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dsv4ops.quant.reference import MAIN_ENTRY_BYTES, main_block_size
+from dsv4ops.quant import formats
+from dsv4ops.quant.reference import MAIN_ENTRY_BYTES
 
 
 def available() -> bool:
@@ -25,7 +26,7 @@ def available() -> bool:
 
 
 def _paged(pool: Tensor) -> Tensor:
-    bs = main_block_size(pool.shape[1])
+    bs = formats.block_size(pool.shape, "fp8_584")
     return pool.as_strided((pool.shape[0], bs, 1, MAIN_ENTRY_BYTES), (pool.shape[1], MAIN_ENTRY_BYTES,
                                                                       MAIN_ENTRY_BYTES, 1))
 
@@ -69,8 +70,8 @@ def prefill(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tens
     uw, wi = torch.unique(wslots.clamp(min=0), return_inverse=True)
     uc, ci = torch.unique(cslots.clamp(min=0), return_inverse=True)
     kv = torch.empty(uw.numel() + uc.numel(), 512, dtype=torch.float32, device=q.device)
-    unpack_kv(window_cache, uw.to(torch.int32), kv[:uw.numel()])
-    unpack_kv(comp_cache, uc.to(torch.int32), kv[uw.numel():])
+    unpack_kv(window_cache, uw.to(torch.int32), kv[:uw.numel()], "fp8_584")
+    unpack_kv(comp_cache, uc.to(torch.int32), kv[uw.numel():], "fp8_584")
     kv = kv.to(torch.bfloat16).view(-1, 1, 512)
     idx = torch.cat([wi.where(wslots >= 0, -1), (ci + uw.numel()).where(cslots >= 0, -1)], 1)
     idx = idx.to(torch.int32).view(q.shape[0], 1, -1)

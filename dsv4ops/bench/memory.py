@@ -1,7 +1,12 @@
-"""Cache memory per request for the V4 presets (markdown table)."""
+"""Cache memory per request for the V4 and V4.1 presets (markdown tables)."""
 
+from dsv4ops.cache import v41
 from dsv4ops.cache.config import CacheConfig, memory
 from dsv4ops.config import DSV4AttentionConfig
+from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.reference.v41 import V41Numerics
+
+CONTEXTS = (128 * 1024, 1 << 20)
 
 
 def rows(step_tokens: int = 512) -> list[dict]:
@@ -9,16 +14,24 @@ def rows(step_tokens: int = 512) -> list[dict]:
     for name in ("flash", "pro"):
         model = getattr(DSV4AttentionConfig, name)()
         for mode in ("fp8", "bf16"):
-            for ctx in (128 * 1024, 1 << 20):
+            for ctx in CONTEXTS:
                 cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, kv_cache=mode,
                                   indexer_cache=mode)
-                m = memory(model, cfg)
-                out.append({
-                    "model": f"V4-{name.capitalize()}", "cache": mode, "context": ctx,
-                    "bytes_per_token": m["bytes_per_token"], "fixed_MiB": m["fixed_bytes_per_request"] / 2**20,
-                    "GiB_per_request": (m["bytes_per_token"] * ctx + m["fixed_bytes_per_request"]) / 2**30,
-                })
+                out.append(_row(f"V4-{name.capitalize()}", mode, ctx, memory(model, cfg)))
+    flash41 = DSV41AttentionConfig.v41_flash()
+    for label, numerics in (("qat (528 / 288 / 68 B)", V41Numerics()),
+                            ("fp8 keys (528 / 288 / 132 B)", V41Numerics(index="fp8_132")),
+                            ("bf16", V41Numerics.exact())):
+        for ctx in CONTEXTS:
+            cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, block_size=128)
+            out.append(_row("V4.1-Flash", label, ctx, v41.memory(flash41, cfg, numerics)))
     return out
+
+
+def _row(model: str, cache: str, ctx: int, m: dict) -> dict:
+    return {"model": model, "cache": cache, "context": ctx, "bytes_per_token": m["bytes_per_token"],
+            "fixed_MiB": m["fixed_bytes_per_request"] / 2**20,
+            "GiB_per_request": (m["bytes_per_token"] * ctx + m["fixed_bytes_per_request"]) / 2**30}
 
 
 def markdown(table: list[dict], step_tokens: int = 512) -> str:

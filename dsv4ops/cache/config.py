@@ -9,7 +9,7 @@ import torch
 
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.indexer.workspace import workspace_words
-from dsv4ops.quant.reference import INDEXER_ENTRY_BYTES, indexer_block_bytes, main_block_bytes
+from dsv4ops.quant import formats
 from dsv4ops.reference.numerics import Numerics
 
 CACHE_MODES = ("bf16", "fp8")
@@ -80,6 +80,11 @@ class CacheConfig:
         need = window - 1 + self.request_step_tokens
         return -(-need // self.block_size) * self.block_size
 
+    def formats(self) -> tuple[str, str]:
+        """Pool formats of (main KV, indexer keys): fp8_584 / fp8_132, or exact rows for "bf16"."""
+        return ("fp8_584" if self.kv_cache == "fp8" else formats.EXACT,
+                "fp8_132" if self.indexer_cache == "fp8" else formats.EXACT)
+
     def numerics(self) -> Numerics:
         return Numerics(kv="fp8" if self.kv_cache == "fp8" else "exact",
                         indexer="fp8" if self.indexer_cache == "fp8" else "exact")
@@ -98,6 +103,7 @@ class PoolSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    fmt: str = ""  # the pool's row format (dsv4ops/quant/formats.py); "" for compressor states
 
     @property
     def nbytes(self) -> int:
@@ -117,11 +123,10 @@ def pool_blocks(cfg: CacheConfig, ratio: int) -> int:
     return -(-cfg.total_tokens // ratio // cfg.block_size) + cfg.max_requests
 
 
-def _page(cfg: CacheConfig, mode: str, dim: int, blocks: int) -> tuple[tuple[int, ...], torch.dtype]:
-    if mode == "fp8":
-        nbytes = main_block_bytes(cfg.block_size) if dim == 512 else indexer_block_bytes(cfg.block_size)
-        return (blocks, nbytes), torch.uint8
-    return (blocks, cfg.block_size, dim), cfg.exact_dtype
+def paged_pool(name: str, cfg: CacheConfig, fmt: str, dim: int, blocks: int) -> PoolSpec:
+    """A page pool of `blocks` pages of cfg.block_size rows in format `fmt`."""
+    dtype = cfg.exact_dtype if fmt == formats.EXACT else torch.uint8
+    return PoolSpec(name, formats.pool_shape(fmt, blocks, cfg.block_size, dim), dtype, fmt)
 
 
 def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) -> list[PoolSpec]:
@@ -129,15 +134,16 @@ def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) ->
     pool + both compressor states; HCA = ring + compressed pool (m=128) + state."""
     kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
     d, di = model.head_dim, model.index_head_dim
+    main, index = cfg.formats()
     ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
-    pools = [PoolSpec("window", *_page(cfg, cfg.kv_cache, d, ring_blocks))]
+    pools = [paged_pool("window", cfg, main, d, ring_blocks)]
     if kind == SLIDING:
         return pools
     coff = 2 if kind == CSA else 1
-    pools.append(PoolSpec("comp", *_page(cfg, cfg.kv_cache, d, pool_blocks(cfg, ratio))))
+    pools.append(paged_pool("comp", cfg, main, d, pool_blocks(cfg, ratio)))
     pools.append(PoolSpec("state", (cfg.max_requests, coff * ratio, 2 * coff * d), torch.float32))
     if kind == CSA:
-        pools.append(PoolSpec("index", *_page(cfg, cfg.indexer_cache, di, pool_blocks(cfg, ratio))))
+        pools.append(paged_pool("index", cfg, index, di, pool_blocks(cfg, ratio)))
         pools.append(PoolSpec("index_state", (cfg.max_requests, 2 * ratio, 4 * di), torch.float32))
     return pools
 
@@ -154,8 +160,8 @@ def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
     """Bytes per context token (growth) and fixed bytes per request, over all main layers, and the
     fixed bytes of the manager (the indexer's top-k workspace); paged FP8 main entries count with
     their page padding (64 entries: 37440 B, 585 B each)."""
-    main = main_block_bytes(cfg.block_size) / cfg.block_size if cfg.kv_cache == "fp8" else 2.0 * model.head_dim
-    idx = INDEXER_ENTRY_BYTES if cfg.indexer_cache == "fp8" else 2.0 * model.index_head_dim
+    main = row_bytes(cfg, cfg.formats()[0], model.head_dim)
+    idx = row_bytes(cfg, cfg.formats()[1], model.index_head_dim)
     per_token = fixed = 0.0
     for li in range(model.num_layers):
         kind, ratio = model.layer_type(li), model.compress_ratio(li)
@@ -170,3 +176,10 @@ def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
             fixed += 2 * ratio * 4 * model.index_head_dim * 4
     return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed,
             "fixed_bytes": 4 * topk_workspace_words(model, cfg)}
+
+
+def row_bytes(cfg: CacheConfig, fmt: str, dim: int) -> float:
+    """Bytes per row of a pool, page padding included (exact rows: dim x the exact dtype's size)."""
+    if fmt == formats.EXACT:
+        return float(dim * torch.tensor([], dtype=cfg.exact_dtype).element_size())
+    return formats.get(fmt).page_bytes(cfg.block_size) / cfg.block_size

@@ -37,8 +37,7 @@ class KVCacheManager:
 
     def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None):
         self.model, self.cfg, self.device = model, cfg, torch.device(device or "cpu")
-        kinds = {model.layer_type(i) for i in range(model.num_layers)}
-        self.ratios = {CSA: model.csa_ratio, HCA: model.hca_ratio}
+        self.ratios, kinds = self._compressed_pools(model)
         self.widths = {k: (blocks_per_request(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
         self.allocators = {k: BlockAllocator(pool_blocks(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
         self.tables = {k: torch.full((cfg.max_requests, w), -1, dtype=torch.int32) for k, w in self.widths.items()}
@@ -55,6 +54,12 @@ class KVCacheManager:
             self._topk_workspace[device] = torch.empty(topk_workspace_words(self.model, self.cfg), dtype=torch.int32,
                                                        device=device)
         return self._topk_workspace[device]
+
+    def _compressed_pools(self, model) -> tuple[dict, set]:
+        """({pool group: ratio}, the groups the model has): the compressed pools whose blocks this
+        manager allocates, one block table per group (V4: one group per layer kind)."""
+        kinds = {model.layer_type(i) for i in range(model.num_layers)}
+        return {CSA: model.csa_ratio, HCA: model.hca_ratio}, kinds
 
     # ---- requests ------------------------------------------------------------------------------
     def admit(self, request_id) -> int:
@@ -130,6 +135,10 @@ class KVCacheManager:
             self.length[rid] = start + n
             i += n
         entries = {k: self._entry_slots(k, pos, req) for k in self.tables}
+        return self._step_meta(pos, req, entries)
+
+    def _step_meta(self, pos: torch.Tensor, req: torch.Tensor, entries: dict) -> StepMeta:
+        """The step's device metadata from its positions, request slots and entry slots per group."""
         return StepMeta(pos, req, entries[CSA], entries[HCA], self.tables[CSA].clone(),
                         self.tables[HCA].clone()).to(self.device)
 

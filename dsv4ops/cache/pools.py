@@ -18,7 +18,9 @@ class LayerCache(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ring_size = cfg.ring_size(model.window)
+        self.fmt: dict[str, str] = {}  # pool name -> its row format (the ops take it explicitly)
         for spec in layer_pools(model, layer_idx, cfg):
+            self.fmt[spec.name] = spec.fmt
             # Poisoned at birth: FP8 pools with 0xFF (e4m3 NaN), float pools and states with NaN, so
             # any read of an entry that was never written shows up in the output.
             fill = 255 if spec.dtype == torch.uint8 else float("nan")

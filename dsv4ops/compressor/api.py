@@ -17,7 +17,7 @@ _compressor_update = torch.ops.dsv4.compressor_update.default
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      eps: float) -> None:
+                      eps: float, fmt: str, latent: bool = False) -> Tensor | None:
     """One compressor step over a flat batch of T tokens; mutates `state` and `cache`.
 
     kv, score [T, coff * d] (float, contiguous last dim): the a and z projections (coff = 2 with the
@@ -26,26 +26,37 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     writes nothing); entry_slots [T] int32: pool slot of the entry a token closes (read only for
     tokens with (position + 1) % m == 0; -1 stores nothing); state [requests, coff * m, 2 * coff * d]
     fp32: row p % (coff * m) of a request holds (a_p, z_p + ape[p % m]); cache: a paged pool of
-    d-wide entries (see dsv4ops.quant.api).
+    d-wide entries in format `fmt` (see dsv4ops.quant.api).
 
     Every live token writes its state row, unless a later token of the call maps to the same row;
     a token with (p + 1) % m == 0 closes entry w = p // m: it pools positions p - coff * m + 1 .. p
     (rows of this call where present, the state otherwise, nothing before position 0) with a
     per-channel softmax (CSA: window w - 1's a-stream [:d], window w's b-stream [d:]), casts to the
-    entry dtype (the pool's float dtype; bf16 for FP8 pools), applies RMSNorm and RoPE at w * m.
+    entry dtype (the pool's float dtype for exact pools; bf16 before a quantized format), applies
+    RMSNorm and RoPE at w * m. V4.1 (no overlap, no position bias): ratio 2 with ape = 0, ratio 1
+    with ape = 0 and any finite score (a 1-slot softmax weighs 1).
+
+    latent=True returns latent [T, d] in the entry dtype: each closing token's entry after the
+    RMSNorm and before RoPE (V4.1's index keys are made from it), 0 for the other tokens.
 
     Checked in eager mode: positions >= 0; req_slots in [-1, requests); the tokens of a request are
     one contiguous run with consecutive positions (the pooling finds rows of the call by offset);
     entry_slots in [-1, pool slots) and distinct among the closing tokens."""
+    latent_out = None
+    if latent:
+        latent_out = torch.empty(kv.shape[0], norm_weight.shape[0], dtype=checks.entry_dtype(cache, fmt),
+                                 device=kv.device)
     if _values.has_data(kv, score, positions, req_slots, entry_slots, state, cache):
         checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
-                                 cache)
-        d, m = norm_weight.shape[0], ape.shape[0]
+                                 cache, latent_out, fmt)
+        m = ape.shape[0]
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, state.shape[0],
                          f"-1 or one of the {state.shape[0]} requests of the state")
         _values.request_runs(positions, req_slots)
-        check_slots("entry_slots", entry_slots, cache, d, f"-1 or a slot of the pool's {pool_slots(cache, d)}")
+        check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
         closes = (req_slots >= 0) & ((positions.long() + 1) % m == 0)
         _values.distinct("entry_slots", entry_slots[closes], "slots among the tokens that close an entry")
-    _compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, eps)
+    _compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
+                       latent_out, eps, fmt)
+    return latent_out

@@ -4,10 +4,12 @@ import torch
 from torch import Tensor
 
 from dsv4ops import _checks as c
+from dsv4ops.quant import formats
 
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
-                      entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor):
+                      entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
+                      latent_out: Tensor | None, fmt: str):
     c.ndim("kv", kv, 2, "[tokens, coff * d]")
     c.dtype("kv", kv, c.FLOATS)
     c.last_dim_contiguous("kv", kv)
@@ -37,4 +39,17 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     c.same_device("state", state, kv, "kv")
     c.size("state", state, 1, (width // d) * ape.shape[0], "coff * ratio ring rows")
     c.size("state", state, 2, 2 * width, "kv and score rows")
-    c.paged_cache("cache", cache, d, kv)
+    c.paged_cache("cache", cache, d, kv, fmt, "fmt")
+    if latent_out is not None:
+        c.ndim("latent_out", latent_out, 2, "[tokens, d]")
+        c.size("latent_out", latent_out, 0, t, "tokens of kv")
+        c.size("latent_out", latent_out, 1, d, "d of norm_weight")
+        c.dtype("latent_out", latent_out, (entry_dtype(cache, fmt),))
+        c.same_device("latent_out", latent_out, kv, "kv")
+        c.last_dim_contiguous("latent_out", latent_out)
+
+
+def entry_dtype(cache: Tensor, fmt: str) -> torch.dtype:
+    """dtype of a pooled entry from its cast before the norm on: the pool's dtype for exact pools,
+    bf16 before a quantized format (DeepSeek's reference rounds the pooled vector to bf16)."""
+    return cache.dtype if fmt == formats.EXACT else torch.bfloat16

@@ -14,17 +14,14 @@ invariant); a state row is written only by the last token of the step that maps 
 import torch
 from torch import Tensor
 
+from dsv4ops.compressor.checks import entry_dtype
 from dsv4ops.quant.reference import pack_kv
 from dsv4ops.reference.functional import apply_rope, pool_entry, rms_norm, rope_angles
 
 
-def entry_dtype(cache: Tensor) -> torch.dtype:
-    return torch.bfloat16 if cache.dtype == torch.uint8 else cache.dtype
-
-
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      eps: float) -> None:
+                      latent_out: Tensor | None, eps: float, fmt: str) -> None:
     t, width = kv.shape
     d, m = norm_weight.shape[0], ape.shape[0]
     rows = (width // d) * m
@@ -34,6 +31,8 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     z = score.float() + ape.float()[pos % m]
 
     close = (live & ((pos + 1) % m == 0)).nonzero().flatten()
+    if latent_out is not None:
+        latent_out.zero_()
     if close.numel():
         p, r = pos[close, None], req[close, None]
         q = p - (rows - 1) + torch.arange(rows, device=kv.device)  # [n, rows] positions pooled
@@ -50,10 +49,12 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
         if width == 2 * d:  # CSA: previous window's a-stream, current window's b-stream
             rows_a = torch.cat([rows_a[:, :m, :d], rows_a[:, m:, d:]], 1)
             rows_z = torch.cat([rows_z[:, :m, :d], rows_z[:, m:, d:]], 1)
-        edt = entry_dtype(cache)
+        edt = entry_dtype(cache, fmt)
         entry = rms_norm(pool_entry(rows_a, rows_z).to(edt), norm_weight, eps)
+        if latent_out is not None:
+            latent_out[close] = entry
         cos, sin = rope_angles((pos[close] // m) * m, inv_freq, edt)
-        pack_kv(apply_rope(entry, cos, sin), entry_slots[close], cache)
+        pack_kv(apply_rope(entry, cos, sin), entry_slots[close], cache, fmt)
 
     nxt = torch.arange(t, device=kv.device) + rows
     later = nxt < t

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from dsv4ops.compressor import checks as _checks
 from dsv4ops.quant.reference import INDEXER_DIM, MAIN_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import block_size, pool_format, store_rows
+from dsv4ops.quant.triton import block_size, fmt_code, not_yet, store_rows
 from dsv4ops.triton_helpers import (
     INTERPRET,
     TL_DTYPES,
@@ -113,9 +113,13 @@ def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_toke
 
 
 def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                      eps: float) -> None:
+                      latent_out, eps: float, fmt: str) -> None:
     """Launcher of `dsv4::compressor_update` (same arguments)."""
-    _checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache)
+    _checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
+                              latent_out, fmt)
+    code = fmt_code("compressor_update", "fmt", fmt)
+    if latent_out is not None:
+        not_yet("compressor_update", "latent_out (V4.1's index-key latent)")
     t, width = kv.shape
     d, ratio = norm_weight.shape[0], ape.shape[0]
     require_layout("compressor_update", d, inv_freq.shape[0], dims=(MAIN_DIM, INDEXER_DIM))
@@ -123,13 +127,12 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
         return
     overlap = width == 2 * d
     rows = state.shape[1]
-    fmt = pool_format(cache, d)
-    edt = cache.dtype if fmt == 0 else torch.bfloat16
+    edt = cache.dtype if code == 0 else torch.bfloat16
     rb = min(8, triton.next_power_of_2(rows))
     launch(_compress_kernel, (t,),
            (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, t, kv.stride(0),
             score.stride(0), ratio, block_size(cache, fmt), eps),
-           dict(D=d, ROPE=MAIN_ROPE, OVERLAP=overlap, RB=rb, EDT=TL_DTYPES[edt], FMT=fmt, SOFT=INTERPRET),
+           dict(D=d, ROPE=MAIN_ROPE, OVERLAP=overlap, RB=rb, EDT=TL_DTYPES[edt], FMT=code, SOFT=INTERPRET),
            num_warps=4)
     launch(_save_kernel, (t,), (kv, score, ape, positions, req_slots, state, t, kv.stride(0), score.stride(0), ratio,
                                 rows), dict(W=width, SOFT=INTERPRET))

@@ -27,7 +27,7 @@ import triton.language as tl
 from dsv4ops.indexer import checks as _checks
 from dsv4ops.indexer import workspace as _ws
 from dsv4ops.quant.reference import INDEXER_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import FMT_INDEXER, block_size, load_rows, pool_format
+from dsv4ops.quant.triton import FMT_INDEXER, block_size, fmt_code, load_rows, not_yet
 from dsv4ops.triton_helpers import (
     INTERPRET,
     apply_rope,
@@ -71,9 +71,11 @@ def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, 
     tl.store(wo_ptr + t * swo_t + heads, w, mask=hm)
 
 
-def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out) -> None:
+def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> None:
     """Launcher of `dsv4::indexer_q_prep` (same arguments)."""
-    _checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out)
+    _checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+    if fmt not in ("exact", "fp8_132"):
+        not_yet("indexer_q_prep", f"fmt={fmt!r} (V4.1's MX4 query)")
     t, h, d = q.shape
     require_layout("indexer_q_prep", d, inv_freq.shape[0], dims=(INDEXER_DIM,))
     if t == 0 or h == 0:
@@ -291,16 +293,20 @@ def _warps(block: int) -> int:
     return max(1, min(4, block // 1024))
 
 
-def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio: int) -> None:
+def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
+                 ratio: int, cand_block: int, fmt: str) -> None:
     """Launcher of `dsv4::indexer_topk` (same arguments). No host sync: every size is static."""
-    _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, workspace, ratio)
+    _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
+                         ratio, cand_block, fmt)
+    code = fmt_code("indexer_topk", "fmt", fmt)
+    if cand is not None or cand_out is not None or q.dtype == torch.uint8:
+        not_yet("indexer_topk", "candidate blocks (cand, cand_out) or MX4 queries (V4.1)")
     t, h, d = q.shape
     require(d == INDEXER_DIM, "indexer_topk", "q", f"index_head_dim {INDEXER_DIM} (V4 layout)", d)
     require(h <= 128, "indexer_topk", "q", "at most 128 indexer heads", h)
     k = idx_out.shape[1]
     if t == 0 or k == 0:
         return
-    fmt = pool_format(cache, d)
     bs = block_size(cache, fmt)
     n_entries = block_table.shape[1] * bs
     row_words = _ws.row_words(n_entries, k)
@@ -308,7 +314,7 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
     ch = _ws.chunk(n_entries, k)
     hp = max(16, triton.next_power_of_2(h))
     bn = SCORE_BN if hp <= 64 else SCORE_BN // 2
-    dot = _dot_kind(q, cache, fmt)
+    dot = _dot_kind(q, cache, code)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qa = q.view(torch.uint8) if q_fp8 else q  # e4m3 codes load as bytes (masked lanes read 0)
     chunks = triton.cdiv(n_entries, ch)
@@ -321,7 +327,7 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, idx_out, 
         launch(_score_kernel, (n, g),
                (qa, weights, positions, req_slots, cache, block_table, workspace, t0, q.stride(0), q.stride(1),
                 weights.stride(0), block_table.stride(0), h, n_entries, ratio, bs, row_words),
-               dict(D=d, HP=hp, BN=bn, G=g, FMT=fmt, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
+               dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
         common = (positions, req_slots, block_table, idx_out, workspace, t0, block_table.stride(0), idx_out.stride(0),
                   n_entries, ratio, bs, k, row_words)
         gc = select_programs(n, chunks)

@@ -16,24 +16,24 @@ _qkv_prep = torch.ops.dsv4.qkv_prep.default
 
 
 def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_freq: Tensor, window_cache: Tensor,
-             ring_size: int, eps: float) -> Tensor:
+             ring_size: int, eps: float, window_fmt: str, q_norm: bool = True) -> Tensor:
     """q [T, H, D] (fp32/bf16/fp16, contiguous last dim), kv [T, D] (float, contiguous last dim),
     positions [T] int32 (>= 0), req_slots [T] int32 (-1: padding token), inv_freq [R/2] fp32 (RoPE
     of the trailing R channels, interleaved pairs) -> q_out [T, H, D] contiguous, q's dtype:
-    RoPE(weightless per-head RMSNorm(q)).
+    RoPE(weightless per-head RMSNorm(q)) with q_norm (V4), RoPE(q) without (V4.1).
 
-    Writes RoPE(kv) into `window_cache` (a paged pool, see dsv4ops.quant.api; uint8 needs D = 512)
+    Writes RoPE(kv) into `window_cache`, a paged pool of format `window_fmt` (see dsv4ops.quant.api)
     at slot req * ring_size + position % ring_size; a padding token writes nothing (its q_out row is
     still computed). Request r owns slots [r * ring_size, (r + 1) * ring_size), so req_slots must be
     < pool slots // ring_size, and no two tokens of one call may share a slot (checked in eager)."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if _values.has_data(q, kv, positions, req_slots, window_cache):
-        checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size)
-        requests = pool_slots(window_cache, q.shape[2]) // ring_size
+        checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
+        requests = pool_slots(window_cache, window_fmt) // ring_size
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, requests,
                          f"-1 or one of the {requests} requests of the window pool ({ring_size}-slot rings)")
         _values.distinct("positions", window_slots(positions, req_slots, ring_size),
                          f"window slots (one token per request and position % ring_size = {ring_size})")
-    _qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps)
+    _qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, q_norm, window_fmt)
     return q_out

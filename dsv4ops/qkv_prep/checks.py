@@ -7,7 +7,7 @@ from dsv4ops import _checks as c
 
 
 def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_freq: Tensor, q_out: Tensor,
-             window_cache: Tensor, ring_size: int):
+             window_cache: Tensor, ring_size: int, window_fmt: str):
     c.ndim("q", q, 3, "[tokens, heads, head_dim]")
     c.dtype("q", q, c.FLOATS)
     c.last_dim_contiguous("q", q)
@@ -22,7 +22,7 @@ def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_fr
     c.like("q_out", q_out, q, "q")
     c.dtype("q_out", q_out, (q.dtype,))
     c.last_dim_contiguous("q_out", q_out)
-    bs = c.paged_cache("window_cache", window_cache, d, q)
+    bs = c.paged_cache("window_cache", window_cache, d, q, window_fmt, "window_fmt")
     torch._check(ring_size > 0, lambda: f"ring_size: expected > 0, got {ring_size}")
     torch._check(
         ring_size <= window_cache.shape[0] * bs,

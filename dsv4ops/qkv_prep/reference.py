@@ -1,5 +1,6 @@
-"""Reference kernel of `dsv4::qkv_prep`: per-head weightless RMSNorm + RoPE of q; RoPE of the new
-kv row and its insert (FP8 584-B entry or exact row) into the request's window ring."""
+"""Reference kernel of `dsv4::qkv_prep`: RoPE of q (after a weightless per-head RMSNorm in V4; V4.1
+has none); RoPE of the new kv row and its insert (in the window pool's format) into the request's
+window ring."""
 
 from torch import Tensor
 
@@ -14,7 +15,7 @@ def window_slots(positions: Tensor, req_slots: Tensor, ring_size: int) -> Tensor
 
 
 def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_freq: Tensor, q_out: Tensor,
-             window_cache: Tensor, ring_size: int, eps: float) -> None:
+             window_cache: Tensor, ring_size: int, eps: float, q_norm: bool, window_fmt: str) -> None:
     cos, sin = rope_angles(positions, inv_freq, q.dtype)
-    q_out.copy_(apply_rope(head_rms_norm(q, eps), cos[:, None], sin[:, None]))
-    pack_kv(apply_rope(kv, cos, sin), window_slots(positions, req_slots, ring_size), window_cache)
+    q_out.copy_(apply_rope(head_rms_norm(q, eps) if q_norm else q, cos[:, None], sin[:, None]))
+    pack_kv(apply_rope(kv, cos, sin), window_slots(positions, req_slots, ring_size), window_cache, window_fmt)

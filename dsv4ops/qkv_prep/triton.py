@@ -11,7 +11,7 @@ import triton.language as tl
 
 from dsv4ops.qkv_prep import checks as _checks
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import block_size, pool_format, store_rows
+from dsv4ops.quant.triton import block_size, fmt_code, not_yet, store_rows
 from dsv4ops.triton_helpers import (
     INTERPRET,
     apply_rope,
@@ -58,18 +58,21 @@ def heads_per_program(d: int) -> int:
     return 8 if d >= 512 else 16
 
 
-def qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size: int, eps: float) -> None:
+def qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size: int, eps: float, q_norm: bool,
+             window_fmt: str) -> None:
     """Launcher of `dsv4::qkv_prep` (same arguments)."""
-    _checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size)
+    _checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
+    fmt = fmt_code("qkv_prep", "window_fmt", window_fmt)
+    if not q_norm:
+        not_yet("qkv_prep", "q_norm=False (V4.1's query has no per-head norm)")
     t, h, d = q.shape
     require_layout("qkv_prep", d, inv_freq.shape[0], dims=(MAIN_DIM,))
     if t == 0:
         return
-    fmt = pool_format(window_cache, d)
     hb = heads_per_program(d)
     grid = (t, triton.cdiv(h, hb) + 1)
     launch(_qkv_prep_kernel, grid,
            (q, kv, positions, req_slots, inv_freq, q_out, window_cache, q.stride(0), q.stride(1), kv.stride(0),
-            q_out.stride(0), q_out.stride(1), h, ring_size, block_size(window_cache, fmt), eps),
+            q_out.stride(0), q_out.stride(1), h, ring_size, block_size(window_cache, window_fmt), eps),
            dict(D=d, ROPE=MAIN_ROPE, HB=hb, FMT=fmt, SOFT=INTERPRET))
 

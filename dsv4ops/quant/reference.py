@@ -1,11 +1,9 @@
-"""Low-precision formats of DeepSeek-V4 attention, in plain PyTorch.
-
+"""Reference kernels of `dsv4::pack_kv` / `dsv4::unpack_kv` (paged pools of every format of
+dsv4ops/quant/formats.py, rows coded by dsv4ops/quant/codecs.py), and the V4 fake quantizers of the
+reference numerics:
 - FP8 e4m3 with power-of-two UE8M0 scales: scale = 2^ceil(log2(max(amax, 1e-4) / 448)), the
   official `act_quant` rule; the exponent is taken with frexp so it is exact at powers of two.
 - MXFP4 (E2M1 values, UE8M0 scale per 32) after a 128-point Hadamard, as DeepSeek's reference.
-- The cache entries: the 584-byte main entry (448 e4m3 + 64 bf16 rope + 7 UE8M0 + 1 pad; paged as
-  [block_size x 576 B data][block_size x 8 B scales], padded to a multiple of 576 B) and the
-  132-byte indexer entry (128 e4m3 + one fp32 scale; paged as [bs x 128 B][bs x 4 B]).
 All byte offsets are int64.
 """
 
@@ -13,6 +11,9 @@ import math
 
 import torch
 from torch import Tensor
+
+from dsv4ops.quant import codecs, formats
+from dsv4ops.quant.formats import EXACT
 
 FP8_MAX = 448.0
 FP8_AMAX_FLOOR = 1e-4
@@ -76,109 +77,65 @@ def hadamard(x: Tensor) -> Tensor:
     return x @ h / math.sqrt(n)
 
 
-# ---- paged cache entries -----------------------------------------------------------------------
+# ---- paged pools -------------------------------------------------------------------------------
 def main_block_bytes(block_size: int) -> int:
     """One page of 584-B entries: data, then scales, padded to a multiple of 576 B (FlashMLA)."""
-    return -(-block_size * MAIN_ENTRY_BYTES // MAIN_DATA_BYTES) * MAIN_DATA_BYTES
-
-
-def main_block_size(block_bytes: int) -> int:
-    return block_bytes // MAIN_ENTRY_BYTES  # the pad is < 576 < 584 bytes, so this inverts main_block_bytes
+    return formats.FORMATS["fp8_584"].page_bytes(block_size)
 
 
 def indexer_block_bytes(block_size: int) -> int:
-    return block_size * INDEXER_ENTRY_BYTES
-
-
-def indexer_block_size(block_bytes: int) -> int:
-    return block_bytes // INDEXER_ENTRY_BYTES
-
-
-def _flat_pages(cache: Tensor) -> Tensor:
-    return cache.view(-1)
+    return formats.FORMATS["fp8_132"].page_bytes(block_size)
 
 
 def _page_offsets(slots: Tensor, block_size: int, block_bytes: int) -> tuple[Tensor, Tensor]:
+    """(page start, slot within the page) in int64."""
     s = slots.long()
     return (s // block_size) * block_bytes, s % block_size
 
 
-def pack_main(x: Tensor, slots: Tensor, cache: Tensor) -> None:
-    """Write rows x [N, 512] as 584-B FP8 entries at `slots` (-1: skipped) of a uint8 page pool."""
-    keep = slots >= 0
-    x, slots = x[keep], slots[keep]
-    bs = main_block_size(cache.shape[1])
+def _row_offsets(f: formats.Format, slots: Tensor, cache: Tensor) -> tuple[Tensor, Tensor]:
+    """int64 byte offsets of each slot's row in the data plane and in the scale plane."""
+    bs = f.block_size(cache.shape[1])
     base, off = _page_offsets(slots, bs, cache.shape[1])
-    flat = _flat_pages(cache)
-    nope = x[:, :MAIN_NOPE].to(torch.bfloat16).float().reshape(-1, MAIN_NOPE // FP8_BLOCK, FP8_BLOCK)
-    exp = pow2_scale_exponent(nope.abs().amax(-1, keepdim=True), FP8_MAX, FP8_AMAX_FLOOR)
-    q = (nope / torch.exp2(exp.float())).to(torch.float8_e4m3fn).reshape(-1, MAIN_NOPE).view(torch.uint8)
-    rope = x[:, MAIN_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
-    scales = torch.cat([(exp.squeeze(-1) + 127).to(torch.uint8), torch.zeros_like(exp[:, :1, 0], dtype=torch.uint8)], 1)
-    data_at = base + off * MAIN_DATA_BYTES
-    scale_at = base + bs * MAIN_DATA_BYTES + off * MAIN_SCALE_BYTES
-    cols = torch.arange(MAIN_DATA_BYTES, device=cache.device)
-    flat[(data_at[:, None] + cols).reshape(-1)] = torch.cat([q, rope], 1).reshape(-1)
-    cols = torch.arange(MAIN_SCALE_BYTES, device=cache.device)
-    flat[(scale_at[:, None] + cols).reshape(-1)] = scales.reshape(-1)
+    return base + off * f.data_bytes, base + bs * f.data_bytes + off * f.scale_bytes
 
 
-def unpack_main(cache: Tensor, slots: Tensor, out: Tensor) -> None:
-    """Read 584-B entries at `slots` into out [N, 512] (nope = e4m3 x 2^(e-127), rope = bf16);
-    rows with slot -1 become 0."""
-    bs = main_block_size(cache.shape[1])
-    safe = slots.clamp(min=0)
-    base, off = _page_offsets(safe, bs, cache.shape[1])
-    flat = _flat_pages(cache)
-    data = flat[(base + off * MAIN_DATA_BYTES)[:, None] + torch.arange(MAIN_DATA_BYTES, device=cache.device)]
-    scales = flat[(base + bs * MAIN_DATA_BYTES + off * MAIN_SCALE_BYTES)[:, None]
-                  + torch.arange(MAIN_NOPE // FP8_BLOCK, device=cache.device)]
-    nope = data[:, :MAIN_NOPE].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, MAIN_NOPE // FP8_BLOCK, FP8_BLOCK)
-    nope = nope * torch.exp2(scales.float() - 127).unsqueeze(-1)
-    rope = data[:, MAIN_NOPE:].contiguous().view(torch.bfloat16).float()
-    rows = torch.cat([nope.reshape(-1, MAIN_NOPE), rope], 1)
-    out.copy_(torch.where((slots >= 0)[:, None], rows, 0.0).to(out.dtype))
+def _span(at: Tensor, n: int) -> Tensor:
+    return (at[:, None] + torch.arange(n, device=at.device)).reshape(-1)
 
 
-def pack_indexer(x: Tensor, slots: Tensor, cache: Tensor) -> None:
-    """Write rows x [N, 128] as 132-B FP8 entries (one power-of-two fp32 scale per entry)."""
-    keep = slots >= 0
-    x, slots = x[keep], slots[keep]
-    bs = indexer_block_size(cache.shape[1])
-    base, off = _page_offsets(slots, bs, cache.shape[1])
-    flat = _flat_pages(cache)
-    v = x.to(torch.bfloat16).float()
-    scale = torch.exp2(pow2_scale_exponent(v.abs().amax(-1, keepdim=True), FP8_MAX, FP8_AMAX_FLOOR).float())
-    q = (v / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-    flat[((base + off * INDEXER_DIM)[:, None] + torch.arange(INDEXER_DIM, device=cache.device)).reshape(-1)] = q.reshape(-1)
-    at = (base + bs * INDEXER_DIM + off * 4)[:, None] + torch.arange(4, device=cache.device)
-    flat[at.reshape(-1)] = scale.contiguous().view(torch.uint8).reshape(-1)
+def _live(slots: Tensor) -> Tensor:
+    """The rows that name an entry (slot -1: none)."""
+    return slots >= 0
 
 
-def unpack_indexer(cache: Tensor, slots: Tensor, out: Tensor) -> None:
-    bs = indexer_block_size(cache.shape[1])
-    safe = slots.clamp(min=0)
-    base, off = _page_offsets(safe, bs, cache.shape[1])
-    flat = _flat_pages(cache)
-    q = flat[(base + off * INDEXER_DIM)[:, None] + torch.arange(INDEXER_DIM, device=cache.device)]
-    s = flat[(base + bs * INDEXER_DIM + off * 4)[:, None] + torch.arange(4, device=cache.device)]
-    rows = q.contiguous().view(torch.float8_e4m3fn).float() * s.contiguous().view(torch.float32)
-    out.copy_(torch.where((slots >= 0)[:, None], rows, 0.0).to(out.dtype))
-
-
-def pack_kv(x: Tensor, slots: Tensor, cache: Tensor) -> None:
-    """Store rows at global slots of a paged pool: uint8 pools hold FP8 entries (512-d: 584 B,
-    128-d: 132 B); float pools [blocks, block_size, dim] hold the rows as they are (exact mode)."""
-    if cache.dtype == torch.uint8:
-        (pack_main if x.shape[-1] == MAIN_DIM else pack_indexer)(x, slots, cache)
+def pack_kv(x: Tensor, slots: Tensor, cache: Tensor, fmt: str) -> None:
+    """Store rows x [N, d] at global `slots` (-1: skipped) of a pool of format `fmt`: byte formats
+    code the rows (dsv4ops/quant/codecs.py); `exact` pools [blocks, block_size, d] take them as is."""
+    live = _live(slots)
+    x, slots = x[live], slots[live]
+    if fmt == EXACT:
+        cache.view(-1, cache.shape[-1])[slots.long()] = x.to(cache.dtype)
         return
-    keep = slots >= 0
-    cache.view(-1, cache.shape[-1])[slots[keep].long()] = x[keep].to(cache.dtype)
+    f = formats.get(fmt)
+    data, scales = codecs.encode(fmt, x)
+    data_at, scale_at = _row_offsets(f, slots, cache)
+    flat = cache.view(-1)
+    flat[_span(data_at, f.data_bytes)] = data.reshape(-1)
+    flat[_span(scale_at, f.scale_bytes)] = scales.reshape(-1)
 
 
-def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor) -> None:
-    if cache.dtype == torch.uint8:
-        (unpack_main if out.shape[-1] == MAIN_DIM else unpack_indexer)(cache, slots, out)
-        return
-    rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0).long()]
-    out.copy_(torch.where((slots >= 0)[:, None], rows.to(out.dtype), 0))
+def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor, fmt: str) -> None:
+    """Read the rows at `slots` into out [N, d] (dequantized); rows with slot -1 become 0."""
+    live = _live(slots)
+    safe = slots.clamp(min=0)
+    if fmt == EXACT:
+        rows = cache.view(-1, cache.shape[-1])[safe.long()].to(out.dtype)
+    else:
+        f = formats.get(fmt)
+        data_at, scale_at = _row_offsets(f, safe, cache)
+        flat = cache.view(-1)
+        data = flat[_span(data_at, f.data_bytes)].view(-1, f.data_bytes)
+        scales = flat[_span(scale_at, f.scale_bytes)].view(-1, f.scale_bytes)
+        rows = codecs.decode(fmt, data, scales)
+    out.copy_(torch.where(live[:, None], rows, 0.0).to(out.dtype))

@@ -1,10 +1,11 @@
 """Triton kernels of `dsv4::pack_kv` / `dsv4::unpack_kv` and the paged cache entry formats (load /
 store) every attention kernel reads and writes.
 
-Formats (quant/reference.py is the specification): the 584-B main entry paged as
-[bs x 576 B data][bs x 8 B scales] padded to a multiple of 576 B; the 132-B indexer entry paged
-as [bs x 128 B][bs x 4 B fp32 scale]; float pools [blocks, bs, d]. FMT constexpr: 0 = float
-pool, 1 = main FP8 entry (d = 512), 2 = indexer FP8 entry (d = 128). All byte offsets are int64.
+Formats (quant/formats.py and quant/codecs.py are the specification), mapped by name to the FMT
+constexpr: 0 = `exact` (float pools [blocks, bs, d]), 1 = `fp8_584` (paged as [bs x 576 B data]
+[bs x 8 B scales], padded to a multiple of 576 B; d = 512), 2 = `fp8_132` ([bs x 128 B]
+[bs x 4 B fp32 scale]; d = 128). The V4.1 formats (fp8_528, fp4_288, mxfp4_68) have no Triton
+code yet: the launchers raise for them (`fmt_code`). All byte offsets are int64.
 """
 
 import torch
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.quant import checks as _checks
-from dsv4ops.quant.reference import INDEXER_DIM, MAIN_DIM
+from dsv4ops.quant import formats
 from dsv4ops.triton_helpers import (
     INTERPRET,
     e4m3_bits_to_f32,
@@ -28,22 +29,25 @@ from dsv4ops.triton_helpers import (
 )
 
 FMT_FLOAT, FMT_MAIN, FMT_INDEXER = 0, 1, 2
+FMT_CODES = {formats.EXACT: FMT_FLOAT, "fp8_584": FMT_MAIN, "fp8_132": FMT_INDEXER}
 
 
-def pool_format(cache: torch.Tensor, width: int) -> int:
-    if cache.dtype != torch.uint8:
-        return FMT_FLOAT
-    return FMT_MAIN if width == MAIN_DIM else FMT_INDEXER
+def not_yet(op: str, what: str):
+    """The Triton kernels cover the V4 layouts; V4.1's GPU kernels are a later issue."""
+    raise NotImplementedError(f"dsv4::{op}: the Triton kernel does not implement {what} yet (V4.1 GPU kernels are "
+                              f"a later issue); the reference kernel does: with "
+                              f"dsv4ops.ops.{op}.set_kernel_enabled('cuda', False)")
 
 
-def block_size(cache: torch.Tensor, fmt: int) -> int:
-    from dsv4ops.quant.reference import indexer_block_size, main_block_size
+def fmt_code(op: str, arg: str, fmt: str) -> int:
+    """The FMT constexpr of pool format `fmt` (argument `arg` of dsv4::`op`)."""
+    if fmt not in FMT_CODES:
+        not_yet(op, f"{arg}={fmt!r} (it reads and writes pools of {sorted(FMT_CODES)})")
+    return FMT_CODES[fmt]
 
-    if fmt == FMT_MAIN:
-        return main_block_size(cache.shape[1])
-    if fmt == FMT_INDEXER:
-        return indexer_block_size(cache.shape[1])
-    return cache.shape[1]
+
+def block_size(cache: torch.Tensor, fmt: str) -> int:
+    return formats.block_size(cache.shape, fmt)
 
 
 # ---- paged entries -----------------------------------------------------------------------------
@@ -159,28 +163,30 @@ def _unpack_kernel(cache_ptr, slots_ptr, out_ptr, n_rows, stride_out, block_size
 _ROWS = 4
 
 
-def pack_kv(x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+_V4_DIMS = (512, 128)
+
+
+def pack_kv(x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, fmt: str) -> None:
     """Launcher of `dsv4::pack_kv` (same arguments)."""
-    _checks.pack_kv(x, slots, cache)
+    _checks.pack_kv(x, slots, cache, fmt)
+    code = fmt_code("pack_kv", "fmt", fmt)
     n, d = x.shape
-    require(d in (MAIN_DIM, INDEXER_DIM), "pack_kv", "x", f"rows of {MAIN_DIM} or {INDEXER_DIM} dims (V4 layout)", d)
+    require(d in _V4_DIMS, "pack_kv", "x", f"rows of {_V4_DIMS[0]} or {_V4_DIMS[1]} dims (V4 layout)", d)
     require(x.stride(1) == 1, "pack_kv", "x", "a contiguous last dim", x.stride())
     if n == 0:
         return
-    fmt = pool_format(cache, d)
     launch(_pack_kernel, (triton.cdiv(n, _ROWS),), (x, slots, cache, n, x.stride(0), block_size(cache, fmt)),
-           dict(D=d, FMT=fmt, ROWS=_ROWS, SOFT=INTERPRET))
+           dict(D=d, FMT=code, ROWS=_ROWS, SOFT=INTERPRET))
 
 
-def unpack_kv(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+def unpack_kv(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, fmt: str) -> None:
     """Launcher of `dsv4::unpack_kv` (same arguments)."""
-    _checks.unpack_kv(cache, slots, out)
+    _checks.unpack_kv(cache, slots, out, fmt)
+    code = fmt_code("unpack_kv", "fmt", fmt)
     n, d = out.shape
-    require(d in (MAIN_DIM, INDEXER_DIM), "unpack_kv", "out", f"rows of {MAIN_DIM} or {INDEXER_DIM} dims (V4 layout)",
-            d)
+    require(d in _V4_DIMS, "unpack_kv", "out", f"rows of {_V4_DIMS[0]} or {_V4_DIMS[1]} dims (V4 layout)", d)
     require(out.stride(1) == 1, "unpack_kv", "out", "a contiguous last dim", out.stride())
     if n == 0:
         return
-    fmt = pool_format(cache, d)
     launch(_unpack_kernel, (triton.cdiv(n, _ROWS),), (cache, slots, out, n, out.stride(0), block_size(cache, fmt)),
-           dict(D=d, FMT=fmt, ROWS=_ROWS, SOFT=INTERPRET))
+           dict(D=d, FMT=code, ROWS=_ROWS, SOFT=INTERPRET))

@@ -3,6 +3,7 @@ the reference kernels of the ops. Dimension-generic; activations keep their dtyp
 transformers keeps it, norms and softmaxes run in fp32 (fp64 when the input is fp64)."""
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -85,3 +86,24 @@ def grouped_output(o: Tensor, o_a: Tensor, o_b: Tensor, groups: int) -> Tensor:
     w = o_a.view(groups, -1, g.shape[-1])
     z = torch.einsum("...gi,goi->...go", g, w.to(g.dtype))
     return torch.nn.functional.linear(z.flatten(-2), o_b.to(z.dtype))
+
+
+def candidate_blocks(scores: Tensor, n_visible: Tensor, cand_block: int, keep: int) -> Tensor:
+    """V4.1's candidate-block pool (spec V4.1 2.6): [T, keep] blocks of score rows [T, N] over entries
+    0..N-1 (-inf = invisible). Block b = entries [b * cand_block, (b + 1) * cand_block) scores the max
+    of its entries; the block of the newest visible entry (n_visible - 1) scores +inf; the best
+    `keep` blocks, ties to the lower block; blocks scoring -inf dropped (-1)."""
+    t, n = scores.shape
+    n_blocks = -(-n // cand_block)
+    out = torch.full((t, keep), -1, dtype=torch.long, device=scores.device)
+    if n_blocks == 0:
+        return out
+    padded = F.pad(scores, (0, n_blocks * cand_block - n), value=float("-inf"))
+    block_score = padded.view(t, n_blocks, cand_block).amax(-1)
+    newest = ((n_visible - 1) // cand_block).clamp(min=0)
+    forced = torch.zeros_like(block_score, dtype=torch.bool).scatter_(1, newest[:, None], (n_visible >= 1)[:, None])
+    block_score = block_score.masked_fill(forced, float("inf"))
+    kk = min(keep, n_blocks)
+    best = stable_topk(block_score, kk)
+    out[:, :kk] = best.where(block_score.gather(1, best) > float("-inf"), -1)
+    return out

@@ -15,12 +15,12 @@ _sparse_attn = torch.ops.dsv4.sparse_attn.default
 
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, sinks: Tensor, scale: float, window: int, ring_size: int,
-                comp_lens: Tensor | None = None) -> Tensor:
+                comp_idx: Tensor, sinks: Tensor, scale: float, window: int, ring_size: int, window_fmt: str,
+                comp_fmt: str, comp_lens: Tensor | None = None) -> Tensor:
     """MQA with an attention sink -> out [T, H, D] contiguous, q's dtype.
 
     q [T, H, D] (float, contiguous last dim); window_cache, comp_cache: paged pools of D-wide rows
-    (uint8 FP8 pools need D = 512; see dsv4ops.quant.api); positions [T] int32 (>= 0); req_slots
+    in formats window_fmt and comp_fmt (see dsv4ops.quant.api); positions [T] int32 (>= 0); req_slots
     [T] int32 (-1: padding token, zero output row); comp_idx [T, n] int32 global slots of comp_cache
     (-1: none), of which the first comp_lens[t] of row t are read (comp_lens [T] int32; None: all
     n; cost follows comp_lens, not n); sinks [H] fp32. Query t of request r attends, with K = V, to the window rows of
@@ -38,17 +38,17 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
         comp_lens = torch.full((q.shape[0],), comp_idx.shape[-1], dtype=torch.int32, device=q.device)
     if _values.has_data(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens):
         checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, window,
-                           ring_size)
-        d = q.shape[2]
-        requests = pool_slots(window_cache, d) // ring_size
+                           ring_size, window_fmt, comp_fmt)
+        requests = pool_slots(window_cache, window_fmt) // ring_size
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, requests,
                          f"-1 or one of the {requests} requests of the window pool ({ring_size}-slot rings)")
         _values.in_range("comp_lens", comp_lens, 0, comp_idx.shape[1] + 1, f"entries listed of comp_idx's "
                          f"{comp_idx.shape[1]} columns")
-        check_slots("comp_idx", comp_idx, comp_cache, d, f"-1 or a slot of comp_cache's {pool_slots(comp_cache, d)}")
+        check_slots("comp_idx", comp_idx, comp_cache, comp_fmt,
+                    f"-1 or a slot of comp_cache's {pool_slots(comp_cache, comp_fmt)}")
         _values.request_span(positions, req_slots, ring_size - window + 1,
                              f"ring_size {ring_size} - window {window} + 1")
     _sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, scale, window,
-                 ring_size)
+                 ring_size, window_fmt, comp_fmt)
     return out

@@ -7,13 +7,14 @@ from dsv4ops import _checks as c
 
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, window: int, ring_size: int):
+                comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, window: int, ring_size: int,
+                window_fmt: str, comp_fmt: str):
     c.ndim("q", q, 3, "[tokens, heads, head_dim]")
     c.dtype("q", q, c.FLOATS)
     c.last_dim_contiguous("q", q)
     t, h, d = q.shape
-    c.paged_cache("window_cache", window_cache, d, q)
-    c.paged_cache("comp_cache", comp_cache, d, q)
+    c.paged_cache("window_cache", window_cache, d, q, window_fmt, "window_fmt")
+    c.paged_cache("comp_cache", comp_cache, d, q, comp_fmt, "comp_fmt")
     c.index_vector("positions", positions, t, q, "q")
     c.index_vector("req_slots", req_slots, t, q, "q")
     c.ndim("comp_idx", comp_idx, 2, "[tokens, entries]")

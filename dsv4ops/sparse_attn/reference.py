@@ -2,7 +2,8 @@
 max(0, t - window + 1) .. t of its request's ring, itself included) and to the compressed entries
 listed in comp_idx (global pool slots, -1 = none), with the per-head sink in the denominator
 (spec 3.5); only the first comp_lens[t] columns of a row are listed. Padding tokens (request -1)
-get a zero row."""
+get a zero row. Keys are read back in their pool's format (V4: fp8_584 or exact; V4.1: fp8_528
+window rows and fp4_288 compressed rows)."""
 
 import torch
 from torch import Tensor
@@ -17,7 +18,7 @@ _CHUNK = 64
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int,
-                ring_size: int) -> None:
+                ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     d = q.shape[-1]
     listed = torch.arange(comp_idx.shape[1], device=q.device)[None] < comp_lens.long()[:, None]
     comp_idx = comp_idx.where(listed, -1)
@@ -29,10 +30,10 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
         wvalid = (wpos >= 0) & (req >= 0)[:, None]
         wslots = window_slots(wpos.clamp(min=0), req[:, None].expand(-1, window), ring_size).where(wvalid, -1)
         wkeys = torch.empty(n * window, d, dtype=q.dtype, device=q.device)
-        unpack_kv(window_cache, wslots.reshape(-1), wkeys)
+        unpack_kv(window_cache, wslots.reshape(-1), wkeys, window_fmt)
         cvalid = (idx >= 0) & (req >= 0)[:, None]
         ckeys = torch.empty(n * idx.shape[1], d, dtype=q.dtype, device=q.device)
-        unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys)
+        unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys, comp_fmt)
         keys = torch.cat([wkeys.view(n, window, d), ckeys.view(n, idx.shape[1], d)], 1)
         o = sink_attention(qs, keys, torch.cat([wvalid, cvalid], 1), sinks, scale)
         out[s:s + _CHUNK] = o.where((req >= 0)[:, None, None], 0).to(out.dtype)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import block_size, load_rows, main_offsets, pool_format
+from dsv4ops.quant.triton import block_size, fmt_code, load_rows, main_offsets
 from dsv4ops.sparse_attn import checks as _checks
 from dsv4ops.triton_helpers import INTERPRET, launch, require, round_to, to_f32
 
@@ -227,15 +227,15 @@ def splits(programs: int, keys: int, bk: int) -> int:
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, scale: float,
-                window: int, ring_size: int) -> None:
+                window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, window,
-                        ring_size)
+                        ring_size, window_fmt, comp_fmt)
+    w_fmt, c_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt), fmt_code("sparse_attn", "comp_fmt", comp_fmt)
     t, h, d = q.shape
     require(d == MAIN_DIM, "sparse_attn", "q", f"head_dim {MAIN_DIM} (V4 layout)", d)
     if t == 0 or h == 0:
         return
-    w_fmt, c_fmt = pool_format(window_cache, d), pool_format(comp_cache, d)
     hb, bk, warps, stages = config(h, q.dtype, (window_cache.dtype, comp_cache.dtype))
     n_idx = comp_idx.shape[1]
     win = triton.cdiv(window, bk) * bk
@@ -251,10 +251,10 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     launch(_sparse_attn_kernel, grid,
            (q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, part, lse,
             q.stride(0), q.stride(1), comp_idx.stride(0), out.stride(0), out.stride(1), h, n_idx,
-            scale * math.log2(math.e), window, ring_size, block_size(window_cache, w_fmt),
-            block_size(comp_cache, c_fmt)),
-           dict(D=d, R=MAIN_ROPE, HB=hb, BK=bk, SPLIT_KEYS=split_keys, SPLITS=n_split, WIN=win, STAGES=stages, W_FMT=w_fmt,
-                C_FMT=c_fmt, SOFT=INTERPRET), num_warps=warps)
+            scale * math.log2(math.e), window, ring_size, block_size(window_cache, window_fmt),
+            block_size(comp_cache, comp_fmt)),
+           dict(D=d, R=MAIN_ROPE, HB=hb, BK=bk, SPLIT_KEYS=split_keys, SPLITS=n_split, WIN=win, STAGES=stages,
+                W_FMT=w_fmt, C_FMT=c_fmt, SOFT=INTERPRET), num_warps=warps)
     if n_split > 1:
         chb = 16
         launch(_combine_kernel, (t, triton.cdiv(h, chb)),

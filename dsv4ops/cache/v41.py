@@ -1,0 +1,135 @@
+"""The V4.1 serving cache: the pools of a whole attention stack, its step metadata and its manager.
+
+V4.1 shares caches across layers (spec 6.1): every layer has its own window ring; each KV source
+owns a compressed pool (and, with ratio 2, an fp32 compressor state) and, when it is an index
+source, an index-key pool; the layers of its group read them. Pools of the sources of one ratio
+fill in step, so they share one block table per ratio (the manager's pool groups are the ratios),
+and a source's key pool shares its compressed pool's slots. Admission, release, slot reuse, block
+allocation and the step planner are KVCacheManager's, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from dsv4ops.cache.config import CacheConfig, PoolSpec, blocks_per_request, paged_pool, pool_blocks, row_bytes
+from dsv4ops.cache.manager import KVCacheManager
+from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.indexer.workspace import workspace_words
+from dsv4ops.reference.v41 import V41Numerics
+
+
+@dataclass
+class V41StepMeta:
+    """positions [T], req_slots [T] (-1: padding), entries {ratio: [T] pool slot of the entry a token
+    closes in that ratio's pools, else -1}, tables {ratio: [max_requests, blocks] physical block of
+    each block of a request's entries (-1 unallocated)}. int32 tensors, a registered pytree."""
+
+    positions: Tensor
+    req_slots: Tensor
+    entries: dict[int, Tensor]
+    tables: dict[int, Tensor]
+
+    def entry_slots(self, ratio: int) -> Tensor:
+        return self.entries[ratio]
+
+    def block_table(self, ratio: int) -> Tensor:
+        return self.tables[ratio]
+
+    def to(self, device) -> V41StepMeta:
+        return V41StepMeta(self.positions.to(device, non_blocking=True), self.req_slots.to(device, non_blocking=True),
+                           {k: v.to(device, non_blocking=True) for k, v in self.entries.items()},
+                           {k: v.to(device, non_blocking=True) for k, v in self.tables.items()})
+
+
+pytree.register_dataclass(V41StepMeta)
+
+
+def stack_pools(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics) -> list[PoolSpec]:
+    """Every buffer of a stack's cache: `window_{L}` per backbone layer; per KV source S `comp_{S}`,
+    `state_{S}` (fp32 compressor ring [requests, ratio, 2 d]: the pending rows of an open group; a
+    ratio-1 source's single row is rewritten by every token and never read back) and, for an index
+    source, `keys_{S}`."""
+    d, di = model.head_dim, model.index_head_dim
+    ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
+    pools = [paged_pool(f"window_{i}", cfg, numerics.window, d, ring_blocks) for i in range(model.num_layers)]
+    for role in model.roles:
+        if role.owns_compressor:
+            m = role.ratio
+            pools.append(paged_pool(f"comp_{role.layer}", cfg, numerics.comp, d, pool_blocks(cfg, m)))
+            pools.append(PoolSpec(f"state_{role.layer}", (cfg.max_requests, m, 2 * d), torch.float32))
+            if role.owns_index_keys:
+                pools.append(paged_pool(f"keys_{role.layer}", cfg, numerics.index, di, pool_blocks(cfg, m)))
+    return pools
+
+
+class V41StackCache(nn.Module):
+    """The stack's pools as non-persistent buffers (allocated once, never reassigned: CUDA graphs keep
+    their addresses), poisoned at birth (byte pools 0xFF, float pools NaN) so a read of an entry that
+    was never written shows up in the output. `fmt[name]` is each pool's format."""
+
+    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, device=None):
+        super().__init__()
+        self.cfg, self.numerics = cfg, numerics
+        self.ring_size = cfg.ring_size(model.window)
+        self.fmt: dict[str, str] = {}
+        for spec in stack_pools(model, cfg, numerics):
+            self.fmt[spec.name] = spec.fmt
+            fill = 255 if spec.dtype == torch.uint8 else float("nan")
+            self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
+                                 persistent=False)
+        # The indexer's top-k scratch, shared by every index source (they run one after another).
+        self.register_buffer("topk_workspace", torch.empty(topk_workspace_words(model, cfg), dtype=torch.int32,
+                                                           device=device), persistent=False)
+
+
+def topk_workspace_words(model: DSV41AttentionConfig, cfg: CacheConfig) -> int:
+    """int32 words of the top-k workspace of the stack's index sources (the longest rows: ratio 1)."""
+    ratios = [r.ratio for r in model.roles if r.indexer]
+    if not ratios:
+        return 0
+    n_entries = max(blocks_per_request(cfg, m) for m in ratios) * cfg.block_size
+    return workspace_words(cfg.topk_launch_tokens, n_entries, model.index_topk)
+
+
+class V41CacheManager(KVCacheManager):
+    """KVCacheManager for a V4.1 stack: one pool group per compress ratio of the KV sources; steps
+    carry V41StepMeta. `numerics` gives the pools' formats (checked against the stack at attach);
+    the CacheConfig gives capacity, block size, buckets and the dtype of exact pools (its V4 modes
+    kv_cache / indexer_cache are not read)."""
+
+    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
+                 device=None):
+        stack_pools(model, cfg, numerics)  # a block size the formats cannot page raises here, before any state
+        self.numerics = numerics
+        super().__init__(model, cfg, device)
+
+    def _compressed_pools(self, model: DSV41AttentionConfig) -> tuple[dict, set]:
+        ratios = sorted({r.ratio for r in model.roles if r.owns_compressor}, reverse=True)
+        return {m: m for m in ratios}, set(ratios)
+
+    def _step_meta(self, pos: Tensor, req: Tensor, entries: dict) -> V41StepMeta:
+        return V41StepMeta(pos, req, dict(entries), {m: t.clone() for m, t in self.tables.items()}).to(self.device)
+
+
+def memory(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
+           layers: int | None = None) -> dict[str, float]:
+    """Bytes per context token (the shared compressed entries and index keys, page padding included)
+    and fixed bytes per request (window rings of `layers` layers, default the backbone; compressor
+    states), as the pools are allocated."""
+    d, di = model.head_dim, model.index_head_dim
+    per_token = fixed = 0.0
+    for role in model.roles:
+        if role.owns_compressor:
+            per_token += row_bytes(cfg, numerics.comp, d) / role.ratio
+            fixed += role.ratio * 2 * d * 4
+            if role.owns_index_keys:
+                per_token += row_bytes(cfg, numerics.index, di) / role.ratio
+    ring = cfg.ring_size(model.window)
+    fixed += (layers or model.num_layers) * ring * row_bytes(cfg, numerics.window, d)
+    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed, "ring_size": ring}
+

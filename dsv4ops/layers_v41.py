@@ -1,0 +1,288 @@
+"""Drop-in DeepSeek-V4.1 attention: one module per layer (its weights, by role) and the STACK that
+owns the shared caches and runs the layers of a step in order.
+
+Parameter names are transformers' newest port: the attention's own `q_a_proj`, `q_a_norm`,
+`q_b_proj`, `kv_proj`, `kv_norm`, `o_a_proj`, `o_b_proj`, `sinks` (as its V4), the compressor's and
+indexer's as DeepSeek's (spec 1.4, pitfall 22): `compressor.wkv`, `compressor.wgate` (ratio > 1),
+`compressor.norm`, `indexer.wq_b`, `indexer.weights_proj`, `indexer.wk`, `indexer.k_norm`.
+`DeepseekV41AttentionStack.load_deepseek_state_dict` reads DeepSeek's checkpoint names
+(DEEPSEEK_NAMES): `layers.{i}.attn.wq_a.weight` -> `layers.{i}.q_a_proj.weight`, ...
+
+The serving forward runs each layer through the dsv4:: ops: qkv_prep (no per-head q norm, the window
+row in the window format) -> compressor_update (KV sources; ratio 2 = a 2-slot pool without position
+bias, ratio 1 = a 1-slot pool) -> indexer_k_prep (from the compressor's pre-RoPE latent) ->
+indexer_q_prep + indexer_topk (index sources; the candidate source publishes its pool, later index
+sources score inside it) -> sparse_attn (own window + the group's entries picked by the index
+source) -> inv_rope -> grouped output. Within a step every source writes before its readers read
+(layer order); the top-k and pool travel in a per-step dict, so a reader whose source has not run in
+the same step raises instead of reading a stale buffer (spec pitfall 14).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv4ops.cache.config import CacheConfig
+from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
+from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.layers import GroupedLinear, RMSNorm
+from dsv4ops.quant import formats
+from dsv4ops.reference.functional import grouped_output, rms_norm
+from dsv4ops.reference.v41 import V41Numerics, compressor_dtype, entry_dtype
+
+_KEEP_FP32 = ("sinks", "norm.weight", "inv_freq", "ape")
+# Rows per page of the stateless forward's private cache: a size every format pages (mxfp4_68 pages
+# are padded to 512 B: 128 x 68 B = 17 x 512 B).
+STATELESS_BLOCK = 128
+
+# DeepSeek's checkpoint names (inference/model.py) -> this module's, under `layers.{i}.`.
+DEEPSEEK_NAMES = {
+    "attn.wq_a.weight": "q_a_proj.weight",
+    "attn.q_norm.weight": "q_a_norm.weight",
+    "attn.wq_b.weight": "q_b_proj.weight",
+    "attn.wkv.weight": "kv_proj.weight",
+    "attn.kv_norm.weight": "kv_norm.weight",
+    "attn.wo_a.weight": "o_a_proj.weight",
+    "attn.wo_b.weight": "o_b_proj.weight",
+    "attn.attn_sink": "sinks",
+    "attn.compressor.wkv.weight": "compressor.wkv.weight",
+    "attn.compressor.wgate.weight": "compressor.wgate.weight",
+    "attn.compressor.norm.weight": "compressor.norm.weight",
+    "attn.indexer.wq_b.weight": "indexer.wq_b.weight",
+    "attn.indexer.weights_proj.weight": "indexer.weights_proj.weight",
+    "attn.indexer.wk.weight": "indexer.wk.weight",
+    "attn.indexer.k_norm.weight": "indexer.k_norm.weight",
+}
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+class V41Compressor(nn.Module):
+    """A KV source's compressor: wkv, wgate (ratio > 1: the per-channel softmax gate), norm. No
+    position bias in V4.1: `ape` is a zero buffer (compressor_update's bias argument)."""
+
+    def __init__(self, cfg: DSV41AttentionConfig, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = _linear(cfg.hidden_size, cfg.head_dim)
+        self.wgate = _linear(cfg.hidden_size, cfg.head_dim) if ratio > 1 else None
+        self.norm = RMSNorm(cfg.head_dim)
+        self.register_buffer("ape", torch.zeros(ratio, cfg.head_dim), persistent=False)
+
+
+class V41Indexer(nn.Module):
+    """An index source's indexer: wq_b (from the shared q latent), weights_proj; the KV source's also
+    wk and k_norm (its group's index keys, spec 2.4)."""
+
+    def __init__(self, cfg: DSV41AttentionConfig, owns_keys: bool):
+        super().__init__()
+        self.wq_b = _linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = _linear(cfg.hidden_size, cfg.index_n_heads)
+        self.wk = _linear(cfg.head_dim, cfg.index_head_dim) if owns_keys else None
+        self.k_norm = RMSNorm(cfg.index_head_dim) if owns_keys else None
+
+
+class DeepseekV41Attention(nn.Module):
+    """The weights of one V4.1 attention layer (which exist depends on its role, `config.role(i)`)
+    and its serving forward over a step (run by DeepseekV41AttentionStack)."""
+
+    def __init__(self, config: DSV41AttentionConfig, layer_idx: int):
+        super().__init__()
+        cfg = config
+        self.config, self.layer_idx, self.role = cfg, layer_idx, cfg.role(layer_idx)
+        h, d = cfg.num_heads, cfg.head_dim
+        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank)
+        self.q_b_proj = _linear(cfg.q_lora_rank, h * d)
+        self.kv_proj = _linear(cfg.hidden_size, d)
+        self.kv_norm = RMSNorm(d)
+        self.o_a_proj = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
+        self.o_b_proj = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.sinks = nn.Parameter(torch.zeros(h))
+        self.compressor = V41Compressor(cfg, self.role.ratio) if self.role.owns_compressor else None
+        self.indexer = V41Indexer(cfg, self.role.owns_index_keys) if self.role.indexer else None
+        self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
+
+    def forward(self, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
+        """x [T, hidden] (the step's flat batch) -> [T, hidden]. `shared` is the step's dict of
+        published top-k rows and candidate pool (written by sources, read by later layers)."""
+        return _attend(self, x, step, cache, shared)
+
+
+def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
+    """The ops of one layer, called directly (the step planner checked every value; the public
+    functions' eager value checks would sync the host each step). No data-dependent branch."""
+    cfg, role, ops = layer.config, layer.role, torch.ops.dsv4
+    eps, pos, req, t, i = cfg.rms_norm_eps, step.positions, step.req_slots, x.shape[0], layer.layer_idx
+    fmt = cache.fmt
+    qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
+    q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
+    kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
+    q_rot = torch.empty_like(q)
+    window = getattr(cache, f"window_{i}")
+    ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, window, cache.ring_size, eps, False, fmt[f"window_{i}"])
+
+    if role.owns_compressor:
+        _compress(layer, x, step, cache)
+    if role.indexer:
+        _select(layer, x, qr, step, cache, shared)
+    if role.sliding:
+        comp, comp_fmt = window, fmt[f"window_{i}"]
+        comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
+        comp_lens = torch.zeros_like(pos)
+    else:
+        comp, comp_fmt = getattr(cache, f"comp_{role.kv_source}"), fmt[f"comp_{role.kv_source}"]
+        if ("topk", role.index_source) not in shared:
+            raise RuntimeError(f"layer {i} reads the top-k of index source {role.index_source}, which has not run in "
+                               f"this step: run the layers of a step in order (a stale top-k would be read)")
+        comp_idx = shared["topk", role.index_source]
+        # The selection lists its entries first: the first min(visible, k) columns hold them all.
+        comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
+    o = torch.empty_like(q_rot)
+    ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, layer.sinks, o, cfg.head_dim**-0.5,
+                    cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
+    o_rot = torch.empty_like(o)
+    ops.inv_rope(o, pos, layer.inv_freq, o_rot)
+    return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
+
+
+def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache) -> None:
+    """Spec 2.3-2.4: the source's entries (ratio 2: fp32 a and gate, a 2-slot pool; ratio 1: the
+    model-dtype projection, a 1-slot pool with score 0) and, from their pre-RoPE latent, the keys."""
+    role, c, i, eps = layer.role, layer.compressor, layer.layer_idx, layer.config.rms_norm_eps
+    m, fmt = role.ratio, cache.fmt[f"comp_{i}"]
+    cdt = compressor_dtype(m, x.dtype)
+    a = F.linear(x.to(cdt), c.wkv.weight.to(cdt))
+    if m > 1:
+        score = F.linear(x.to(cdt), c.wgate.weight.to(cdt))
+    else:
+        score = a.new_zeros(1, a.shape[1]).expand_as(a)  # a 1-slot softmax of a finite score weighs exactly 1
+    slots = step.entry_slots(m)
+    comp = getattr(cache, f"comp_{i}")
+    latent = None
+    if role.owns_index_keys:  # the entries before RoPE, in the pool's entry dtype
+        latent = torch.empty(x.shape[0], a.shape[1], dtype=entry_dtype(fmt, comp.dtype), device=x.device)
+    torch.ops.dsv4.compressor_update(a, score, c.ape, step.positions, step.req_slots, slots, c.norm.weight,
+                                     layer.inv_freq, getattr(cache, f"state_{i}"), comp, latent, eps, fmt)
+    if latent is not None:
+        ix = layer.indexer
+        torch.ops.dsv4.indexer_k_prep(latent, step.positions, step.req_slots, slots, ix.wk.weight, ix.k_norm.weight,
+                                      layer.inv_freq, getattr(cache, f"keys_{i}"), m, eps, cache.fmt[f"keys_{i}"])
+
+
+def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMeta, cache: V41StackCache,
+            shared: dict) -> None:
+    """Spec 2.5-2.8: score the group's keys, publish the top-k (and, at the candidate source, the
+    pool); an index source after the candidate source scores only inside that pool."""
+    cfg, role, ix, t = layer.config, layer.role, layer.indexer, x.shape[0]
+    src, m = role.kv_source, role.ratio
+    kfmt = cache.fmt[f"keys_{src}"]
+    q = F.linear(qr, ix.wq_b.weight).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    w = F.linear(x, ix.weights_proj.weight)
+    if kfmt == "mxfp4_68":
+        q_out = torch.empty(t, cfg.index_n_heads, formats.FORMATS[kfmt].row_bytes, dtype=torch.uint8, device=x.device)
+    else:
+        q_out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if kfmt == "fp8_132" else q.dtype, device=x.device)
+    w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
+    torch.ops.dsv4.indexer_q_prep(q, w, step.positions, layer.inv_freq, q_out, w_out, kfmt)
+    cand = cand_out = None
+    if role.uses_candidates:
+        if "pool" not in shared:
+            raise RuntimeError(f"layer {role.layer} scores inside the candidate pool of layer "
+                               f"{cfg.candidate_source_layer}, which has not run in this step: run the layers in order")
+        cand = shared["pool"]
+    if role.candidate_source:
+        cand_out = torch.empty(t, cfg.candidate_topk_blocks, dtype=torch.int32, device=x.device)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, step.positions, step.req_slots, getattr(cache, f"keys_{src}"),
+                                step.block_table(m), cand, idx, cand_out, cache.topk_workspace, m,
+                                cfg.candidate_block_size, kfmt)
+    shared["topk", role.layer] = idx
+    if cand_out is not None:
+        shared["pool"] = cand_out
+
+
+class DeepseekV41AttentionStack(nn.Module):
+    """Every backbone attention layer of a V4.1 model and, once attached, their shared cache.
+
+    forward(xs, step=None):
+    - step=None: xs [num_layers, B, S, hidden], layer L's attention input of B sequences from
+      position 0 (a private cache is built for the call) -> [num_layers, B, S, hidden];
+    - with a step (from the attached V41CacheManager): xs [num_layers, T, hidden], the step's flat
+      batch per layer (padded to its bucket) -> [num_layers, T, hidden], reading and writing the
+      attached cache.
+    `numerics` gives the caches' formats (QAT formats by default; V41Numerics.exact() for none)."""
+
+    def __init__(self, config: DSV41AttentionConfig, numerics: V41Numerics = V41Numerics()):
+        super().__init__()
+        self.config, self.numerics = config, numerics
+        self.layers = nn.ModuleList(DeepseekV41Attention(config, i) for i in range(config.num_layers))
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` keeps in fp32 what transformers keeps in fp32 (sinks, norm weights; the ratio-2
+        compressor's wkv and wgate: "the reference stores fp32", spec 1.4, and they run in fp32), and
+        the RoPE tables and compressor states."""
+        super()._apply(fn, recurse)
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            keep = name.rsplit(".", 1)[-1].startswith("state_") or name.endswith(_KEEP_FP32)
+            if name.endswith(("compressor.wkv.weight", "compressor.wgate.weight")):
+                keep = self.config.role(int(name.split(".")[1])).ratio > 1
+            if keep and t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+        return self
+
+    def attach_cache(self, manager: V41CacheManager) -> None:
+        """Allocate the stack's pools (sized by the manager's CacheConfig) before compiling."""
+        if manager.numerics != self.numerics:
+            raise ValueError(f"manager: its pools hold {manager.numerics}, the stack computes {self.numerics}")
+        if manager.model != self.config:
+            raise ValueError("manager: it was built for another DSV41AttentionConfig than this stack's")
+        self.cache = V41StackCache(self.config, manager.cfg, self.numerics, device=self.layers[0].sinks.device)
+
+    def forward(self, xs: Tensor, step: V41StepMeta | None = None, published: dict | None = None) -> Tensor:
+        """`published`, if given, receives the step's top-k rows {("topk", L): [T, k] global slots},
+        candidate pool {"pool": [T, blocks] entry blocks} and the step itself {"step": V41StepMeta}
+        (its block tables map slots back to entries): tie-aware comparisons need the selections."""
+        if step is not None:
+            return self._serve(xs, step, self.cache, published)
+        n, b, s, _ = xs.shape
+        cfg = CacheConfig(max_requests=b, max_context=s, max_step_tokens=b * s, max_request_step_tokens=s,
+                          buckets=(b * s,), block_size=STATELESS_BLOCK, exact_dtype=xs.dtype)
+        manager = V41CacheManager(self.config, cfg, self.numerics, device=xs.device)
+        cache = V41StackCache(self.config, cfg, self.numerics, device=xs.device)
+        for r in range(b):
+            manager.admit(r)
+        step = manager.prepare_step({r: s for r in range(b)})
+        return self._serve(xs.reshape(n, b * s, -1), step, cache, published).view(n, b, s, -1)
+
+    def _serve(self, xs: Tensor, step: V41StepMeta, cache: V41StackCache, published: dict | None) -> Tensor:
+        shared: dict = {} if published is None else published
+        shared.clear()  # a step reads only what its own sources published
+        ys = torch.stack([layer(xs[i], step, cache, shared) for i, layer in enumerate(self.layers)])
+        if published is not None:
+            published["step"] = step
+        return ys
+
+    def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load DeepSeek's checkpoint names (DEEPSEEK_NAMES under `layers.{i}.`; other keys, e.g. the
+        MoE's or `attn_norm`, are not the attention's and are skipped). Weights must be dequantized
+        first: a `.scale` tensor of a block-FP8 attention weight raises."""
+        mapped = {}
+        for key, value in state_dict.items():
+            head, _, rest = key.partition(".")
+            layer, _, name = rest.partition(".")
+            if head != "layers" or not layer.isdigit() or not name.startswith("attn."):
+                continue
+            if name.endswith(".scale"):
+                raise ValueError(f"state_dict: {key} is a block-FP8 scale; dequantize the attention weights to bf16 "
+                                 f"or fp32 before loading")
+            if name not in DEEPSEEK_NAMES:
+                raise ValueError(f"state_dict: {key} is not a V4.1 attention parameter (known: {sorted(DEEPSEEK_NAMES)})")
+            if int(layer) < self.config.num_layers:
+                mapped[f"layers.{layer}.{DEEPSEEK_NAMES[name]}"] = value
+        return self.load_state_dict(mapped, strict=strict)
+
