@@ -1,10 +1,12 @@
 """The drop-in layer: transformers' names and state dict, both config kinds, stateless forward."""
 
+import copy
+
 import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention as HFAttention
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, reference, testing
+from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, testing
 
 CFG = DSV4AttentionConfig.tiny(index_topk=128)
 
@@ -21,10 +23,14 @@ def test_state_dict_round_trips_with_transformers(layer_idx):
     back = HFAttention(hc, layer_idx)
     back.load_state_dict(ours.state_dict(), strict=True)
     x = torch.randn(2, 133, CFG.hidden_size)
+    # transformers is the reference here: its fp64 run is the expected value and its fp32 run the
+    # budget, so a slip shared by our kernels and our oracle (both use reference.functional) shows.
+    # (transformers keeps RoPE, norms and indexer scores in fp32 inside its fp64 run; that error is
+    # in both of its runs, and ours measured at 1.0-1.1x its fp32 run's on this data.)
     with torch.no_grad():
-        y, y_hf = ours(x), testing.hf_attention(hf, hc, x)
-        y64 = reference.attention({k: v.double() for k, v in hf.named_parameters()}, CFG, layer_idx, x.double())
-    testing.assert_close_to_ref(y, y64, y_hf, what="layer vs transformers")
+        y, y_hf32 = ours(x), testing.hf_attention(hf, hc, x)
+        y_hf64 = testing.hf_attention(copy.deepcopy(hf).double(), hc, x.double())
+    testing.assert_close_to_ref(y, y_hf64, y_hf32, what="layer vs transformers")
 
 
 def test_layer_from_our_config_has_the_layer_type_and_rope_table():

@@ -78,7 +78,8 @@ def test_attends_to_exactly_its_window_and_entries(dtype, fmt, heads):
 
 
 def test_window_and_entries_both_count():
-    # A query's output moves when a row of its window or a listed entry changes, and only then.
+    # A query's output moves when a row of its window or a listed entry changes, and only then
+    # (queries whose keys did not change repeat the same computation on the same values: `!=` is exact).
     args, _, _ = _case(FP32, FP32, 2)
     base = T.call_public("sparse_attn", args)
     args["window_cache"].view(-1, 16)[1 * RING + 1] += 1.0  # request 1, position 1: token 4 only
