@@ -253,32 +253,41 @@ def assert_matches_oracle(layer, x: Tensor, out: Tensor, selection: Tensor | Non
     return assert_close_to_ref(out, ref64, lowp, what=what)
 
 
-def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: torch.Generator | None = None) -> dict:
+def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: torch.Generator | None = None,
+                   selections: dict | None = None) -> dict:
     """Run `schedule` (steps of {request_id: new tokens}) through the layer's serving forward, with
-    x rows taken from `inputs[request_id]` [L, hidden] in order. Returns {request_id: [L, hidden]}
-    outputs. Requests are admitted on first appearance. With `garbage`, padding tokens get random
-    rows and random positions (they must still read and write nothing)."""
+    x rows taken from `inputs[request_id]` [L, hidden] in order, each step planned and committed with
+    `with manager.step(...)`. Returns {request_id: [L, hidden]} outputs. Requests are admitted on
+    first appearance. With `garbage`, padding tokens get random rows and random positions (they
+    must still read and write nothing). With a dict `selections`, a CSA layer's indexer selection
+    of each request is stored there ({request_id: [L, index_topk] entry indices})."""
     done = {rid: 0 for rid in inputs}
     outs = {rid: [] for rid in inputs}
+    sels = {rid: [] for rid in inputs}
     for new in schedule:
         for rid in new:
             if rid not in manager.slot_of:
                 manager.admit(rid)
-        step = manager.prepare_step(new)
-        rows = [inputs[rid][done[rid]:done[rid] + n] for rid, n in new.items()]
-        x = torch.cat(rows)
-        pad = step.positions.shape[0] - x.shape[0]
-        if garbage is None:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        else:
-            x = torch.cat([x, torch.randn(pad, x.shape[1], generator=garbage).to(x)])
-            step.positions[x.shape[0] - pad:] = torch.randint(0, 1000, (pad,), generator=garbage).to(step.positions)
-        y = layer(x, step)
+        with manager.step(new) as step:
+            rows = [inputs[rid][done[rid]:done[rid] + n] for rid, n in new.items()]
+            x = torch.cat(rows)
+            pad = step.positions.shape[0] - x.shape[0]
+            if garbage is None:
+                x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            else:
+                x = torch.cat([x, torch.randn(pad, x.shape[1], generator=garbage).to(x)])
+                step.positions[x.shape[0] - pad:] = torch.randint(0, 1000, (pad,), generator=garbage).to(step.positions)
+            with recorded_selections() as log:
+                y = layer(x, step)
         i = 0
         for rid, n in new.items():
             outs[rid].append(y[i:i + n])
+            if log:
+                sels[rid].append(log[-1][i:i + n])
             done[rid] += n
             i += n
+    if selections is not None:
+        selections.update({rid: torch.cat(v) for rid, v in sels.items() if v})
     return {rid: torch.cat(v) for rid, v in outs.items()}
 
 

@@ -100,7 +100,8 @@ def test_serving_equals_stateless(kind, mode, schedule):
 
 
 def _pool_bytes(layer):
-    return {name: buf.clone().view(torch.uint8) for name, buf in layer.cache.named_buffers()}
+    """Every pool and state of the layer's cache, as bytes (not the slot generations: bookkeeping)."""
+    return {name: buf.clone().view(torch.uint8) for name, buf in layer.cache.named_buffers() if name != "generations"}
 
 
 @pytest.mark.parametrize("kind", [CSA, HCA])
@@ -205,7 +206,7 @@ def test_full_cache_and_released_requests_are_rejected():
     with pytest.raises(CacheFullError, match=f"prepare_step: the {CSA} pool needs 1 more blocks, 0 are free"):
         manager.prepare_step({"d": 4})  # entry 64 opens a second block for d
     _assert_same(before, _snapshot(manager, layer))
-    manager.prepare_step({"d": 3})  # still inside d's first block: fine
+    manager.commit(manager.prepare_step({"d": 3}))  # still inside d's first block: fine
     manager.release("d")
     with pytest.raises(KeyError, match="request_id: 'd' is not admitted"):
         manager.prepare_step({"d": 1})

@@ -5,12 +5,14 @@ import torch
 from torch import nn
 
 from dsv4ops.cache.config import CacheConfig, layer_pools
-from dsv4ops.config import DSV4AttentionConfig
+from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 
 
 class LayerCache(nn.Module):
     """Buffers `window` (ring of every request), and for compressed layers `comp` (paged entries)
-    and `state` (fp32 compressor ring), and for CSA layers `index` and `index_state`."""
+    and `state` (fp32 compressor ring), and for CSA layers `index` and `index_state`; `generations`
+    (int32 [max_requests]): each request slot's current generation, kept by the manager the cache
+    is attached to (a token whose step carries another generation reads and writes nothing)."""
 
     def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None):
         super().__init__()
@@ -22,3 +24,13 @@ class LayerCache(nn.Module):
             fill = 255 if spec.dtype == torch.uint8 else float("nan")
             self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
                                  persistent=False)
+        # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
+        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
+                             persistent=False)
+        # (state buffer, compress ratio, positions one entry pools): what abort may have to restore.
+        kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
+        self.state_rings = []
+        if kind != SLIDING:
+            self.state_rings.append(("state", ratio, (2 if kind == CSA else 1) * ratio))
+        if kind == CSA:
+            self.state_rings.append(("index_state", ratio, 2 * ratio))
