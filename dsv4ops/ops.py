@@ -42,7 +42,9 @@ def hash_route(
     logits: Tensor, token_ids: Tensor, tid2eid: Tensor, weights_out: Tensor, indices_out: Tensor,
     routed_scaling_factor: float,
 ) -> None:
-    """indices = tid2eid[token_ids]; weights = renormalised sqrt(softplus(logits))[indices] * scale."""
+    """indices = tid2eid[token_ids]; weights = renormalised sqrt(softplus(logits))[indices] * scale.
+    A token id outside [0, vocab) or a table entry outside [0, experts) selects nothing (index -1,
+    weight 0)."""
     _router_checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out)
     _router.hash_route(logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
 
@@ -60,15 +62,17 @@ def router_gate(
 # ---- quant: cache entries ----------------------------------------------------------------------
 @custom_op("dsv4::pack_kv", mutates_args=("cache",))
 def pack_kv(x: Tensor, slots: Tensor, cache: Tensor) -> None:
-    """Store rows x [N, d] at global slots of a page pool (-1: skipped). uint8 pools hold FP8 entries
-    (d = 512: the 584-B entry; d = 128: the 132-B indexer entry); float pools hold the rows as is."""
+    """Store rows x [N, d] at global slots of a page pool (-1 or out of range: skipped). uint8 pools
+    hold FP8 entries (d = 512: the 584-B entry; d = 128: the 132-B indexer entry); float pools hold
+    the rows as is."""
     _quant_checks.pack_kv(x, slots, cache)
     _quant.pack_kv(x, slots, cache)
 
 
 @custom_op("dsv4::unpack_kv", mutates_args=("out",))
 def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor) -> None:
-    """Read the entries at slots into out [N, d] (dequantized); rows with slot -1 become 0."""
+    """Read the entries at slots into out [N, d] (dequantized); rows with slot -1 (or out of range)
+    become 0."""
     _quant_checks.unpack_kv(cache, slots, out)
     _quant.unpack_kv(cache, slots, out)
 

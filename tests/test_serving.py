@@ -237,3 +237,69 @@ def test_memory_accounting_matches_the_allocated_pools():
     flash = memory(DSV4AttentionConfig.flash(), CacheConfig(max_requests=1, max_context=1 << 20, max_step_tokens=1))
     # Spec 5.5: 3850 B/token for Flash with FP8 indexer keys (584-B entries; we count the 1-B page pad).
     assert abs(flash["bytes_per_token"] - 3850) < 0.01 * 3850
+
+
+# ---- clear errors (issue 10) --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        ({"a": 1.5}, TypeError, r"new_tokens\['a'\]: expected an int token count, got float 1.5"),
+        ({"a": "3"}, TypeError, r"new_tokens\['a'\]: expected an int token count, got str '3'"),
+        ({"a": True}, TypeError, r"new_tokens\['a'\]: expected an int token count, got bool True"),
+        (["a"], TypeError, r"new_tokens: expected a mapping \{request_id: token count\}, got list"),
+        ({}, ValueError, r"new_tokens: expected at least one request, got an empty mapping"),
+    ],
+    ids=["float", "str", "bool", "list", "empty"],
+)
+def test_prepare_step_rejects_bad_token_counts(bad, error, match):
+    _, manager, _ = _setup(CSA, "bf16")
+    manager.admit("a")
+    with pytest.raises(error, match=match):
+        manager.prepare_step(bad)
+    assert manager.open_step is None and manager.length == {"a": 0}
+
+
+def test_serving_forward_needs_an_attached_cache():
+    layer = DeepseekV4Attention(CFG, 1)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, kv_cache="bf16",
+                                              indexer_cache="bf16"))
+    manager.admit(0)
+    with pytest.raises(RuntimeError, match=r"DeepseekV4Attention\(layer 1\): no cache attached; call "
+                                           r"layer.attach_cache\(manager\)"), manager.step({0: 8}) as step:
+        layer(torch.randn(8, CFG.hidden_size), step)
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (DSV4AttentionConfig.tiny(compress_ratios=(0, 0, 0, 0)),
+         r"manager: built for a model with compress_ratios \(0, 0, 0, 0\), the layer's config has \(0, 4, 128, 4\)"),
+        (DSV4AttentionConfig.tiny(window=64), r"manager: built for a model with window 64, the layer's config has 128"),
+    ],
+    ids=["layer-types", "window"],
+)
+def test_attach_cache_rejects_a_manager_of_another_model(model, match):
+    layer = DeepseekV4Attention(CFG, 1)
+    manager = KVCacheManager(model, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, kv_cache="bf16",
+                                                indexer_cache="bf16"))
+    with pytest.raises(ValueError, match=match):
+        layer.attach_cache(manager)
+    with pytest.raises(TypeError, match=r"manager: expected a dsv4ops.cache.KVCacheManager, got CacheConfig"):
+        layer.attach_cache(manager.cfg)
+
+
+@pytest.mark.parametrize(
+    "capacity, error, match",
+    [
+        (dict(max_total_tokens=-5), ValueError, r"max_total_tokens: expected >= 1, got -5"),
+        (dict(buckets=(0, 8)), ValueError, r"buckets: expected token counts >= 1, got \(0, 8\)"),
+        (dict(max_request_step_tokens=0), ValueError, r"max_request_step_tokens: expected >= 1, got 0"),
+        (dict(max_context=16.0), TypeError, r"max_context: expected an int, got float 16.0"),
+        (dict(exact_dtype=torch.int32), ValueError, r"exact_dtype: expected a float torch.dtype, got torch.int32"),
+    ],
+    ids=["max_total_tokens", "buckets", "max_request_step_tokens", "float-context", "exact_dtype"],
+)
+def test_cache_config_rejects_bad_capacity(capacity, error, match):
+    base = dict(max_requests=2, max_context=16, max_step_tokens=8)
+    with pytest.raises(error, match=match):
+        CacheConfig(**(base | capacity))

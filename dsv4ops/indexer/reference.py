@@ -29,11 +29,11 @@ def block_size_of(cache: Tensor) -> int:
     return indexer_block_size(cache.shape[1]) if cache.dtype == torch.uint8 else cache.shape[1]
 
 
-def entry_slots(block_table: Tensor, req: Tensor, entries: Tensor, block_size: int) -> Tensor:
+def entry_slots(block_table: Tensor, req: Tensor, entries: Tensor, block_size: int, pool_blocks: int) -> Tensor:
     """Global pool slot of entry `entries` of request `req` through the block table; -1 where the
-    block is not allocated."""
-    blocks = block_table[req.clamp(min=0).long()[:, None], (entries // block_size).long()].long()
-    return torch.where(blocks >= 0, blocks * block_size + entries % block_size, -1)
+    block is not allocated (or names a block past the pool: no entry)."""
+    blocks = block_table[req.clamp(0, block_table.shape[0] - 1).long()[:, None], (entries // block_size).long()].long()
+    return torch.where((blocks >= 0) & (blocks < pool_blocks), blocks * block_size + entries % block_size, -1)
 
 
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
@@ -42,8 +42,9 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     bs = block_size_of(cache)
     n_max = block_table.shape[1] * bs
     entries = torch.arange(n_max, device=q.device)
-    visible = (entries[None] < ((positions.long() + 1) // ratio)[:, None]) & (req_slots >= 0)[:, None]
-    slots = entry_slots(block_table, req_slots, entries[None].expand(t, -1), bs)
+    live = (req_slots >= 0) & (req_slots < block_table.shape[0])  # other slots: padding
+    visible = (entries[None] < ((positions.long() + 1) // ratio)[:, None]) & live[:, None]
+    slots = entry_slots(block_table, req_slots, entries[None].expand(t, -1), bs, cache.shape[0])
     visible &= slots >= 0
     slots = slots.where(visible, -1)
     keys = torch.empty(t * n_max, cache.shape[-1] if cache.dtype != torch.uint8 else q.shape[-1],

@@ -98,14 +98,30 @@ def _flat_pages(cache: Tensor) -> Tensor:
     return cache.view(-1)
 
 
+def capacity(cache: Tensor, dim: int) -> int:
+    """Entries a page pool holds: uint8 pools of 584-B (dim 512) or 132-B entries, float pools
+    [blocks, block_size, dim] of rows."""
+    if cache.dtype != torch.uint8:
+        return cache.shape[0] * cache.shape[1]
+    size = main_block_size if dim == MAIN_DIM else indexer_block_size
+    return cache.shape[0] * size(cache.shape[1])
+
+
+def valid_slots(slots: Tensor, cache: Tensor, dim: int) -> Tensor:
+    """Slots that name an entry of the pool. Inside kernels -1, and any other value out of range,
+    means "no entry": written nowhere, read as 0 (the public functions reject out-of-range values)."""
+    return (slots >= 0) & (slots < capacity(cache, dim))
+
+
 def _page_offsets(slots: Tensor, block_size: int, block_bytes: int) -> tuple[Tensor, Tensor]:
     s = slots.long()
     return (s // block_size) * block_bytes, s % block_size
 
 
 def pack_main(x: Tensor, slots: Tensor, cache: Tensor) -> None:
-    """Write rows x [N, 512] as 584-B FP8 entries at `slots` (-1: skipped) of a uint8 page pool."""
-    keep = slots >= 0
+    """Write rows x [N, 512] as 584-B FP8 entries at `slots` (-1 or out of range: skipped) of a uint8
+    page pool."""
+    keep = valid_slots(slots, cache, MAIN_DIM)
     x, slots = x[keep], slots[keep]
     bs = main_block_size(cache.shape[1])
     base, off = _page_offsets(slots, bs, cache.shape[1])
@@ -125,9 +141,10 @@ def pack_main(x: Tensor, slots: Tensor, cache: Tensor) -> None:
 
 def unpack_main(cache: Tensor, slots: Tensor, out: Tensor) -> None:
     """Read 584-B entries at `slots` into out [N, 512] (nope = e4m3 x 2^(e-127), rope = bf16);
-    rows with slot -1 become 0."""
+    rows with slot -1 (or out of range) become 0."""
     bs = main_block_size(cache.shape[1])
-    safe = slots.clamp(min=0)
+    ok = valid_slots(slots, cache, MAIN_DIM)
+    safe = slots.where(ok, 0)
     base, off = _page_offsets(safe, bs, cache.shape[1])
     flat = _flat_pages(cache)
     data = flat[(base + off * MAIN_DATA_BYTES)[:, None] + torch.arange(MAIN_DATA_BYTES, device=cache.device)]
@@ -137,12 +154,12 @@ def unpack_main(cache: Tensor, slots: Tensor, out: Tensor) -> None:
     nope = nope * torch.exp2(scales.float() - 127).unsqueeze(-1)
     rope = data[:, MAIN_NOPE:].contiguous().view(torch.bfloat16).float()
     rows = torch.cat([nope.reshape(-1, MAIN_NOPE), rope], 1)
-    out.copy_(torch.where((slots >= 0)[:, None], rows, 0.0).to(out.dtype))
+    out.copy_(torch.where(ok[:, None], rows, 0.0).to(out.dtype))
 
 
 def pack_indexer(x: Tensor, slots: Tensor, cache: Tensor) -> None:
     """Write rows x [N, 128] as 132-B FP8 entries (one power-of-two fp32 scale per entry)."""
-    keep = slots >= 0
+    keep = valid_slots(slots, cache, INDEXER_DIM)
     x, slots = x[keep], slots[keep]
     bs = indexer_block_size(cache.shape[1])
     base, off = _page_offsets(slots, bs, cache.shape[1])
@@ -157,22 +174,24 @@ def pack_indexer(x: Tensor, slots: Tensor, cache: Tensor) -> None:
 
 def unpack_indexer(cache: Tensor, slots: Tensor, out: Tensor) -> None:
     bs = indexer_block_size(cache.shape[1])
-    safe = slots.clamp(min=0)
+    ok = valid_slots(slots, cache, INDEXER_DIM)
+    safe = slots.where(ok, 0)
     base, off = _page_offsets(safe, bs, cache.shape[1])
     flat = _flat_pages(cache)
     q = flat[(base + off * INDEXER_DIM)[:, None] + torch.arange(INDEXER_DIM, device=cache.device)]
     s = flat[(base + bs * INDEXER_DIM + off * 4)[:, None] + torch.arange(4, device=cache.device)]
     rows = q.contiguous().view(torch.float8_e4m3fn).float() * s.contiguous().view(torch.float32)
-    out.copy_(torch.where((slots >= 0)[:, None], rows, 0.0).to(out.dtype))
+    out.copy_(torch.where(ok[:, None], rows, 0.0).to(out.dtype))
 
 
 def pack_kv(x: Tensor, slots: Tensor, cache: Tensor) -> None:
     """Store rows at global slots of a paged pool: uint8 pools hold FP8 entries (512-d: 584 B,
-    128-d: 132 B); float pools [blocks, block_size, dim] hold the rows as they are (exact mode)."""
+    128-d: 132 B); float pools [blocks, block_size, dim] hold the rows as they are (exact mode).
+    A slot of -1 or out of range stores nothing (and the other rows are still stored in full)."""
     if cache.dtype == torch.uint8:
         (pack_main if x.shape[-1] == MAIN_DIM else pack_indexer)(x, slots, cache)
         return
-    keep = slots >= 0
+    keep = valid_slots(slots, cache, x.shape[-1])
     cache.view(-1, cache.shape[-1])[slots[keep].long()] = x[keep].to(cache.dtype)
 
 
@@ -180,5 +199,6 @@ def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor) -> None:
     if cache.dtype == torch.uint8:
         (unpack_main if out.shape[-1] == MAIN_DIM else unpack_indexer)(cache, slots, out)
         return
-    rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0).long()]
-    out.copy_(torch.where((slots >= 0)[:, None], rows.to(out.dtype), 0))
+    ok = valid_slots(slots, cache, out.shape[-1])
+    rows = cache.view(-1, cache.shape[-1])[slots.where(ok, 0).long()]
+    out.copy_(torch.where(ok[:, None], rows.to(out.dtype), 0))
