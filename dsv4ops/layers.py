@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
@@ -83,7 +84,8 @@ class DeepseekV4Attention(nn.Module):
     rounding of the main KV and indexer (see `dsv4ops.reference.numerics`); exact = transformers.
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
-    from position 0 (stateless)."""
+    from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
+    through its output raises a RuntimeError (the dsv4:: ops have no backward)."""
 
     def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics()):
         super().__init__()
@@ -148,6 +150,13 @@ class DeepseekV4Attention(nn.Module):
         generation differs from the step's (KVCacheManager gives slots a new generation on admit,
         release, commit and abort; generations are unique across managers), or whose position is
         outside [0, max_context), becomes padding: it reads and writes nothing and its row is 0."""
+        # Inference only: the ops run without autograd, and a backward through the output raises.
+        with torch.no_grad():
+            y = self._forward(hidden_states, step)
+        return no_backward(y, (hidden_states, *self.parameters()),
+                           f"{type(self).__name__}(layer {self.layer_idx}, {self.layer_type})")
+
+    def _forward(self, hidden_states: Tensor, step: StepMeta | None) -> Tensor:
         if step is not None:
             cache = self._modules.get("cache")
             if not torch.compiler.is_compiling():

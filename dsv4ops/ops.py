@@ -7,6 +7,7 @@ backends attach with `register_kernel("cuda")` (Python) or `TORCH_LIBRARY_IMPL(d
 (csrc). Metadata is validated with `torch._check` by the same functions the fakes in `meta/` run.
 """
 
+import torch
 from torch import Tensor
 from torch.library import custom_op
 
@@ -27,6 +28,20 @@ from dsv4ops.sparse_attn import reference as _sparse_attn
 
 
 # ---- router ------------------------------------------------------------------------------------
+def _on_cuda_kernel(name: str, t: Tensor, args: tuple) -> bool:
+    """A router op whose reference body meets CUDA tensors binds its CUDA kernels (first run: eager,
+    or a compiled graph's first call, never a trace) and runs the op again on them; False where the
+    arch table names the reference for this GPU. A failed build raises: no silent fallback."""
+    if t.device.type != "cuda":
+        return False
+    from dsv4ops.router.api import bind_cuda_kernel
+
+    if not bind_cuda_kernel(name, torch.cuda.get_device_capability(t.device)):
+        return False
+    getattr(torch.ops.dsv4, name).default(*args)
+    return True
+
+
 @custom_op("dsv4::gate_topk", mutates_args=("weights_out", "indices_out"))
 def gate_topk(
     logits: Tensor, bias: Tensor, weights_out: Tensor, indices_out: Tensor, routed_scaling_factor: float
@@ -34,7 +49,8 @@ def gate_topk(
     """scores = sqrt(softplus(logits)); indices = top-k(scores + bias) (ties: lower index);
     weights = scores[indices] / sum * routed_scaling_factor. k = indices_out.shape[1]."""
     _router_checks.gate_topk(logits, bias, weights_out, indices_out)
-    _router.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
+    if not _on_cuda_kernel("gate_topk", logits, (logits, bias, weights_out, indices_out, routed_scaling_factor)):
+        _router.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
 
 
 @custom_op("dsv4::hash_route", mutates_args=("weights_out", "indices_out"))
@@ -46,7 +62,9 @@ def hash_route(
     A token id outside [0, vocab) or a table entry outside [0, experts) selects nothing (index -1,
     weight 0)."""
     _router_checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out)
-    _router.hash_route(logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
+    args = (logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
+    if not _on_cuda_kernel("hash_route", logits, args):
+        _router.hash_route(*args)
 
 
 @custom_op("dsv4::router_gate", mutates_args=("logits_out", "weights_out", "indices_out"))
@@ -56,7 +74,9 @@ def router_gate(
 ) -> None:
     """logits = x @ weight.T (fp32), then gate_topk; one kernel for decode-sized batches on GPU."""
     _router_checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
-    _router.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
+    args = (x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
+    if not _on_cuda_kernel("router_gate", x, args):
+        _router.router_gate(*args)
 
 
 # ---- quant: cache entries ----------------------------------------------------------------------
@@ -137,3 +157,4 @@ def inv_rope(o: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor) -> Non
     """out = o with its trailing rope dims rotated by -position x theta."""
     _inv_rope_checks.inv_rope(o, positions, inv_freq, out)
     _inv_rope.inv_rope(o, positions, inv_freq, out)
+

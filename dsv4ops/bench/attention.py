@@ -205,6 +205,7 @@ def _reference_backend():
         yield
 
 
+@torch.no_grad()  # inference kernels: no autograd graph (the ops have no backward)
 def bench_case(case: Case, with_reference: bool) -> list[dict]:
     rows = []
     for op, call in case.op_calls().items():
