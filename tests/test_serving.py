@@ -21,18 +21,18 @@ LENGTHS = {"a": 260, "b": 131, "c": 9}
 MODES = {"bf16": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
 
 
-def _setup(kind, mode, max_step_tokens=400, seed=0, device="cpu", dtype=torch.float32, **capacity):
+def _setup(kind, mode, max_step_tokens=400, seed=0, device="cpu", dtype=torch.float32, cfg=CFG, **capacity):
     li = LAYER[kind]
     numerics = MODES[mode]
-    layer = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li).to(device, dtype)
+    layer = testing.randomize_(DeepseekV4Attention(cfg, li, numerics=numerics), seed=li).to(device, dtype)
     cache_cfg = CacheConfig(
         max_requests=4, max_context=272, max_step_tokens=max_step_tokens, kv_cache=mode, indexer_cache=mode,
         exact_dtype=torch.float32, **capacity,
     )
-    manager = KVCacheManager(CFG, cache_cfg, device=device)
+    manager = KVCacheManager(cfg, cache_cfg, device=device)
     layer.attach_cache(manager)
     g = torch.Generator().manual_seed(seed)
-    inputs = {rid: torch.randn(n, CFG.hidden_size, generator=g).to(device, dtype) for rid, n in LENGTHS.items()}
+    inputs = {rid: torch.randn(n, cfg.hidden_size, generator=g).to(device, dtype) for rid, n in LENGTHS.items()}
     return layer, manager, inputs
 
 
@@ -97,6 +97,34 @@ def test_serving_equals_stateless(kind, mode, schedule):
     with torch.no_grad():
         outs = testing.serve_schedule(layer, manager, inputs, SCHEDULES[schedule]())
     _check_against_stateless(layer, inputs, outs, mode)
+
+
+# ---- real selection: the indexer picks index_topk = 8 of up to 65 visible entries --------------------
+SELECTING = DSV4AttentionConfig.tiny(index_topk=8)
+
+
+@pytest.mark.parametrize("schedule, compiled", [("chunked", False), ("decode", False), ("chunked", True)],
+                         ids=["chunked", "decode", "chunked-compiled"])  # compiled decode: CI time
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_serving_with_real_selection_equals_the_oracle(mode, schedule, compiled):
+    """Chunked prefill or token-by-token decode, after a request that released its slot (so "a"
+    reuses slot 0 and its blocks), with the indexer selecting 8 of up to 65 entries: each token's
+    selection is a top-8 of the oracle's scores (up to rounding), and each output equals the oracle
+    fed that selection. The indexer's compressor state carries across steps, so a lost or wiped
+    state row changes the selection."""
+    torch._dynamo.reset()
+    layer, manager, inputs = _setup(CSA, mode, cfg=SELECTING)
+    fn = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+    with torch.no_grad():
+        testing.serve_schedule(fn, manager, {"c": inputs["c"]}, [{"c": 9}])
+        manager.release("c")
+        sel = {}
+        outs = testing.serve_schedule(fn, manager, {r: inputs[r] for r in ("a", "b")},
+                                      [{r: n for r, n in step.items() if r != "c"} for step in SCHEDULES[schedule]()
+                                       if set(step) - {"c"}], selections=sel)
+    assert manager.slot_of["a"] == 0  # c's released slot, reused
+    for rid in ("a", "b"):
+        testing.assert_matches_oracle(layer, inputs[rid], outs[rid], sel[rid], what=f"request {rid}")
 
 
 def _pool_bytes(layer):
