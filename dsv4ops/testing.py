@@ -326,6 +326,19 @@ def step_tokens(*runs: tuple[int, int, int], pad: int = 0, device=None) -> tuple
     return (torch.tensor(pos, dtype=torch.int32, device=device), torch.tensor(req, dtype=torch.int32, device=device))
 
 
+def complex_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+    """RoPE written independently of reference.functional (for expected values): the trailing 2n
+    channels of x [T, ..., D] as n complex numbers (interleaved pairs) times e^(+-i t theta), in fp32
+    (fp64 for fp64 inputs), the result in x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n = inv_freq.shape[0]
+    z = torch.view_as_complex(x[..., -2 * n:].to(acc).unflatten(-1, (n, 2)).contiguous())
+    angle = positions.to(acc)[:, None] * inv_freq.to(acc)
+    angle = angle.view(angle.shape[0], *([1] * (x.dim() - 2)), n)
+    rotated = torch.view_as_real(z * torch.polar(torch.ones_like(angle), -angle if inverse else angle)).flatten(-2)
+    return torch.cat([x[..., :-2 * n], rotated.to(x.dtype)], -1)
+
+
 def rope_table(rope_dim: int) -> Tensor:
     """fp32 inverse frequencies of theta 10000 over `rope_dim` trailing channels."""
     from dsv4ops.config import rope_inv_freq

@@ -110,6 +110,47 @@ def test_entries_equal_the_stateless_oracle(kind, steps):
     assert stream.cache.view(-1, w["d"])[~written].isnan().all()  # no other slot (padding's included)
 
 
+def _independent(x: torch.Tensor, w: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The entries written out here, independent of reference.functional: per entry e, the 2m slots
+    (CSA: window e-1's a-stream [:d], absent for e = 0, then window e's b-stream [d:]) or m slots
+    (HCA), a per-channel softmax of z + ape over the slots, the weighted sum of a, an RMS norm times
+    the weight, RoPE at position e*m. In `dtype` (fp64: the budget's reference)."""
+    m, d = w["ratio"], w["d"]
+    overlap = w["kv"].shape[0] == 2 * d
+    x = x.to(dtype)
+    a = x @ w["kv"].to(dtype).T
+    z = x @ w["gate"].to(dtype).T + w["ape"].to(dtype)[torch.arange(x.shape[0]) % m]
+    entries = []
+    for e in range(x.shape[0] // m):
+        cur = slice(e * m, (e + 1) * m)
+        if overlap:
+            prev = slice((e - 1) * m, e * m)
+            pa = a[prev, :d] if e else a.new_zeros(m, d)
+            pz = z[prev, :d] if e else z.new_full((m, d), float("-inf"))
+            slots_a, slots_z = torch.cat([pa, a[cur, d:]]), torch.cat([pz, z[cur, d:]])
+        else:
+            slots_a, slots_z = a[cur], z[cur]
+        p = torch.exp(slots_z - slots_z.max(0).values)
+        c = (p / p.sum(0) * slots_a).sum(0)
+        c = c / torch.sqrt(c.square().mean() + EPS) * w["norm"].to(dtype)
+        entries.append(T.complex_rope(c[None], torch.tensor([e * m]), w["inv_freq"])[0])
+    return torch.stack(entries)
+
+
+@pytest.mark.parametrize("kind", [CSA, HCA], ids=["csa", "hca"])
+@pytest.mark.parametrize("steps", [ONE_STEP, CHUNKED], ids=["one-step", "chunked"])
+def test_entries_equal_an_independent_formulation(kind, steps):
+    w = _weights(*kind, d=8)
+    xs = _xs(LENGTHS[kind])
+    stream = Stream(w, xs)
+    for new in steps[kind]:
+        stream.step(new)
+    for r, x in xs.items():
+        expect = _independent(x, w, torch.float64)
+        T.assert_close_to_ref(stream.entries(r, expect.shape[0]), expect, _independent(x, w, torch.float32),
+                              what=f"request {r}")
+
+
 @pytest.mark.parametrize("fmt,d,mode", [(FP8, 512, "main"), (FP8, 128, "indexer")])
 def test_fp8_entries_equal_the_oracle_in_fp8_mode(fmt, d, mode):
     # FP8 pools: the pooled entry is cast to bf16 before the norm (DeepSeek), then packed.

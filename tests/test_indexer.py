@@ -9,8 +9,7 @@ import torch
 
 from dsv4ops import testing as T
 from dsv4ops.quant.reference import pack_kv
-from dsv4ops.reference.functional import apply_rope, rope_angles
-from dsv4ops.reference.numerics import fp8_row_scale, round_indexer_key
+from dsv4ops.reference.numerics import quantize_indexer_query, round_indexer_key
 from dsv4ops.testing import FP8
 
 BF16, FP32, E4M3, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32
@@ -24,17 +23,22 @@ def test_q_prep_ropes_the_query_and_folds_the_weights(dtype, fp8):
     args["q_out"].view(torch.uint8).fill_(0xFF)  # poison: NaN in every float dtype
     args["w_out"].fill_(float("nan"))
     T.call_op("indexer_q_prep", args)
-    q, pos = args["q"], args["positions"]
-    cos, sin = rope_angles(pos, args["inv_freq"], dtype)
-    rotated = apply_rope(q, cos[:, None], sin[:, None])
+    q, pos, inv_freq = args["q"], args["positions"], args["inv_freq"]
+    # The same expression as the op (one fp32 product per element): bit for bit.
     w = args["weights"].float() * (16**-0.5 * 3**-0.5)  # d^-1/2 x H^-1/2
+    rot64 = T.complex_rope(q.double(), pos, inv_freq)  # expected values: RoPE written independently
+    rot_lowp = T.complex_rope(q, pos, inv_freq)
     if not fp8:
-        assert T.bytes_equal(args["q_out"], rotated) and torch.equal(args["w_out"], w)
+        T.assert_close_to_ref(args["q_out"], rot64, rot_lowp, what="q_out")
+        assert torch.equal(args["w_out"], w)
         return
-    scale = fp8_row_scale(rotated.bfloat16().float())  # [T, H, 1], one power of two per (token, head)
-    assert torch.equal(args["q_out"], (rotated.bfloat16().float() / scale).to(E4M3))
-    assert torch.equal(args["w_out"], w * scale.squeeze(-1))
+    # What the scores see, q' x w' per (token, head), against the fp64 rotation times the weights;
+    # budget: the run in the activations' dtype with the numerics' FP8 query rounding.
+    scale = args["w_out"] / w  # [T, H]: one power of two per (token, head), folded into the weights
     assert torch.equal(torch.frexp(scale).mantissa, torch.full_like(scale, 0.5))
+    got = args["q_out"].double() * args["w_out"].double()[..., None]
+    q8, w8 = quantize_indexer_query(rot_lowp, w, "fp8")
+    T.assert_close_to_ref(got, rot64 * w.double()[..., None], q8.double() * w8.double()[..., None], what="q x w")
 
 
 def test_q_prep_public_function_allocates_contiguous_outputs():
