@@ -120,7 +120,7 @@ class DeepseekV4Attention(nn.Module):
         register them with the manager (abort restores their compressor states; their `generations`
         follow the manager's slots). Attach after moving the layer, before compiling; the serving
         forward then reads and writes the pools in place."""
-        if not isinstance(manager, KVCacheManager):
+        if not all(hasattr(manager, name) for name in ("model", "cfg", "device", "attach", "check_step")):
             raise TypeError(f"manager: expected a dsv4ops.cache.KVCacheManager, got {type(manager).__name__}")
         for field in _CACHE_LAYOUT:
             mine, theirs = getattr(self.config, field), getattr(manager.model, field)
@@ -153,6 +153,8 @@ class DeepseekV4Attention(nn.Module):
         # Inference only: the ops run without autograd, and a backward through the output raises.
         with torch.no_grad():
             y = self._forward(hidden_states, step)
+        if not torch.is_grad_enabled():
+            return y
         return no_backward(y, (hidden_states, *self.parameters()),
                            f"{type(self).__name__}(layer {self.layer_idx}, {self.layer_type})")
 

@@ -32,7 +32,7 @@ def _on_cuda_kernel(name: str, t: Tensor, args: tuple) -> bool:
     """A router op whose reference body meets CUDA tensors binds its CUDA kernels (first run: eager,
     or a compiled graph's first call, never a trace) and runs the op again on them; False where the
     arch table names the reference for this GPU. A failed build raises: no silent fallback."""
-    if t.device.type != "cuda":
+    if t.device.type != "cuda" or "cuda" in globals()[name]._disabled_kernel:  # set_kernel_enabled("cuda", False)
         return False
     from dsv4ops.router.api import bind_cuda_kernel
 
