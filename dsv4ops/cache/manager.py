@@ -47,8 +47,8 @@ class BlockAllocator:
 
 
 class _OpenStep:
-    """What abort needs to undo a planned step: per request, the blocks it took (kind -> [(block
-    index in the table row, block id)]), and the compressor-state rows it may overwrite."""
+    """What abort needs to undo a planned step: the blocks it took (kind -> [(slot, block index in
+    the slot's table row, block id)]) and copies of the compressor-state rows it may overwrite."""
 
     def __init__(self, step: StepMeta, taken: dict, backups: list):
         self.step, self.taken, self.backups = step, taken, backups
@@ -62,10 +62,10 @@ class KVCacheManager:
     step, commits it when the block ends normally and aborts it when the block raises. Or by hand:
     `step = manager.prepare_step(...)`, then `manager.commit(step)` or `manager.abort(step)`. One
     step is open at a time: planning another before committing or aborting raises, so a failed
-    forward can never be built upon. Abort restores request lengths, block tables, free lists and
-    the compressor-state rows a long chunk may have overwritten (the window ring and the compressed
-    pools need nothing: a step only writes ring slots of positions that left every window and
-    entries past the committed length)."""
+    forward can never be built upon. Lengths move only at commit; abort restores block tables, free
+    lists and the compressor-state rows a long chunk may have overwritten (the window ring and the
+    compressed pools need nothing: a step only writes ring slots of positions that left every
+    window, and entries past the committed length)."""
 
     def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None):
         if not isinstance(cfg, CacheConfig):
