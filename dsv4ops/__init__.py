@@ -6,6 +6,7 @@ imports neither triton nor cutlass (GPU backends load on first use).
 
 from dsv4ops import ops  # noqa: F401  (defines the dsv4:: ops)
 from dsv4ops import _meta  # noqa: F401  (registers their fakes)
+from dsv4ops import _autograd
 from dsv4ops import backends  # noqa: F401  (binds the lazy CUDA kernels; imports no triton)
 from dsv4ops.config import DSV4AttentionConfig
 from dsv4ops.config_v41 import DSV41AttentionConfig
@@ -15,6 +16,8 @@ from dsv4ops.reference.numerics import Numerics
 from dsv4ops.reference.v41 import V41Numerics
 from dsv4ops.router.modules import DeepseekV4HashRouter, DeepseekV4Router
 from dsv4ops.warmup import warmup
+
+_autograd.install_all()  # a backward through any dsv4:: op raises
 
 __all__ = [
     "DSV41AttentionConfig", "DSV4AttentionConfig", "DeepseekV41Attention", "DeepseekV41AttentionStack",

@@ -107,10 +107,12 @@ class DSV4AttentionConfig:
 
     # ---- per-layer helpers ---------------------------------------------------------------------
     def compress_ratio(self, layer_idx: int) -> int:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx: expected an int in [0, {self.num_layers}) (num_layers), got {layer_idx!r}")
         return self.compress_ratios[layer_idx]
 
     def layer_type(self, layer_idx: int) -> str:
-        ratio = self.compress_ratios[layer_idx]
+        ratio = self.compress_ratio(layer_idx)
         return SLIDING if ratio == 0 else CSA if ratio == self.csa_ratio else HCA
 
     def nope_head_dim(self) -> int:
@@ -119,7 +121,7 @@ class DSV4AttentionConfig:
     def inv_freq(self, layer_idx: int) -> torch.Tensor:
         """fp32 [rope_head_dim/2]: theta 10000 without YaRN on sliding layers, compress_rope_theta with
         frequency-only YaRN on compressed layers (the same table serves Q, KV, compressed KV and indexer)."""
-        if self.compress_ratios[layer_idx] == 0:
+        if self.compress_ratio(layer_idx) == 0:
             return rope_inv_freq(self.rope_theta, self.rope_head_dim, None)
         return rope_inv_freq(self.compress_rope_theta, self.rope_head_dim, self.yarn)
 

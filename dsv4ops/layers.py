@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
-from dsv4ops.cache.step import StepMeta, visible_counts, visible_entries
+from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts, visible_entries
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.reference.functional import grouped_output, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
@@ -28,12 +31,17 @@ class RMSNorm(nn.Module):
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal `o_a_proj`: weight [groups * out_per_group, in_per_group] (transformers' layout)."""
+    """Block-diagonal `o_a_proj`: weight [groups * out_per_group, in_per_group] (transformers' layout),
+    initialised as nn.Linear initialises a weight of that shape (each output reads in_per_group inputs)."""
 
     def __init__(self, in_per_group: int, out_features: int, groups: int):
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -76,13 +84,16 @@ class DeepseekV4Attention(nn.Module):
     rounding of the main KV and indexer (see `dsv4ops.reference.numerics`); exact = transformers.
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
-    from position 0 (stateless)."""
+    from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
+    through its output raises a RuntimeError (the dsv4:: ops have no backward)."""
 
     def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics()):
         super().__init__()
         cfg = config if isinstance(config, DSV4AttentionConfig) else DSV4AttentionConfig.from_hf(config)
+        if not isinstance(numerics, Numerics):
+            raise TypeError(f"numerics: expected a dsv4ops.Numerics, got {type(numerics).__name__}")
         self.config, self.layer_idx, self.numerics = cfg, layer_idx, numerics
-        self.layer_type = cfg.layer_type(layer_idx)
+        self.layer_type = cfg.layer_type(layer_idx)  # checks 0 <= layer_idx < num_layers
         h, d = cfg.num_heads, cfg.head_dim
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank)
@@ -104,32 +115,93 @@ class DeepseekV4Attention(nn.Module):
                 t.data = t.data.float()
         return self
 
-    def attach_cache(self, manager) -> None:
-        """Give the layer its pools (sized by the manager's CacheConfig) before compiling; the
-        serving forward then reads and writes them in place."""
+    def attach_cache(self, manager: KVCacheManager) -> None:
+        """Give the layer its pools (sized by the manager's CacheConfig, on the layer's device) and
+        register them with the manager (abort restores their compressor states; their `generations`
+        follow the manager's slots). Attach after moving the layer, before compiling; the serving
+        forward then reads and writes the pools in place."""
+        if not all(hasattr(manager, name) for name in ("model", "cfg", "device", "attach", "check_step")):
+            raise TypeError(f"manager: expected a dsv4ops.cache.KVCacheManager, got {type(manager).__name__}")
+        for field in _CACHE_LAYOUT:
+            mine, theirs = getattr(self.config, field), getattr(manager.model, field)
+            if mine != theirs:
+                raise ValueError(f"manager: built for a model with {field} {theirs}, the layer's config has {mine}")
         cfg = manager.cfg
         if cfg.numerics() != self.numerics:
             raise ValueError(f"manager: cache modes kv={cfg.kv_cache!r}, indexer={cfg.indexer_cache!r} give numerics "
                              f"{cfg.numerics()}, the layer computes {self.numerics}")
         device = self.q_a_proj.weight.device
-        self.cache = LayerCache(self.config, self.layer_idx, cfg, device=device,
-                                topk_workspace=manager.topk_workspace(device))
+        if manager.device != device:
+            raise ValueError(f"manager: plans steps on {manager.device}, the layer is on {device}")
+        cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device))
+        manager.attach(cache)
+        self.cache = cache
+        self.cache_manager = manager
 
     def forward(self, hidden_states: Tensor, step: StepMeta | None = None) -> Tensor:
         """step=None: hidden_states [B, S, hidden], each row a sequence from position 0 (a private
         cache is built for the call). With a step: hidden_states [T, hidden], the step's flat batch
-        (padded to its bucket), reading and writing the attached cache."""
+        (padded to its bucket), reading and writing the attached cache.
+
+        The step must be the open step of the manager this layer is attached to, planned while its
+        requests held their current slots: in eager mode a foreign, stale or closed step (or, on
+        the CPU, one edited by hand) raises before anything is written. A compiled forward cannot
+        raise without a host sync, so it keeps the contract on the device: a token whose slot's
+        generation differs from the step's (KVCacheManager gives slots a new generation on admit,
+        release, commit and abort; generations are unique across managers), or whose position is
+        outside [0, max_context), becomes padding: it reads and writes nothing and its row is 0."""
+        # Inference only: the ops run without autograd, and a backward through the output raises.
+        with torch.no_grad():
+            y = self._forward(hidden_states, step)
+        if not torch.is_grad_enabled():
+            return y
+        return no_backward(y, (hidden_states, *self.parameters()),
+                           f"{type(self).__name__}(layer {self.layer_idx}, {self.layer_type})")
+
+    def _forward(self, hidden_states: Tensor, step: StepMeta | None) -> Tensor:
         if step is not None:
-            return _attend(self, hidden_states, step, self.cache)
+            cache = self._modules.get("cache")
+            if not torch.compiler.is_compiling():
+                if cache is None:
+                    raise RuntimeError(f"{type(self).__name__}(layer {self.layer_idx}): no cache attached; call "
+                                       f"layer.attach_cache(manager) before a serving forward (forward(x, step))")
+                self._check_input(hidden_states, 2, "[tokens, hidden]")
+                self.cache_manager.check_step(step, hidden_states.shape[0])
+            return _attend(self, hidden_states, step, cache)
+        if not torch.compiler.is_compiling():
+            self._check_input(hidden_states, 3, "[batch, seq, hidden]")
         b, s, _ = hidden_states.shape
         cfg = CacheConfig.for_numerics(self.numerics, hidden_states.dtype, max_requests=b, max_context=s,
                                        max_step_tokens=b * s, max_request_step_tokens=s, buckets=(b * s,))
         manager = KVCacheManager(self.config, cfg, device=hidden_states.device)
         cache = LayerCache(self.config, self.layer_idx, cfg, device=hidden_states.device)
+        manager.attach(cache)
         for r in range(b):
             manager.admit(r)
-        step = manager.prepare_step({r: s for r in range(b)})
+        step = manager.prepare_step({r: s for r in range(b)})  # a private manager: never committed
         return _attend(self, hidden_states.reshape(b * s, -1), step, cache).view(b, s, -1)
+
+    def _check_input(self, x, dim: int, layout: str):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"hidden_states: expected a Tensor {layout}, got {type(x).__name__}")
+        weight = self.q_a_proj.weight
+        if x.dim() != dim:
+            raise ValueError(f"hidden_states: expected {dim}-D {layout}, got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden_states: expected hidden size {self.config.hidden_size} (last dim), got "
+                             f"{x.shape[-1]}")
+        if x.dtype != weight.dtype:
+            raise ValueError(f"hidden_states: expected dtype {weight.dtype} (the layer's weights), got {x.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"hidden_states: expected device {weight.device} (the layer's), got {x.device}")
+        if dim == 3 and 0 in x.shape[:2]:
+            raise ValueError(f"hidden_states: expected at least one sequence of at least one token, got shape "
+                             f"{tuple(x.shape)}")
+
+
+# The model numbers a cache's layout depends on: a manager built for other values would hand the
+# layer pools and tables of another shape.
+_CACHE_LAYOUT = ("window", "head_dim", "rope_head_dim", "index_head_dim", "csa_ratio", "hca_ratio", "compress_ratios")
 
 
 def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerCache) -> Tensor:
@@ -138,7 +210,8 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     through the public functions: the step planner has already checked every value, and their eager
     value checks would sync the host each step."""
     cfg, ops = layer.config, torch.ops.dsv4
-    eps, pos, req = cfg.rms_norm_eps, step.positions, step.req_slots
+    eps = cfg.rms_norm_eps
+    pos, req = live_tokens(step, cache)
     t = x.shape[0]
     qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
     q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
@@ -152,16 +225,17 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     comp_lens = torch.zeros_like(pos)
     if layer.compressor is not None:
         c, kind = layer.compressor, layer.layer_type
-        _compress(c, x, step, kind, layer.inv_freq, cache.state, cache.comp, fmt["comp"], layer.numerics.kv, eps)
+        _compress(c, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.state, cache.comp, fmt["comp"],
+                  layer.numerics.kv, eps)
         comp_cache, comp_fmt = cache.comp, fmt["comp"]
         if kind == CSA:
-            _compress(c.indexer, x, step, kind, layer.inv_freq, cache.index_state, cache.index, fmt["index"],
-                      layer.numerics.indexer, eps)
-            comp_idx = _select(c.indexer, x, qr, step, layer, cache)
+            _compress(c.indexer, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index,
+                      fmt["index"], layer.numerics.indexer, eps)
+            comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
         else:
             comp_idx = visible_entries(step, cfg.compress_ratio(layer.layer_idx), cache.cfg.block_size)
         # The selection lists its entries first, so the first min(visible, k) columns hold them all.
-        comp_lens = visible_counts(step, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
+        comp_lens = visible_counts(pos, req, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
 
     o = torch.empty_like(q_rot)
     ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, layer.sinks, o,
@@ -171,15 +245,16 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
 
 
-def _compress(c, x, step, kind, inv_freq, state, pool, fmt, mode, eps):
+def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps):
     cdt = compressor_dtype(mode, x.dtype)
     a = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt))
     z = F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
-    torch.ops.dsv4.compressor_update(a, z, c.position_bias, step.positions, step.req_slots, step.entry_slots(kind),
-                                     c.kv_norm.weight, inv_freq, state, pool, None, eps, fmt)
+    torch.ops.dsv4.compressor_update(a, z, c.position_bias, pos, req, entry_slots, c.kv_norm.weight, inv_freq, state,
+                                     pool, None, eps, fmt)
 
 
-def _select(indexer, x, qr, step, layer, cache):
+def _select(indexer, x, qr, step, pos, req, layer, cache):
+    """The indexer's top-k: [T, index_topk] global slots of the CSA pools (-1: none)."""
     cfg, t = layer.config, x.shape[0]
     q = F.linear(qr, indexer.q_b_proj.weight).view(t, cfg.index_n_heads, cfg.index_head_dim)
     w = F.linear(x, indexer.scorer.weights_proj.weight)
@@ -187,8 +262,8 @@ def _select(indexer, x, qr, step, layer, cache):
     q_dtype = torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype
     q_out = torch.empty(q.shape, dtype=q_dtype, device=x.device)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
-    torch.ops.dsv4.indexer_q_prep(q, w, step.positions, layer.inv_freq, q_out, w_out, fmt)
+    torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, fmt)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
-    torch.ops.dsv4.indexer_topk(q_out, w_out, step.positions, step.req_slots, cache.index, step.block_table(CSA), None,
-                                idx, None, cache.topk_workspace, cfg.csa_ratio, 0, fmt)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, pos, req, cache.index, step.block_table(CSA), None, idx, None,
+                                cache.topk_workspace, cfg.csa_ratio, 0, fmt)
     return idx

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
+from dsv4ops.cache.step import live_tokens
 from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers import GroupedLinear, RMSNorm
@@ -117,7 +119,8 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     """The ops of one layer, called directly (the step planner checked every value; the public
     functions' eager value checks would sync the host each step). No data-dependent branch."""
     cfg, role, ops = layer.config, layer.role, torch.ops.dsv4
-    eps, pos, req, t, i = cfg.rms_norm_eps, step.positions, step.req_slots, x.shape[0], layer.layer_idx
+    pos, req = live_tokens(step, cache)
+    eps, t, i = cfg.rms_norm_eps, x.shape[0], layer.layer_idx
     fmt = cache.fmt
     qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
     q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
@@ -127,9 +130,9 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, window, cache.ring_size, eps, False, fmt[f"window_{i}"])
 
     if role.owns_compressor:
-        _compress(layer, x, step, cache)
+        _compress(layer, x, step, pos, req, cache)
     if role.indexer:
-        _select(layer, x, qr, step, cache, shared)
+        _select(layer, x, qr, step, pos, req, cache, shared)
     if role.sliding:
         comp, comp_fmt = window, fmt[f"window_{i}"]
         comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
@@ -150,7 +153,8 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
 
 
-def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache) -> None:
+def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
+              cache: V41StackCache) -> None:
     """Spec 2.3-2.4: the source's entries (ratio 2: fp32 a and gate, a 2-slot pool; ratio 1: the
     model-dtype projection, a 1-slot pool with score 0) and, from their pre-RoPE latent, the keys."""
     role, c, i, eps = layer.role, layer.compressor, layer.layer_idx, layer.config.rms_norm_eps
@@ -166,16 +170,16 @@ def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: 
     latent = None
     if role.owns_index_keys:  # the entries before RoPE, in the pool's entry dtype
         latent = torch.empty(x.shape[0], a.shape[1], dtype=entry_dtype(fmt, comp.dtype), device=x.device)
-    torch.ops.dsv4.compressor_update(a, score, c.ape, step.positions, step.req_slots, slots, c.norm.weight,
+    torch.ops.dsv4.compressor_update(a, score, c.ape, pos, req, slots, c.norm.weight,
                                      layer.inv_freq, getattr(cache, f"state_{i}"), comp, latent, eps, fmt)
     if latent is not None:
         ix = layer.indexer
-        torch.ops.dsv4.indexer_k_prep(latent, step.positions, step.req_slots, slots, ix.wk.weight, ix.k_norm.weight,
+        torch.ops.dsv4.indexer_k_prep(latent, pos, req, slots, ix.wk.weight, ix.k_norm.weight,
                                       layer.inv_freq, getattr(cache, f"keys_{i}"), m, eps, cache.fmt[f"keys_{i}"])
 
 
-def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMeta, cache: V41StackCache,
-            shared: dict) -> None:
+def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
+            cache: V41StackCache, shared: dict) -> None:
     """Spec 2.5-2.8: score the group's keys, publish the top-k (and, at the candidate source, the
     pool); an index source after the candidate source scores only inside that pool."""
     cfg, role, ix, t = layer.config, layer.role, layer.indexer, x.shape[0]
@@ -188,7 +192,7 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
     else:
         q_out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if kfmt == "fp8_132" else q.dtype, device=x.device)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
-    torch.ops.dsv4.indexer_q_prep(q, w, step.positions, layer.inv_freq, q_out, w_out, kfmt)
+    torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, kfmt)
     cand = cand_out = None
     if role.uses_candidates:
         if "pool" not in shared:
@@ -198,7 +202,7 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
     if role.candidate_source:
         cand_out = torch.empty(t, cfg.candidate_topk_blocks, dtype=torch.int32, device=x.device)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
-    torch.ops.dsv4.indexer_topk(q_out, w_out, step.positions, step.req_slots, getattr(cache, f"keys_{src}"),
+    torch.ops.dsv4.indexer_topk(q_out, w_out, pos, req, getattr(cache, f"keys_{src}"),
                                 step.block_table(m), cand, idx, cand_out, cache.topk_workspace, m,
                                 cfg.candidate_block_size, kfmt)
     shared["topk", role.layer] = idx
@@ -236,28 +240,71 @@ class DeepseekV41AttentionStack(nn.Module):
         return self
 
     def attach_cache(self, manager: V41CacheManager) -> None:
-        """Allocate the stack's pools (sized by the manager's CacheConfig) before compiling."""
+        """Give the stack its pools (sized by the manager's CacheConfig, on the stack's device) and
+        register them with the manager (abort restores the ratio-2 sources' states; `generations`
+        follow the manager's slots). Attach after moving the stack, before compiling."""
+        if not isinstance(manager, V41CacheManager):
+            raise TypeError(f"manager: expected a dsv4ops V41CacheManager, got {type(manager).__name__}")
         if manager.numerics != self.numerics:
             raise ValueError(f"manager: its pools hold {manager.numerics}, the stack computes {self.numerics}")
         if manager.model != self.config:
             raise ValueError("manager: it was built for another DSV41AttentionConfig than this stack's")
-        self.cache = V41StackCache(self.config, manager.cfg, self.numerics, device=self.layers[0].sinks.device)
+        device = self.layers[0].sinks.device
+        if manager.device != device:
+            raise ValueError(f"manager: plans steps on {manager.device}, the stack is on {device}")
+        cache = V41StackCache(self.config, manager.cfg, self.numerics, device=device)
+        manager.attach(cache)
+        self.cache = cache
+        self.cache_manager = manager
 
     def forward(self, xs: Tensor, step: V41StepMeta | None = None, published: dict | None = None) -> Tensor:
         """`published`, if given, receives the step's top-k rows {("topk", L): [T, k] global slots},
         candidate pool {"pool": [T, blocks] entry blocks} and the step itself {"step": V41StepMeta}
-        (its block tables map slots back to entries): tie-aware comparisons need the selections."""
+        (its block tables map slots back to entries): tie-aware comparisons need the selections.
+
+        With a step, the contract of DeepseekV4Attention.forward holds: in eager mode a step that is
+        not the attached manager's open step raises before anything is written; compiled, a token
+        whose slot generation differs from the step's, or whose position is out of range, becomes
+        padding (reads and writes nothing)."""
+        with torch.no_grad():
+            ys = self._forward(xs, step, published)
+        if not torch.is_grad_enabled():
+            return ys
+        return no_backward(ys, (xs, *self.parameters()), f"{type(self).__name__}")
+
+    def _forward(self, xs: Tensor, step: V41StepMeta | None, published: dict | None) -> Tensor:
         if step is not None:
-            return self._serve(xs, step, self.cache, published)
+            cache = self._modules.get("cache")
+            if not torch.compiler.is_compiling():
+                if cache is None:
+                    raise RuntimeError(f"{type(self).__name__}: no cache attached; call stack.attach_cache(manager) "
+                                       f"before a serving forward (forward(xs, step))")
+                self._check_input(xs, 3, "[num_layers, tokens, hidden]")
+                self.cache_manager.check_step(step, xs.shape[1])
+            return self._serve(xs, step, cache, published)
+        if not torch.compiler.is_compiling():
+            self._check_input(xs, 4, "[num_layers, batch, seq, hidden]")
         n, b, s, _ = xs.shape
         cfg = CacheConfig(max_requests=b, max_context=s, max_step_tokens=b * s, max_request_step_tokens=s,
                           buckets=(b * s,), block_size=STATELESS_BLOCK, exact_dtype=xs.dtype)
         manager = V41CacheManager(self.config, cfg, self.numerics, device=xs.device)
         cache = V41StackCache(self.config, cfg, self.numerics, device=xs.device)
+        manager.attach(cache)
         for r in range(b):
             manager.admit(r)
-        step = manager.prepare_step({r: s for r in range(b)})
+        step = manager.prepare_step({r: s for r in range(b)})  # a private manager: never committed
         return self._serve(xs.reshape(n, b * s, -1), step, cache, published).view(n, b, s, -1)
+
+    def _check_input(self, xs, dim: int, layout: str):
+        if not isinstance(xs, Tensor):
+            raise TypeError(f"xs: expected a Tensor {layout}, got {type(xs).__name__}")
+        weight = self.layers[0].q_a_proj.weight
+        if xs.dim() != dim or xs.shape[0] != self.config.num_layers or xs.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"xs: expected {dim}-D {layout} with num_layers {self.config.num_layers} and hidden "
+                             f"{self.config.hidden_size}, got shape {tuple(xs.shape)}")
+        if xs.dtype != weight.dtype or xs.device != weight.device:
+            raise ValueError(f"xs: expected {weight.dtype} on {weight.device} (the stack's weights), got {xs.dtype} "
+                             f"on {xs.device}")
 
     def _serve(self, xs: Tensor, step: V41StepMeta, cache: V41StackCache, published: dict | None) -> Tensor:
         shared: dict = {} if published is None else published

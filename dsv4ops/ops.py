@@ -7,6 +7,7 @@ backends attach with `register_kernel("cuda")` (Python) or `TORCH_LIBRARY_IMPL(d
 (csrc). Metadata is validated with `torch._check` by the same functions the fakes in `meta/` run.
 """
 
+import torch
 from torch import Tensor
 from torch.library import custom_op
 
@@ -27,6 +28,20 @@ from dsv4ops.sparse_attn import reference as _sparse_attn
 
 
 # ---- router ------------------------------------------------------------------------------------
+def _on_cuda_kernel(name: str, t: Tensor, args: tuple) -> bool:
+    """A router op whose reference body meets CUDA tensors binds its CUDA kernels (first run: eager,
+    or a compiled graph's first call, never a trace) and runs the op again on them; False where the
+    arch table names the reference for this GPU. A failed build raises: no silent fallback."""
+    if t.device.type != "cuda" or "cuda" in globals()[name]._disabled_kernel:  # set_kernel_enabled("cuda", False)
+        return False
+    from dsv4ops.router.api import bind_cuda_kernel
+
+    if not bind_cuda_kernel(name, torch.cuda.get_device_capability(t.device)):
+        return False
+    getattr(torch.ops.dsv4, name).default(*args)
+    return True
+
+
 @custom_op("dsv4::gate_topk", mutates_args=("weights_out", "indices_out"))
 def gate_topk(
     logits: Tensor, bias: Tensor, weights_out: Tensor, indices_out: Tensor, routed_scaling_factor: float
@@ -34,7 +49,8 @@ def gate_topk(
     """scores = sqrt(softplus(logits)); indices = top-k(scores + bias) (ties: lower index);
     weights = scores[indices] / sum * routed_scaling_factor. k = indices_out.shape[1]."""
     _router_checks.gate_topk(logits, bias, weights_out, indices_out)
-    _router.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
+    if not _on_cuda_kernel("gate_topk", logits, (logits, bias, weights_out, indices_out, routed_scaling_factor)):
+        _router.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
 
 
 @custom_op("dsv4::hash_route", mutates_args=("weights_out", "indices_out"))
@@ -42,9 +58,13 @@ def hash_route(
     logits: Tensor, token_ids: Tensor, tid2eid: Tensor, weights_out: Tensor, indices_out: Tensor,
     routed_scaling_factor: float,
 ) -> None:
-    """indices = tid2eid[token_ids]; weights = renormalised sqrt(softplus(logits))[indices] * scale."""
+    """indices = tid2eid[token_ids]; weights = renormalised sqrt(softplus(logits))[indices] * scale.
+    A token id outside [0, vocab) or a table entry outside [0, experts) selects nothing (index -1,
+    weight 0)."""
     _router_checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out)
-    _router.hash_route(logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
+    args = (logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
+    if not _on_cuda_kernel("hash_route", logits, args):
+        _router.hash_route(*args)
 
 
 @custom_op("dsv4::router_gate", mutates_args=("logits_out", "weights_out", "indices_out"))
@@ -54,14 +74,17 @@ def router_gate(
 ) -> None:
     """logits = x @ weight.T (fp32), then gate_topk; one kernel for decode-sized batches on GPU."""
     _router_checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
-    _router.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
+    args = (x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
+    if not _on_cuda_kernel("router_gate", x, args):
+        _router.router_gate(*args)
 
 
 # ---- quant: cache entries ----------------------------------------------------------------------
 @custom_op("dsv4::pack_kv", mutates_args=("cache",))
 def pack_kv(x: Tensor, slots: Tensor, cache: Tensor, fmt: str) -> None:
-    """Store rows x [N, d] at global slots of a page pool of format `fmt` (-1: skipped): a byte
-    format of dsv4ops/quant/formats.py (uint8 pages) or `exact` (float rows as they are)."""
+    """Store rows x [N, d] at global slots of a page pool of format `fmt` (-1 or out of range:
+    skipped): a byte format of dsv4ops/quant/formats.py (uint8 pages) or `exact` (float rows as
+    they are)."""
     _quant_checks.pack_kv(x, slots, cache, fmt)
     _quant.pack_kv(x, slots, cache, fmt)
 
@@ -69,7 +92,7 @@ def pack_kv(x: Tensor, slots: Tensor, cache: Tensor, fmt: str) -> None:
 @custom_op("dsv4::unpack_kv", mutates_args=("out",))
 def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor, fmt: str) -> None:
     """Read the rows at slots of a pool of format `fmt` into out [N, d] (dequantized); rows with
-    slot -1 become 0."""
+    slot -1 (or out of range) become 0."""
     _quant_checks.unpack_kv(cache, slots, out, fmt)
     _quant.unpack_kv(cache, slots, out, fmt)
 
@@ -158,3 +181,4 @@ def inv_rope(o: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor) -> Non
     """out = o with its trailing rope dims rotated by -position x theta."""
     _inv_rope_checks.inv_rope(o, positions, inv_freq, out)
     _inv_rope.inv_rope(o, positions, inv_freq, out)
+

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -77,44 +79,215 @@ def hf_attention(hf_layer, hf_cfg, x: Tensor, cache=None, start: int = 0) -> Ten
                     past_key_values=cache)[0]
 
 
-def assert_close_to_ref(out: Tensor, ref64: Tensor, lowp: Tensor, rtol: float = 2.0, what: str = "output"):
+def assert_close_to_ref(out: Tensor, ref64: Tensor, lowp, rtol: float = 2.0, what: str = "output"):
     """max|out - ref64| <= rtol * max|lowp - ref64| + one ulp (eps) band of the output dtype:
     the error budget is the error of a low-precision run of the reference (FA's rule), plus the
-    rounding of the output itself."""
+    rounding of the output itself. `lowp` may be a list of such runs (the budget is the largest),
+    e.g. the fp32 run and the `rounding_twins` of an FP8 mode."""
     ref = ref64.double()
     err = (out.double() - ref).abs().max().item()
-    budget = (lowp.double() - ref).abs().max().item()
+    runs = [lowp] if isinstance(lowp, Tensor) else list(lowp)
+    budget = max((r.double() - ref).abs().max().item() for r in runs)
     band = 0.0 if out.dtype == torch.float64 else torch.finfo(out.dtype).eps * ref.abs().max().item()
     assert err <= rtol * budget + band, f"{what}: max abs err {err:.3e} > {rtol} x {budget:.3e} + {band:.3e}"
     return err, budget
 
 
-def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: torch.Generator | None = None) -> dict:
+# Relative nudge of the twins: 2^-17 = 128 fp32 ulps, above the fp32 drift of any value the oracle
+# quantizes between two summation orders (a norm or GEMM over K <= 4096 terms drifts by about
+# sqrt(K) <= 64 ulps), and far below a bf16 half-ulp (2^-9), so a nudged value only changes where
+# it sits that close to a rounding boundary.
+TWIN_NUDGE = 2.0**-17
+_LOW = (torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def _nudged_rounding(factor: float):
+    """Inside: the oracle (dsv4ops.reference.layer) multiplies every value by `factor` just before
+    each rounding point of its numerics mode: the bf16 casts of the compressed entries
+    (reference.numerics.round_to) and the FP8 quantizers (round_kv, round_indexer_key,
+    quantize_indexer_query; their first step is a bf16 cast)."""
+    from dsv4ops.reference import layer
+
+    saved = {name: getattr(layer, name) for name in ("round_to", "round_kv", "round_indexer_key",
+                                                     "quantize_indexer_query")}
+
+    def round_to(x, dtype):
+        return saved["round_to"](x * factor if dtype in _LOW and x.dtype not in _LOW else x, dtype)
+
+    def round_kv(kv, mode, rope_dim):
+        return saved["round_kv"](kv if mode == "exact" else kv * factor, mode, rope_dim)
+
+    def round_indexer_key(k, mode):
+        return saved["round_indexer_key"](k if mode == "exact" else k * factor, mode)
+
+    def quantize_indexer_query(q, weights, mode):
+        return saved["quantize_indexer_query"](q if mode == "exact" else q * factor, weights, mode)
+
+    nudged = dict(round_to=round_to, round_kv=round_kv, round_indexer_key=round_indexer_key,
+                  quantize_indexer_query=quantize_indexer_query)
+    try:
+        for name, fn in nudged.items():
+            setattr(layer, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(layer, name, fn)
+
+
+def rounding_twins(fn, nudge: float = TWIN_NUDGE) -> list:
+    """[fn() with every rounding point of the oracle's numerics nudged up by `nudge`, and down].
+    `fn` runs the oracle (in fp64). Between them, every value the oracle rounds within `nudge` of a
+    boundary (bf16, e4m3, a UE8M0 scale) lands on the other side once, and nothing else moves: their
+    distance to fn() is what one-step flips cost at the boundaries that fp32 noise can cross. An FP8
+    path checked against the fp64 oracle adds them to its budget (where the fp32 run happened not
+    to cross a boundary that the path did). Model-dtype arithmetic is not nudged (the fp32 run
+    covers it); in the exact modes of an fp64 run there is no rounding point, so the twins are fn()."""
+    twins = []
+    for factor in (1.0 + nudge, 1.0 - nudge):
+        with _nudged_rounding(factor):
+            twins.append(fn())
+    return twins
+
+
+def assert_topk_within(entries: Tensor, scores64: Tensor, k: int, tol, what: str = "selection"):
+    """`entries` [T, k] (entry indices, -1 fill) is a top-k of `scores64` [T, N] (fp64; -inf =
+    invisible) up to each score's error bound `tol` (a number or [T, N]): for each token, its first
+    min(k, visible) entries are distinct visible ones, the rest -1, and some scores within
+    scores64 +- tol rank the chosen entries first: min over chosen of (score + tol) >= max over
+    the visible others of (score - tol). Two float implementations may order entries whose scores
+    lie within their rounding error either way, so a selection is checked by score, not by index."""
+    entries, scores64 = entries.cpu().long(), scores64.cpu().double()
+    tol = torch.as_tensor(tol, dtype=torch.float64).expand_as(scores64).cpu()
+    for t in range(entries.shape[0]):
+        visible = torch.isfinite(scores64[t])
+        n = min(k, int(visible.sum()))
+        chosen, rest = entries[t, :n], entries[t, n:]
+        assert (rest == -1).all(), f"{what}: token {t} sees {int(visible.sum())} entries, got {entries[t].tolist()}"
+        assert (chosen >= 0).all() and chosen.unique().numel() == n, f"{what}: token {t}: {chosen.tolist()}"
+        if n == 0:
+            continue
+        assert visible[chosen].all(), f"{what}: token {t} selected an invisible entry: {chosen.tolist()}"
+        others = visible.clone()
+        others[chosen] = False
+        if not others.any():
+            continue
+        low = (scores64[t, chosen] + tol[t, chosen]).min()
+        high = (scores64[t, others] - tol[t, others]).max()
+        assert low >= high, (f"{what}: token {t} chose an entry scoring {low.item():.6g} (+ tol) below an unchosen "
+                             f"{high.item():.6g} (- tol)")
+
+
+@contextlib.contextmanager
+def recorded_selections():
+    """Inside, every CSA layer forward (eager or traced) appends what its indexer selected to the
+    yielded list, as [T, k] entry indices of each token's request (-1: none; padding rows all -1),
+    translated from global pool slots through the step's block table."""
+    import inspect
+
+    from dsv4ops import layers
+
+    original = layers._select
+    signature = inspect.signature(original)
+    log = []
+
+    def _select(*args, **kwargs):
+        idx = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
+        log.append(_entries_of(bound["step"], idx, bound["cache"].cfg.block_size))
+        return idx
+
+    layers._select = _select
+    try:
+        yield log
+    finally:
+        layers._select = original
+
+
+def _entries_of(step, idx: Tensor, block_size: int) -> Tensor:
+    table = step.block_table(CSA)[step.req_slots.clamp(min=0).long()]  # [T, blocks]
+    block = (idx.long() // block_size)[..., None]
+    hit = table[:, None, :].long() == block  # [T, k, blocks]
+    entries = hit.int().argmax(-1) * block_size + idx.long() % block_size
+    ok = (idx >= 0) & hit.any(-1) & (step.req_slots >= 0)[:, None]
+    return torch.where(ok, entries, -1)
+
+
+def assert_matches_oracle(layer, x: Tensor, out: Tensor, selection: Tensor | None = None, what: str = "output"):
+    """One request of `layer` (a DeepseekV4Attention) from position 0: x [S, hidden], the layer's
+    out [S, hidden] and, for a CSA layer, the entries its indexer selected [S, k]. The selection
+    must be a top-k of the fp64 oracle's scores up to the scores' rounding error (fp32 run, and the
+    rounding twins of an FP8 indexer); the output must equal the fp64 oracle fed that selection,
+    within the error of the oracle's fp32 run on it (and its rounding twins in FP8 KV mode)."""
+    from dsv4ops import reference
+
+    cfg, li, numerics = layer.config, layer.layer_idx, layer.numerics
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    p64 = {k: v.double() for k, v in params.items()}
+    x64 = x.detach()[None].double()
+    topk = None
+    with torch.no_grad():
+        if selection is not None:
+            s64 = reference.indexer_scores(p64, cfg, li, x64, numerics)[0]
+            s32 = reference.indexer_scores(params, cfg, li, x.detach()[None], numerics)[0].double()
+            finite = torch.isfinite(s64)
+            # Per score: the fp32 run's arithmetic error (where no rounding point is near a boundary:
+            # the twins did not move it) plus what the twins moved it by (a one-step flip of an FP8
+            # query or key element there); x 2 (rtol).
+            moved = torch.zeros_like(s64)
+            if numerics.indexer != "exact":
+                for twin in rounding_twins(lambda: reference.indexer_scores(p64, cfg, li, x64, numerics)[0]):
+                    moved = torch.maximum(moved, (twin - s64).nan_to_num(0.0).abs())
+            quiet = finite & (moved == 0)
+            noise = (s32 - s64)[quiet].abs().max().item() if quiet.any() else 0.0
+            assert_topk_within(selection, s64, cfg.index_topk, 2 * (noise + moved), what=f"{what} selection")
+            topk = selection[None].to(x.device)
+
+        def run64():
+            return reference.attention(p64, cfg, li, x64, numerics, topk=topk)[0]
+
+        ref64 = run64()
+        lowp = [reference.attention(params, cfg, li, x.detach()[None], numerics, topk=topk)[0]]
+        if numerics.kv != "exact" or numerics.indexer != "exact":
+            lowp += rounding_twins(run64)
+    return assert_close_to_ref(out, ref64, lowp, what=what)
+
+
+def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: torch.Generator | None = None,
+                   selections: dict | None = None) -> dict:
     """Run `schedule` (steps of {request_id: new tokens}) through the layer's serving forward, with
-    x rows taken from `inputs[request_id]` [L, hidden] in order. Returns {request_id: [L, hidden]}
-    outputs. Requests are admitted on first appearance. With `garbage`, padding tokens get random
-    rows and random positions (they must still read and write nothing)."""
+    x rows taken from `inputs[request_id]` [L, hidden] in order, each step planned and committed with
+    `with manager.step(...)`. Returns {request_id: [L, hidden]} outputs. Requests are admitted on
+    first appearance. With `garbage`, padding tokens get random rows and random positions (they
+    must still read and write nothing). With a dict `selections`, a CSA layer's indexer selection
+    of each request is stored there ({request_id: [L, index_topk] entry indices})."""
     done = {rid: 0 for rid in inputs}
     outs = {rid: [] for rid in inputs}
+    sels = {rid: [] for rid in inputs}
     for new in schedule:
         for rid in new:
             if rid not in manager.slot_of:
                 manager.admit(rid)
-        step = manager.prepare_step(new)
-        rows = [inputs[rid][done[rid]:done[rid] + n] for rid, n in new.items()]
-        x = torch.cat(rows)
-        pad = step.positions.shape[0] - x.shape[0]
-        if garbage is None:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        else:
-            x = torch.cat([x, torch.randn(pad, x.shape[1], generator=garbage).to(x)])
-            step.positions[x.shape[0] - pad:] = torch.randint(0, 1000, (pad,), generator=garbage).to(step.positions)
-        y = layer(x, step)
+        with manager.step(new) as step:
+            rows = [inputs[rid][done[rid]:done[rid] + n] for rid, n in new.items()]
+            x = torch.cat(rows)
+            pad = step.positions.shape[0] - x.shape[0]
+            if garbage is None:
+                x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            else:
+                x = torch.cat([x, torch.randn(pad, x.shape[1], generator=garbage).to(x)])
+                step.positions[x.shape[0] - pad:] = torch.randint(0, 1000, (pad,), generator=garbage).to(step.positions)
+            with recorded_selections() as log:
+                y = layer(x, step)
         i = 0
         for rid, n in new.items():
             outs[rid].append(y[i:i + n])
+            if log:
+                sels[rid].append(log[-1][i:i + n])
             done[rid] += n
             i += n
+    if selections is not None:
+        selections.update({rid: torch.cat(v) for rid, v in sels.items() if v})
     return {rid: torch.cat(v) for rid, v in outs.items()}
 
 
@@ -168,6 +341,19 @@ def step_tokens(*runs: tuple[int, int, int], pad: int = 0, device=None) -> tuple
     pos = [p for _, start, n in runs for p in range(start, start + n)] + [0] * pad
     req = [r for r, _, n in runs for _ in range(n)] + [-1] * pad
     return (torch.tensor(pos, dtype=torch.int32, device=device), torch.tensor(req, dtype=torch.int32, device=device))
+
+
+def complex_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, inverse: bool = False) -> Tensor:
+    """RoPE written independently of reference.functional (for expected values): the trailing 2n
+    channels of x [T, ..., D] as n complex numbers (interleaved pairs) times e^(+-i t theta), in fp32
+    (fp64 for fp64 inputs), the result in x's dtype."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n = inv_freq.shape[0]
+    z = torch.view_as_complex(x[..., -2 * n:].to(acc).unflatten(-1, (n, 2)).contiguous())
+    angle = positions.to(acc)[:, None] * inv_freq.to(acc)
+    angle = angle.view(angle.shape[0], *([1] * (x.dim() - 2)), n)
+    rotated = torch.view_as_real(z * torch.polar(torch.ones_like(angle), -angle if inverse else angle)).flatten(-2)
+    return torch.cat([x[..., :-2 * n], rotated.to(x.dtype)], -1)
 
 
 def rope_table(rope_dim: int) -> Tensor:

@@ -22,7 +22,7 @@ def serve_schedule(stack, manager, inputs: dict, schedule: list[dict], garbage: 
     inputs taken from inputs[request] [num_layers, length, hidden] in order. Returns (outputs
     {request: [num_layers, length, hidden]}, topk {request: {index source: [length, k] entries}},
     pools {request: {candidate source: [length, blocks]}}). Requests are admitted on first
-    appearance. With `garbage`, padding tokens get random rows and positions (they must read and
+    appearance; each step is planned and committed with `with manager.step(...)`. With `garbage`, padding tokens get random rows and positions (they must read and
     write nothing)."""
     cfg: DSV41AttentionConfig = stack.config
     bs = manager.cfg.block_size
@@ -34,16 +34,16 @@ def serve_schedule(stack, manager, inputs: dict, schedule: list[dict], garbage: 
         for rid in new:
             if rid not in manager.slot_of:
                 manager.admit(rid)
-        step = manager.prepare_step(new)
-        xs = torch.cat([inputs[rid][:, done[rid]:done[rid] + n] for rid, n in new.items()], 1)
-        pad = step.positions.shape[0] - xs.shape[1]
-        if garbage is None:
-            xs = torch.cat([xs, xs.new_zeros(xs.shape[0], pad, xs.shape[2])], 1)
-        else:
-            xs = torch.cat([xs, torch.randn(xs.shape[0], pad, xs.shape[2], generator=garbage).to(xs)], 1)
-            step.positions[xs.shape[1] - pad:] = torch.randint(0, 1000, (pad,), generator=garbage).to(step.positions)
-        published = {}
-        ys = stack(xs, step, published)
+        with manager.step(new) as step:
+            xs = torch.cat([inputs[rid][:, done[rid]:done[rid] + n] for rid, n in new.items()], 1)
+            pad = step.positions.shape[0] - xs.shape[1]
+            if garbage is None:
+                xs = torch.cat([xs, xs.new_zeros(xs.shape[0], pad, xs.shape[2])], 1)
+            else:
+                xs = torch.cat([xs, torch.randn(xs.shape[0], pad, xs.shape[2], generator=garbage).to(xs)], 1)
+                step.positions[xs.shape[1] - pad:] = torch.randint(0, 1000, (pad,), generator=garbage).to(step.positions)
+            published = {}
+            ys = stack(xs, step, published)
         i = 0
         for rid, n in new.items():
             outs[rid].append(ys[:, i:i + n])

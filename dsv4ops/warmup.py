@@ -26,7 +26,8 @@ def _pool(fmt: str, dim: int, blocks: int, cache_cfg: CacheConfig, device) -> to
 def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype: torch.dtype = torch.bfloat16) -> int:
     """Run every attention op of every layer kind of `model_cfg` once per batch bucket of
     `cache_cfg` on `device` with activations of `dtype`; returns the number of op calls. On a
-    CUDA device this compiles the kernels; on CPU (reference kernels) there is nothing to compile."""
+    CUDA device this compiles the kernels and binds the router's CUDA kernels (a failed build
+    raises); on CPU (reference kernels) there is nothing to compile."""
     device = torch.device(device)
     ops = torch.ops.dsv4
     first = {}  # one layer of each kind (its RoPE table)
@@ -95,6 +96,10 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
         ops.unpack_kv(window, none, rows, main_fmt)
         calls += 2
     if device.type == "cuda":
+        from dsv4ops.router.api import bind_cuda_kernel
+
+        # The router's CUDA kernels build and bind here rather than at a first call inside a capture.
+        bind_cuda_kernel("gate_topk", torch.cuda.get_device_capability(device))
         torch.cuda.synchronize(device)
     return calls
 

@@ -137,8 +137,11 @@ def pool_bytes(name: str, blocks: int, block_size: int, rows: dict, fill: int = 
 
 
 def decode(name: str, data: bytes, scales: bytes) -> list:
-    """The values a reader gets back from one row's bytes (V4.1 formats and fp8_132)."""
+    """The values a reader gets back from one row's bytes."""
     dim, _, _, _ = LAYOUT[name]
+    if name == "fp8_584":
+        nope = [e4m3_value(data[j]) * 2.0 ** (scales[j // 64] - 127) for j in range(448)]
+        return nope + [struct.unpack("<f", b"\0\0" + data[448 + 2 * j: 450 + 2 * j])[0] for j in range(64)]
     if name == "fp8_132":
         s = struct.unpack("<f", scales)[0]
         return [e4m3_value(c) * s for c in data]

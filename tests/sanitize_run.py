@@ -22,12 +22,12 @@ def main():
             manager.admit(1)
             with torch.no_grad():
                 # A prefill chunk that crosses t = 127 (HCA entry 0), then padded decode steps.
-                layer(torch.randn(160, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
-                      manager.prepare_step({0: 150, 1: 3}))
+                with manager.step({0: 150, 1: 3}) as step:
+                    layer(torch.randn(160, cfg.hidden_size, device="cuda", dtype=torch.bfloat16), step)
                 for _ in range(3):
-                    step = manager.prepare_step({0: 1, 1: 1})
-                    layer(torch.randn(step.positions.shape[0], cfg.hidden_size, device="cuda",
-                                      dtype=torch.bfloat16), step)
+                    with manager.step({0: 1, 1: 1}) as step:
+                        layer(torch.randn(step.positions.shape[0], cfg.hidden_size, device="cuda",
+                                          dtype=torch.bfloat16), step)
             torch.cuda.synchronize()
             print(f"sanitize: layer {li} ({layer.layer_type}), cache {mode}: ok", flush=True)
     from dsv4ops.router import modules

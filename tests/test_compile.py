@@ -38,6 +38,7 @@ def _op_lines(gm) -> str:
 
 @pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
 def test_serving_forward_is_one_graph_with_the_ops_in_order(kind):
+    torch._dynamo.reset()  # an earlier compile of the same forward changes the order of the lifted inputs
     layer, manager = _served(kind)
     manager.admit(0)
     backend = AotEagerAndRecordGraphs()
@@ -63,34 +64,34 @@ def test_serving_forward_is_one_graph_with_the_ops_in_order(kind):
         return
     if kind == SLIDING:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = arg8_1, req_slots = arg9_1, inv_freq = arg6_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_2, positions = arg8_1, req_slots = arg9_1, comp_idx = empty, comp_lens = zeros_like, sinks = arg10_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_4, positions = arg8_1, inv_freq = arg6_1, _out_base_index = 0, _all_bases = [empty_like_2])
-copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_2)""")
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg10_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg11_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_2, positions = where, req_slots = where_1, comp_idx = empty, comp_lens = zeros_like, sinks = arg12_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_4, positions = where, inv_freq = arg10_1, _out_base_index = 0, _all_bases = [empty_like_2])
+copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg11_1, getitem_2)""")
     elif kind == CSA:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = arg8_1, req_slots = arg9_1, inv_freq = arg6_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_3, score = mm_4, ape = arg14_1, positions = arg8_1, req_slots = arg9_1, entry_slots = arg16_1, norm_weight = arg15_1, inv_freq = arg6_1, eps = 1e-06, fmt = 'fp8_584', _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg10_1, arg11_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_5, score = mm_6, ape = arg21_1, positions = arg8_1, req_slots = arg9_1, entry_slots = arg16_1, norm_weight = arg22_1, inv_freq = arg6_1, eps = 1e-06, fmt = 'fp8_132', _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg17_1, arg18_1])
-auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_q_prep.default, q = view_1, weights = mm_8, positions = arg8_1, inv_freq = arg6_1, fmt = 'fp8_132', _q_out_base_index = 0, _w_out_base_index = 1, _all_bases = [empty_1, empty_2])
-auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_topk.default, q = getitem_10, weights = getitem_11, positions = arg8_1, req_slots = arg9_1, cache = getitem_8, block_table = arg26_1, cand = None, ratio = 4, cand_block = 0, fmt = 'fp8_132', _idx_out_base_index = 0, _cand_out_base_index = None, _workspace_base_index = 1, _all_bases = [empty_3, arg25_1])
-auto_functionalized_v2_5 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = arg8_1, req_slots = arg9_1, comp_idx = getitem_13, comp_lens = clamp, sinks = arg27_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
-auto_functionalized_v2_6 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_16, positions = arg8_1, inv_freq = arg6_1, _out_base_index = 0, _all_bases = [empty_like_2])
-copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_2)
-copy__1: "f32[2, 8, 2048]" = torch.ops.aten.copy_.default(arg10_1, getitem_4)
-copy__2: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg11_1, getitem_5)
-copy__3: "f32[2, 8, 512]" = torch.ops.aten.copy_.default(arg17_1, getitem_7)
-copy__4: "u8[6, 8448]" = torch.ops.aten.copy_.default(arg18_1, getitem_8)
-copy__5: "i32[2048]" = torch.ops.aten.copy_.default(arg25_1, getitem_14)""")
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg10_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg11_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_3, score = mm_4, ape = arg16_1, positions = where, req_slots = where_1, entry_slots = arg18_1, norm_weight = arg17_1, inv_freq = arg10_1, eps = 1e-06, fmt = 'fp8_584', _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg12_1, arg13_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_5, score = mm_6, ape = arg23_1, positions = where, req_slots = where_1, entry_slots = arg18_1, norm_weight = arg24_1, inv_freq = arg10_1, eps = 1e-06, fmt = 'fp8_132', _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg19_1, arg20_1])
+auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_q_prep.default, q = view_1, weights = mm_8, positions = where, inv_freq = arg10_1, fmt = 'fp8_132', _q_out_base_index = 0, _w_out_base_index = 1, _all_bases = [empty_1, empty_2])
+auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_topk.default, q = getitem_10, weights = getitem_11, positions = where, req_slots = where_1, cache = getitem_8, block_table = arg28_1, cand = None, ratio = 4, cand_block = 0, fmt = 'fp8_132', _idx_out_base_index = 0, _cand_out_base_index = None, _workspace_base_index = 1, _all_bases = [empty_3, arg27_1])
+auto_functionalized_v2_5 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_13, comp_lens = clamp_1, sinks = arg29_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
+auto_functionalized_v2_6 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_16, positions = where, inv_freq = arg10_1, _out_base_index = 0, _all_bases = [empty_like_2])
+copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg11_1, getitem_2)
+copy__1: "f32[2, 8, 2048]" = torch.ops.aten.copy_.default(arg12_1, getitem_4)
+copy__2: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg13_1, getitem_5)
+copy__3: "f32[2, 8, 512]" = torch.ops.aten.copy_.default(arg19_1, getitem_7)
+copy__4: "u8[6, 8448]" = torch.ops.aten.copy_.default(arg20_1, getitem_8)
+copy__5: "i32[2048]" = torch.ops.aten.copy_.default(arg27_1, getitem_14)""")
     else:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = arg8_1, req_slots = arg9_1, inv_freq = arg6_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_3, score = mm_4, ape = arg14_1, positions = arg8_1, req_slots = arg9_1, entry_slots = arg16_1, norm_weight = arg15_1, inv_freq = arg6_1, eps = 1e-06, fmt = 'fp8_584', _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg10_1, arg11_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = arg8_1, req_slots = arg9_1, comp_idx = where, comp_lens = clamp_1, sinks = arg18_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
-auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_7, positions = arg8_1, inv_freq = arg6_1, _out_base_index = 0, _all_bases = [empty_like_2])
-copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_2)
-copy__1: "f32[2, 128, 1024]" = torch.ops.aten.copy_.default(arg10_1, getitem_4)
-copy__2: "u8[3, 37440]" = torch.ops.aten.copy_.default(arg11_1, getitem_5)""")
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg10_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg11_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_3, score = mm_4, ape = arg16_1, positions = where, req_slots = where_1, entry_slots = arg18_1, norm_weight = arg17_1, inv_freq = arg10_1, eps = 1e-06, fmt = 'fp8_584', _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg12_1, arg13_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = where_2, comp_lens = clamp_2, sinks = arg20_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
+auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_7, positions = where, inv_freq = arg10_1, _out_base_index = 0, _all_bases = [empty_like_2])
+copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg11_1, getitem_2)
+copy__1: "f32[2, 128, 1024]" = torch.ops.aten.copy_.default(arg12_1, getitem_4)
+copy__2: "u8[3, 37440]" = torch.ops.aten.copy_.default(arg13_1, getitem_5)""")
 
 
 def test_no_recompile_across_decode_steps_crossing_block_boundaries():
@@ -101,12 +102,14 @@ def test_no_recompile_across_decode_steps_crossing_block_boundaries():
     counters.clear()
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
-        compiled(torch.randn(256, CFG.hidden_size), manager.prepare_step({0: 240, 1: 16}))
+        with manager.step({0: 240, 1: 16}) as step:
+            compiled(torch.randn(256, CFG.hidden_size), step)
         # Request 0 decodes positions 240..259: t = 255 closes CSA entry 63 and t = 259 opens
         # the second block of 64 entries (a new block id in the table); t = 255 also completes
         # HCA-sized windows. Same bucket each step (2 tokens padded to 2).
         for _ in range(20):
-            compiled(torch.randn(2, CFG.hidden_size), manager.prepare_step({0: 1, 1: 1}))
+            with manager.step({0: 1, 1: 1}) as step:
+                compiled(torch.randn(2, CFG.hidden_size), step)
     # One graph for the 256-token prefill bucket, one for the 2-token decode bucket, no recompile.
     assert counters["stats"]["unique_graphs"] == 2
     assert dict(counters["graph_break"]) == {}

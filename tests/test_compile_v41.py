@@ -56,8 +56,8 @@ def test_stack_serving_forward_is_one_graph_with_every_layer_in_order():
     torch._dynamo.reset()
     compiled = torch.compile(stack, backend=backend, fullgraph=True)
     with torch.no_grad():
-        step = manager.prepare_step({0: 48})
-        compiled(_padded(torch.randn(CFG.num_layers, 48, CFG.hidden_size), step), step)
+        with manager.step({0: 48}) as step:
+            compiled(_padded(torch.randn(CFG.num_layers, 48, CFG.hidden_size), step), step)
     assert len(backend.graphs) == 1 and len(backend.fw_graphs) == 1
     want = [op for i in range(CFG.num_layers) for op in _layer_ops(CFG.role(i))]
     assert _ops(backend.fw_graphs[0]) == want
@@ -79,12 +79,14 @@ def test_no_recompile_across_decode_steps_crossing_blocks_groups_and_the_pool():
     counters.clear()
     compiled = torch.compile(stack, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
-        compiled(torch.randn(CFG.num_layers, 64, CFG.hidden_size), manager.prepare_step({0: 40, 1: 24}))
+        with manager.step({0: 40, 1: 24}) as step:
+            compiled(torch.randn(CFG.num_layers, 64, CFG.hidden_size), step)
         # Request 0 decodes positions 40..47: ratio-2 groups close every other step, new blocks of 7
         # entries open (ratio 1: entry 42; ratio 2: entry 21 at position 43), the pool keeps pruning
         # (> 16 entries); the same 2-token bucket each step.
         for _ in range(8):
-            compiled(torch.randn(CFG.num_layers, 2, CFG.hidden_size), manager.prepare_step({0: 1, 1: 1}))
+            with manager.step({0: 1, 1: 1}) as step:
+                compiled(torch.randn(CFG.num_layers, 2, CFG.hidden_size), step)
     assert counters["stats"]["unique_graphs"] == 2
     assert dict(counters["graph_break"]) == {}
 
@@ -101,9 +103,9 @@ def test_inductor_cpu_matches_the_oracle():
     done = 0
     with torch.no_grad():
         for n in (32, 4, 1, 1, 1, 1):
-            step = manager.prepare_step({0: n})
             published = {}
-            outs.append(compiled(_padded(x[:, done:done + n], step), step, published)[:, :n])
+            with manager.step({0: n}) as step:
+                outs.append(compiled(_padded(x[:, done:done + n], step), step, published)[:, :n])
             for L in topk:
                 topk[L].append(slots_to_entries(published["topk", L][:n], step.block_table(CFG.role(L).ratio)[0], 7))
             pools.append(published["pool"][:n].long())
@@ -133,11 +135,12 @@ def test_compiled_equals_eager_bit_for_bit_with_the_aot_eager_backend():
         with torch.no_grad():
             ys = []
             for a, b in ((0, 32), (32, 40)):
-                step = manager.prepare_step({0: b - a})
-                ys.append(fn(_padded(x[:, a:b], step), step)[:, : b - a])
+                with manager.step({0: b - a}) as step:
+                    ys.append(fn(_padded(x[:, a:b], step), step)[:, : b - a])
             y = torch.cat(ys, 1)
-        # Every pool (not the indexers' scratch, which holds no state).
-        runs.append((y, {k: v.clone() for k, v in stack.cache.named_buffers() if k != "topk_workspace"}))
+        # Every pool and state (not the slot generations, nor the indexers' scratch).
+        runs.append((y, {k: v.clone() for k, v in stack.cache.named_buffers()
+                         if k not in ("generations", "topk_workspace")}))
     (y0, p0), (y1, p1) = runs
     assert testing.bytes_equal(y0, y1)
     assert all(testing.bytes_equal(p0[k], p1[k]) for k in p0)

@@ -6,7 +6,7 @@ the error of the oracle's own fp32 run against its fp64 run. Issue 3."""
 import pytest
 import torch
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
+from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
 
 # 260 tokens: past the 128-token window, two HCA entries (t = 127, 255), 65 CSA entries (t = 3 mod 4).
 # Batch 2: two requests share the pools. "csa-all" selects every visible entry (index_topk 128 >= 65,
@@ -24,9 +24,11 @@ def test_layer_equals_the_oracle(layer, numerics):
     mode = NUMERICS[numerics]
     module = testing.randomize_(DeepseekV4Attention(cfg, layer_idx, mode), seed=layer_idx)
     x = torch.randn(*SHAPE, cfg.hidden_size)
-    params = {k: v.detach() for k, v in module.named_parameters()}
-    with torch.no_grad():
+    with torch.no_grad(), testing.recorded_selections() as log:
         y = module(x)
-        lowp = reference.attention(params, cfg, layer_idx, x, mode)
-        y64 = reference.attention({k: v.double() for k, v in params.items()}, cfg, layer_idx, x.double(), mode)
-    testing.assert_close_to_ref(y, y64, lowp, what=f"{layer} {numerics}")
+    # With a real selection ("csa-top16") the layer's top-k and the oracle's may differ where two
+    # entries' scores lie within rounding error: the selection is checked against the oracle's
+    # scores, and the output against the oracle fed the layer's own selection.
+    selection = log[0].view(*SHAPE, -1) if log else [None] * SHAPE[0]
+    for b in range(SHAPE[0]):
+        testing.assert_matches_oracle(module, x[b], y[b], selection[b], what=f"{layer} {numerics} row {b}")

@@ -63,13 +63,13 @@ def _run(model, manager, inputs, compiled_fn=None):
     for r in range(len(LENGTHS)):
         manager.admit(r)
     for new in _steps():
-        step = manager.prepare_step(new)
-        rows = [inputs[r][done[r]:done[r] + n] for r, n in new.items()]
-        x = torch.cat(rows)
-        x = torch.cat([x, x.new_zeros(step.positions.shape[0] - x.shape[0], x.shape[1])])
-        if compiled_fn is not None:
-            torch.compiler.cudagraph_mark_step_begin()
-        y = fn(x, step).clone()
+        with manager.step(new) as step:
+            rows = [inputs[r][done[r]:done[r] + n] for r, n in new.items()]
+            x = torch.cat(rows)
+            x = torch.cat([x, x.new_zeros(step.positions.shape[0] - x.shape[0], x.shape[1])])
+            if compiled_fn is not None:
+                torch.compiler.cudagraph_mark_step_begin()
+            y = fn(x, step).clone()
         i = 0
         for r, n in new.items():
             outs[r].append(y[i:i + n])

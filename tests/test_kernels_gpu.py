@@ -559,6 +559,8 @@ def test_layers_capture_in_cuda_graphs_after_warmup(mode):
         manager.admit(r)
     with torch.no_grad():
         for new in ({0: 40, 1: 9, 2: 3}, {0: 1, 1: 1, 2: 1}):  # a prefill step, then a decode step
+            if manager.open_step is not None:
+                manager.commit(manager.open_step)
             step = manager.prepare_step(new)
             x = torch.randn(step.positions.shape[0], cfg.hidden_size, device="cuda").bfloat16()
             eager = [layer(x, step) for layer in layers]

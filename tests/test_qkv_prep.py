@@ -6,9 +6,9 @@ from functools import partial
 import pytest
 import torch
 
+import format_model as M
 from dsv4ops import testing as T
-from dsv4ops.quant.reference import pack_kv
-from dsv4ops.reference.functional import apply_rope, head_rms_norm, rope_angles
+from dsv4ops.quant.api import pool_slots, unpack_kv
 from dsv4ops.testing import FP8
 
 BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
@@ -16,18 +16,33 @@ BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
 RUNS = ((0, 5, 3), (1, 9, 2))
 
 
-def _expected(args: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """q_out and the pool from the reference primitives: RoPE(head RMSNorm(q)) (RoPE(q) without
-    q_norm); RoPE(kv) packed at req * ring + position % ring for the live tokens, into a copy of the
-    pool."""
-    q, kv, pos, req, ring = args["q"], args["kv"], args["positions"], args["req_slots"], args["ring_size"]
-    cos, sin = rope_angles(pos, args["inv_freq"], q.dtype)
-    q_out = apply_rope(head_rms_norm(q, args["eps"]) if args["q_norm"] else q, cos[:, None], sin[:, None])
-    live = req >= 0
-    slots = (req.long() * ring + pos.long() % ring)[live].to(I32)
-    pool = args["window_cache"].clone()
-    pack_kv(apply_rope(kv, cos, sin)[live], slots, pool, args["window_fmt"])
-    return q_out, pool
+def _independent(args: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, the live tokens' stored kv rows) written out here: weightless per-head RMS norm with
+    transformers' rounding (the fp32 rsqrt cast to q's dtype, the product rounded to it; V4.1: no
+    norm), RoPE; the rows as the pool stores them (byte formats: the plain-Python format model). In
+    `dtype` (fp64: the budget's reference, unquantized)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    q, kv, pos = args["q"].to(dtype), args["kv"].to(dtype), args["positions"]
+    if args["q_norm"]:
+        q = q * torch.rsqrt(q.to(acc).square().mean(-1, keepdim=True) + args["eps"]).to(dtype)
+    q_out = T.complex_rope(q, pos, args["inv_freq"])
+    rows = T.complex_rope(kv, pos, args["inv_freq"])[args["req_slots"] >= 0]
+    fmt = args["window_fmt"]
+    if dtype != torch.float64:
+        if fmt == "exact":
+            rows = rows.to(args["window_cache"].dtype).to(dtype)
+        else:
+            rows = torch.tensor([M.roundtrip(fmt, r.tolist()) for r in rows.float()], dtype=dtype)
+    return q_out, rows
+
+
+def _stored(args: dict, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows of the live tokens' window slots, which pool slots hold anything)."""
+    pool, fmt = args["window_cache"], args["window_fmt"]
+    every = unpack_kv(pool, torch.arange(pool_slots(pool, fmt), dtype=I32), dim, torch.float32, fmt)
+    live = args["req_slots"] >= 0
+    slots = (args["req_slots"].long() * args["ring_size"] + args["positions"].long() % args["ring_size"])[live]
+    return every[slots], ~every.isnan().any(1)
 
 
 @pytest.mark.parametrize("dtype,fmt,q_norm", [(FP32, FP32, True), (BF16, BF16, True), (BF16, FP8, True),
@@ -37,10 +52,15 @@ def test_writes_q_out_and_the_live_tokens_window_slots(dtype, fmt, q_norm):
     args = T.qkv_prep_args(dtype, fmt, runs=RUNS, pad=2, noncontig=dtype == FP32, q_norm=q_norm)
     args["window_cache"].fill_(255 if args["window_cache"].dtype == torch.uint8 else float("nan"))  # poison
     args["q_out"].fill_(float("nan"))
-    q_out, pool = _expected(args)
     T.call_op("qkv_prep", args)
-    assert T.bytes_equal(args["q_out"], q_out)  # every row written, padding rows included
-    assert T.bytes_equal(args["window_cache"], pool)  # live slots only; everything else still poison
+    dim = args["q"].shape[-1]
+    q64, rows64 = _independent(args, torch.float64)
+    q_lowp, rows_lowp = _independent(args, dtype)
+    T.assert_close_to_ref(args["q_out"], q64, q_lowp, what="q_out")  # every row, padding rows included
+    rows, written = _stored(args, dim)
+    T.assert_close_to_ref(rows, rows64, rows_lowp, what="window rows")
+    # Live slots only (5 and 6, 7 of request 0; 8 + 1, 8 + 2 of request 1); everything else still poison.
+    assert written.nonzero().flatten().tolist() == [5, 6, 7, 9, 10]
 
 
 def test_q_norm_flag_is_the_only_difference_between_v4_and_v41_queries():
@@ -57,10 +77,11 @@ def test_q_norm_flag_is_the_only_difference_between_v4_and_v41_queries():
 
 def test_public_function_returns_q_out():
     args = T.qkv_prep_args(BF16, FP8, runs=RUNS, pad=1, noncontig=True)
-    q_out, pool = _expected(args)
+    same = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     out = T.call_public("qkv_prep", args)
-    assert out.is_contiguous() and T.bytes_equal(out, q_out)
-    assert T.bytes_equal(args["window_cache"], pool)
+    T.call_op("qkv_prep", same)  # the same kernel on the same inputs: bit for bit
+    assert out.is_contiguous() and T.bytes_equal(out, same["q_out"])
+    assert T.bytes_equal(args["window_cache"], same["window_cache"])
 
 
 def test_padding_tokens_write_nothing():
@@ -68,7 +89,7 @@ def test_padding_tokens_write_nothing():
     before = args["window_cache"].clone()
     q_out = T.call_public("qkv_prep", args)
     assert T.bytes_equal(args["window_cache"], before)
-    assert torch.equal(q_out, _expected(args)[0])
+    T.assert_close_to_ref(q_out, _independent(args, torch.float64)[0], _independent(args, FP32)[0])
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------

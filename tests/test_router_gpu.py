@@ -270,3 +270,28 @@ def test_compile_reduce_overhead_has_no_cudagraph_skips():
             ids = torch.randint(0, 1000, (tokens,), device="cuda")
             check_modules(router, hash_router, x, ids, [t.clone() for t in compiled(x, ids)])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def test_first_compiled_call_binds_the_cuda_kernels():
+    """A fresh process: tracing binds nothing (fakes have no side effects); the compiled graph's
+    first run reaches the op's reference body with CUDA tensors, which binds the csrc/ kernels and
+    runs on them (never silently on the reference)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dsv4ops\n"
+        "from dsv4ops import DeepseekV4Router, DSV4AttentionConfig\n"
+        "has = lambda: torch._C._dispatch_has_kernel_for_dispatch_key('dsv4::gate_topk', 'CUDA')\n"
+        "router = DeepseekV4Router(DSV4AttentionConfig.tiny()).cuda()\n"
+        "compiled = torch.compile(router, fullgraph=True)\n"
+        "x = torch.randn(100, 256, device='cuda')\n"
+        "assert not has()\n"
+        "with torch.no_grad():\n"
+        "    out = compiled(x)\n"
+        "assert has(), 'the first compiled run did not bind the CUDA kernels'\n"
+        "with torch.no_grad():\n"
+        "    ref = router(x)\n"
+        "assert torch.equal(out[2], ref[2])\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,28 +21,34 @@ LENGTHS = {"a": 260, "b": 131, "c": 9}
 MODES = {"bf16": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
 
 
-def _setup(kind, mode, max_step_tokens=400, seed=0, device="cpu", dtype=torch.float32, **capacity):
+def _setup(kind, mode, max_step_tokens=400, seed=0, device="cpu", dtype=torch.float32, cfg=CFG, **capacity):
     li = LAYER[kind]
     numerics = MODES[mode]
-    layer = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li).to(device, dtype)
+    layer = testing.randomize_(DeepseekV4Attention(cfg, li, numerics=numerics), seed=li).to(device, dtype)
     cache_cfg = CacheConfig(
         max_requests=4, max_context=272, max_step_tokens=max_step_tokens, kv_cache=mode, indexer_cache=mode,
         exact_dtype=torch.float32, **capacity,
     )
-    manager = KVCacheManager(CFG, cache_cfg, device=device)
+    manager = KVCacheManager(cfg, cache_cfg, device=device)
     layer.attach_cache(manager)
     g = torch.Generator().manual_seed(seed)
-    inputs = {rid: torch.randn(n, CFG.hidden_size, generator=g).to(device, dtype) for rid, n in LENGTHS.items()}
+    inputs = {rid: torch.randn(n, cfg.hidden_size, generator=g).to(device, dtype) for rid, n in LENGTHS.items()}
     return layer, manager, inputs
 
 
 def _check_against_stateless(layer, inputs, outs, mode):
-    params = dict(layer.named_parameters())
+    """Each request's outputs against the fp64 oracle; budget: the oracle's fp32 run and, in FP8
+    modes, its rounding twins (a chunked or decode schedule computes the values it quantizes in
+    another summation order, so a value at a bf16 / e4m3 boundary may round the other way)."""
+    params = {k: v.detach() for k, v in layer.named_parameters()}
     p64 = {k: v.double() for k, v in params.items()}
     for rid, x in inputs.items():
-        ref32 = reference.attention(params, CFG, layer.layer_idx, x[None], MODES[mode])[0]
-        ref64 = reference.attention(p64, CFG, layer.layer_idx, x[None].double(), MODES[mode])[0]
-        testing.assert_close_to_ref(outs[rid], ref64, ref32, what=f"request {rid}")
+        with torch.no_grad():
+            ref32 = reference.attention(params, CFG, layer.layer_idx, x[None], MODES[mode])[0]
+            run64 = lambda: reference.attention(p64, CFG, layer.layer_idx, x[None].double(), MODES[mode])[0]  # noqa: E731
+            ref64 = run64()
+            twins = testing.rounding_twins(run64) if mode == "fp8" else []
+        testing.assert_close_to_ref(outs[rid], ref64, [ref32, *twins], what=f"request {rid}")
 
 
 def _one_shot():
@@ -93,10 +99,39 @@ def test_serving_equals_stateless(kind, mode, schedule):
     _check_against_stateless(layer, inputs, outs, mode)
 
 
+# ---- real selection: the indexer picks index_topk = 8 of up to 65 visible entries --------------------
+SELECTING = DSV4AttentionConfig.tiny(index_topk=8)
+
+
+@pytest.mark.parametrize("schedule, compiled", [("chunked", False), ("decode", False), ("chunked", True)],
+                         ids=["chunked", "decode", "chunked-compiled"])  # compiled decode: CI time
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_serving_with_real_selection_equals_the_oracle(mode, schedule, compiled):
+    """Chunked prefill or token-by-token decode, after a request that released its slot (so "a"
+    reuses slot 0 and its blocks), with the indexer selecting 8 of up to 65 entries: each token's
+    selection is a top-8 of the oracle's scores (up to rounding), and each output equals the oracle
+    fed that selection. The indexer's compressor state carries across steps, so a lost or wiped
+    state row changes the selection."""
+    torch._dynamo.reset()
+    layer, manager, inputs = _setup(CSA, mode, cfg=SELECTING)
+    fn = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+    with torch.no_grad():
+        testing.serve_schedule(fn, manager, {"c": inputs["c"]}, [{"c": 9}])
+        manager.release("c")
+        sel = {}
+        outs = testing.serve_schedule(fn, manager, {r: inputs[r] for r in ("a", "b")},
+                                      [{r: n for r, n in step.items() if r != "c"} for step in SCHEDULES[schedule]()
+                                       if set(step) - {"c"}], selections=sel)
+    assert manager.slot_of["a"] == 0  # c's released slot, reused
+    for rid in ("a", "b"):
+        testing.assert_matches_oracle(layer, inputs[rid], outs[rid], sel[rid], what=f"request {rid}")
+
+
 def _pool_bytes(layer):
-    """Every pool of the layer's cache (not the indexer's scratch, which holds no state)."""
+    """Every pool and state of the layer's cache, as bytes (not the slot generations, bookkeeping,
+    nor the indexer's top-k scratch, which holds no state)."""
     return {name: buf.clone().view(torch.uint8) for name, buf in layer.cache.named_buffers()
-            if name != "topk_workspace"}
+            if name not in ("generations", "topk_workspace")}
 
 
 @pytest.mark.parametrize("kind", [CSA, HCA])
@@ -201,7 +236,7 @@ def test_full_cache_and_released_requests_are_rejected():
     with pytest.raises(CacheFullError, match=f"prepare_step: the {CSA} pool needs 1 more blocks, 0 are free"):
         manager.prepare_step({"d": 4})  # entry 64 opens a second block for d
     _assert_same(before, _snapshot(manager, layer))
-    manager.prepare_step({"d": 3})  # still inside d's first block: fine
+    manager.commit(manager.prepare_step({"d": 3}))  # still inside d's first block: fine
     manager.release("d")
     with pytest.raises(KeyError, match="request_id: 'd' is not admitted"):
         manager.prepare_step({"d": 1})
@@ -232,3 +267,69 @@ def test_memory_accounting_matches_the_allocated_pools():
     flash = memory(DSV4AttentionConfig.flash(), CacheConfig(max_requests=1, max_context=1 << 20, max_step_tokens=1))
     # Spec 5.5: 3850 B/token for Flash with FP8 indexer keys (584-B entries; we count the 1-B page pad).
     assert abs(flash["bytes_per_token"] - 3850) < 0.01 * 3850
+
+
+# ---- clear errors (issue 10) --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        ({"a": 1.5}, TypeError, r"new_tokens\['a'\]: expected an int token count, got float 1.5"),
+        ({"a": "3"}, TypeError, r"new_tokens\['a'\]: expected an int token count, got str '3'"),
+        ({"a": True}, TypeError, r"new_tokens\['a'\]: expected an int token count, got bool True"),
+        (["a"], TypeError, r"new_tokens: expected a mapping \{request_id: token count\}, got list"),
+        ({}, ValueError, r"new_tokens: expected at least one request, got an empty mapping"),
+    ],
+    ids=["float", "str", "bool", "list", "empty"],
+)
+def test_prepare_step_rejects_bad_token_counts(bad, error, match):
+    _, manager, _ = _setup(CSA, "bf16")
+    manager.admit("a")
+    with pytest.raises(error, match=match):
+        manager.prepare_step(bad)
+    assert manager.open_step is None and manager.length == {"a": 0}
+
+
+def test_serving_forward_needs_an_attached_cache():
+    layer = DeepseekV4Attention(CFG, 1)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, kv_cache="bf16",
+                                              indexer_cache="bf16"))
+    manager.admit(0)
+    with pytest.raises(RuntimeError, match=r"DeepseekV4Attention\(layer 1\): no cache attached; call "
+                                           r"layer.attach_cache\(manager\)"), manager.step({0: 8}) as step:
+        layer(torch.randn(8, CFG.hidden_size), step)
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (DSV4AttentionConfig.tiny(compress_ratios=(0, 0, 0, 0)),
+         r"manager: built for a model with compress_ratios \(0, 0, 0, 0\), the layer's config has \(0, 4, 128, 4\)"),
+        (DSV4AttentionConfig.tiny(window=64), r"manager: built for a model with window 64, the layer's config has 128"),
+    ],
+    ids=["layer-types", "window"],
+)
+def test_attach_cache_rejects_a_manager_of_another_model(model, match):
+    layer = DeepseekV4Attention(CFG, 1)
+    manager = KVCacheManager(model, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, kv_cache="bf16",
+                                                indexer_cache="bf16"))
+    with pytest.raises(ValueError, match=match):
+        layer.attach_cache(manager)
+    with pytest.raises(TypeError, match=r"manager: expected a dsv4ops.cache.KVCacheManager, got CacheConfig"):
+        layer.attach_cache(manager.cfg)
+
+
+@pytest.mark.parametrize(
+    "capacity, error, match",
+    [
+        (dict(max_total_tokens=-5), ValueError, r"max_total_tokens: expected >= 1, got -5"),
+        (dict(buckets=(0, 8)), ValueError, r"buckets: expected token counts >= 1, got \(0, 8\)"),
+        (dict(max_request_step_tokens=0), ValueError, r"max_request_step_tokens: expected >= 1, got 0"),
+        (dict(max_context=16.0), TypeError, r"max_context: expected an int, got float 16.0"),
+        (dict(exact_dtype=torch.int32), ValueError, r"exact_dtype: expected a float torch.dtype, got torch.int32"),
+    ],
+    ids=["max_total_tokens", "buckets", "max_request_step_tokens", "float-context", "exact_dtype"],
+)
+def test_cache_config_rejects_bad_capacity(capacity, error, match):
+    base = dict(max_requests=2, max_context=16, max_step_tokens=8)
+    with pytest.raises(error, match=match):
+        CacheConfig(**(base | capacity))

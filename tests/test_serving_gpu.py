@@ -8,7 +8,7 @@ and an fp32 run's does not (seen: 1.9e-5 against a 4.2e-6 fp32 budget)."""
 
 import pytest
 import torch
-from test_serving import LENGTHS, MODES, SCHEDULES, _check_against_stateless, _random_chunks, _setup
+from test_serving import LENGTHS, MODES, SCHEDULES, _check_against_stateless, _pool_bytes, _random_chunks, _setup
 
 from dsv4ops import testing
 from dsv4ops.config import CSA, HCA, SLIDING
@@ -35,7 +35,7 @@ def test_padding_tokens_change_nothing_on_cuda(kind):
         layer, manager, inputs = _setup(kind, "fp8", buckets=(400,), device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             outs = testing.serve_schedule(layer, manager, inputs, steps, garbage=garbage)
-        runs.append((outs, {n: b.clone().view(torch.uint8) for n, b in layer.cache.named_buffers()}))
+        runs.append((outs, _pool_bytes(layer)))
     (o1, p1), (o2, p2) = runs
     for rid in LENGTHS:
         assert torch.equal(o1[rid], o2[rid]), rid

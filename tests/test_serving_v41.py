@@ -141,9 +141,10 @@ def test_the_candidate_pool_prunes_and_the_reindex_layer_picks_inside_it():
 
 
 def _pool_bytes(stack):
-    """Every pool of the stack's cache (not the indexers' scratch, which holds no state)."""
+    """Every pool and state of the stack's cache (not the slot generations, bookkeeping, nor the
+    indexers' scratch, which holds no state)."""
     return {name: buf.clone().view(torch.uint8) for name, buf in stack.cache.named_buffers()
-            if name != "topk_workspace"}
+            if name not in ("generations", "topk_workspace")}
 
 
 def test_padding_tokens_change_nothing():
@@ -183,6 +184,77 @@ def test_a_reader_whose_source_has_not_run_raises():
         stack.layers[2](x[2], step, stack.cache, shared)
     with torch.no_grad(), pytest.raises(RuntimeError, match="layer 7 scores inside the candidate pool of layer 5"):
         stack.layers[7](x[7], step, stack.cache, shared)
+
+
+# ---- the step lifecycle (KVCacheManager's, shared with V4: tests/test_step_lifecycle.py) --------
+def _states(stack):
+    return {name: getattr(stack.cache, name).clone() for name, *_ in stack.cache.state_rings}
+
+
+def test_an_aborted_step_is_rolled_back_and_the_request_continues():
+    """A 33-token chunk from position 21 wraps the ratio-2 sources' 2-row state rings while its
+    first token's group still pools position 20 from before the step (so their rows are backed
+    up); its forward writes every cache, then the step is aborted: states, tables and lengths are
+    restored, and the same chunk again plus decode equals the oracle."""
+    stack, manager, inputs = _setup("exact")
+    x = inputs["a"][:, :60]
+    with torch.no_grad():
+        first = serve_schedule(stack, manager, {"a": x}, [{"a": 21}])
+        states, tables = _states(stack), {k: t.clone() for k, t in manager.tables.items()}
+        assert len(states) == 2  # the two ratio-2 sources
+        step = manager.prepare_step({"a": 33})
+        stack(torch.cat([x[:, 21:54], x.new_zeros(CFG.num_layers, step.positions.shape[0] - 33, CFG.hidden_size)], 1),
+              step)
+        assert any(not testing.bytes_equal(t, states[n]) for n, t in _states(stack).items())  # the forward wrote
+        manager.abort(step)
+        assert all(testing.bytes_equal(t, states[n]) for n, t in _states(stack).items())
+        assert all(torch.equal(t, tables[k]) for k, t in manager.tables.items()) and manager.length["a"] == 21
+        rest = serve_schedule(stack, manager, {"a": x[:, 21:]}, [{"a": 33}] + [{"a": 1}] * 6)
+    outs = {"a": torch.cat([first[0]["a"], rest[0]["a"]], 1)}
+    topk = {"a": {L: torch.cat([first[1]["a"][L], rest[1]["a"][L]]) for L in first[1]["a"]}}
+    pools = {"a": {L: torch.cat([first[2]["a"][L], rest[2]["a"][L]]) for L in first[2]["a"]}}
+    _check_against_oracle(stack, "exact", {"a": x}, outs, topk, pools)
+
+
+def test_eager_forward_rejects_foreign_stale_and_closed_steps():
+    stack, manager, _ = _setup("exact")
+    other = V41CacheManager(CFG, manager.cfg, NUMERICS["exact"])
+    for m in (manager, other):
+        m.admit("a")
+    xs = torch.randn(CFG.num_layers, 8, CFG.hidden_size)
+    before = _pool_bytes(stack)
+    with torch.no_grad():
+        with other.step({"a": 8}) as foreign, pytest.raises(ValueError, match=r"step: planned by \w+ \d+, but this"):
+            stack(xs, foreign)
+        step = manager.prepare_step({"a": 8})
+        manager.release("a")
+        with pytest.raises(ValueError, match=r"request 'a' \(slot 0\) was released or re-admitted"):
+            stack(xs, step)
+        manager.abort(step)
+        manager.admit("a")
+        with manager.step({"a": 8}) as step, pytest.raises(ValueError, match=r"expected 8 rows"):
+            stack(xs[:, :7], step)
+        with pytest.raises(ValueError, match=r"step: step \d+ is closed"):
+            stack(xs, step)
+    after = _pool_bytes(stack)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_compiled_forward_masks_a_stale_step():
+    """Compiled, a stale step cannot raise (no sync): its tokens become padding on the device,
+    nothing is written and every row is 0."""
+    torch._dynamo.reset()
+    stack, manager, _ = _setup("exact")
+    manager.admit("a")
+    compiled = torch.compile(stack, backend="aot_eager", fullgraph=True)
+    step = manager.prepare_step({"a": 8})
+    manager.release("a")
+    before = _pool_bytes(stack)
+    with torch.no_grad():
+        y = compiled(torch.randn(CFG.num_layers, 8, CFG.hidden_size), step)
+    after = _pool_bytes(stack)
+    assert (y == 0).all() and all(torch.equal(before[k], after[k]) for k in before)
+    manager.abort(step)
 
 
 # ---- capacity and bad steps: raised before any kernel, nothing changes --------------------------

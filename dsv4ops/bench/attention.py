@@ -107,7 +107,7 @@ class Case:
             self.idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
         else:
             self.idx = visible_entries(st, cfg.hca_ratio, self.manager.cfg.block_size)
-        self.lens = visible_counts(st, ratio).clamp(max=self.idx.shape[1])
+        self.lens = visible_counts(st.positions, st.req_slots, ratio).clamp(max=self.idx.shape[1])
 
     # ---- the ops of one step, each a closure over this case's buffers ----------------------------
     def op_calls(self) -> dict:
@@ -221,6 +221,7 @@ def _flashmla_us(case: Case) -> float | None:
     return None if fn is None else graph_time_us(fn)
 
 
+@torch.no_grad()  # inference kernels: no autograd graph (the ops have no backward)
 def bench_case(case: Case, with_reference: bool) -> list[dict]:
     rows = []
     for op, call in case.op_calls().items():

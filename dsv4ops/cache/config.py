@@ -51,16 +51,28 @@ class CacheConfig:
     buckets: tuple[int, ...] = field(default=())
 
     def __post_init__(self):
-        for name in ("max_requests", "max_context", "max_step_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        for name in ("max_requests", "max_context", "max_step_tokens", "block_size", "max_request_step_tokens",
+                     "max_total_tokens"):
+            value = getattr(self, name)
+            if value is None and name in ("max_request_step_tokens", "max_total_tokens"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+            if value < 1:
+                raise ValueError(f"{name}: expected >= 1, got {value}")
         for name in ("kv_cache", "indexer_cache"):
             if getattr(self, name) not in CACHE_MODES:
                 raise ValueError(f"{name}: expected one of {CACHE_MODES}, got {getattr(self, name)!r}")
+        if not isinstance(self.exact_dtype, torch.dtype) or not self.exact_dtype.is_floating_point:
+            raise ValueError(f"exact_dtype: expected a float torch.dtype, got {self.exact_dtype!r}")
         if not self.buckets:
             object.__setattr__(self, "buckets", _default_buckets(self.max_step_tokens))
-        if max(self.buckets) < self.max_step_tokens:
-            raise ValueError(f"buckets: the largest must be >= max_step_tokens ({self.max_step_tokens}), got {self.buckets}")
+        buckets = tuple(self.buckets)
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"buckets: expected token counts >= 1, got {buckets}")
+        if max(buckets) < self.max_step_tokens:
+            raise ValueError(f"buckets: the largest must be >= max_step_tokens ({self.max_step_tokens}), got {buckets}")
+        object.__setattr__(self, "buckets", buckets)
 
     @property
     def request_step_tokens(self) -> int:

@@ -1,15 +1,30 @@
-"""Host-side bookkeeping between steps: request slots, block allocation, and `prepare_step`, which
-checks every value before anything is allocated and returns the step's device metadata."""
+"""Host-side bookkeeping between steps: request slots and their generations, block allocation, and
+the step lifecycle (plan -> forward -> commit, or abort), with every value checked before anything
+changes."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import operator
+import weakref
 from collections.abc import Mapping
 
 import torch
 
 from dsv4ops.cache.config import CacheConfig, blocks_per_request, pool_blocks, topk_workspace_words
-from dsv4ops.cache.step import StepMeta
+from dsv4ops.cache.step import PlannedRequest, StepMeta, StepOrigin
 from dsv4ops.config import CSA, HCA, DSV4AttentionConfig
+
+# Process-wide counters: manager ids, and generations, so that no two (slot, generation) pairs of
+# any two managers are equal and a step of one manager never passes another's device check.
+_MANAGER_IDS = itertools.count(1)
+_GENERATIONS = itertools.count(1)
+_INT32_MAX = 2**31 - 1
+
+
+def _next_generation() -> int:
+    return next(_GENERATIONS) % _INT32_MAX
 
 
 class CacheFullError(RuntimeError):
@@ -31,20 +46,55 @@ class BlockAllocator:
         self.free.sort(reverse=True)
 
 
+class _OpenStep:
+    """What abort needs to undo a planned step: the blocks it took (kind -> [(slot, block index in
+    the slot's table row, block id)]) and copies of the compressor-state rows it may overwrite."""
+
+    def __init__(self, step: StepMeta, taken: dict, backups: list):
+        self.step, self.taken, self.backups = step, taken, backups
+
+
 class KVCacheManager:
     """Request admission and release with slot reuse, the compressed pools' block tables, and the
-    step planner, for every layer of `model` that is given this manager's cache."""
+    step lifecycle, for every layer of `model` given this manager's cache (`layer.attach_cache`).
+
+    Lifecycle: `with manager.step({request: tokens, ...}) as step: y = model(x, step)` plans the
+    step, commits it when the block ends normally and aborts it when the block raises. Or by hand:
+    `step = manager.prepare_step(...)`, then `manager.commit(step)` or `manager.abort(step)`. One
+    step is open at a time: planning another before committing or aborting raises, so a failed
+    forward can never be built upon. Lengths move only at commit; abort restores block tables, free
+    lists and the compressor-state rows a long chunk may have overwritten (the window ring and the
+    compressed pools need nothing: a step only writes ring slots of positions that left every
+    window, and entries past the committed length)."""
 
     def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None):
+        if not isinstance(cfg, CacheConfig):
+            raise TypeError(f"cfg: expected a CacheConfig, got {type(cfg).__name__}")
         self.model, self.cfg, self.device = model, cfg, torch.device(device or "cpu")
+        self.id = next(_MANAGER_IDS)
         self.ratios, kinds = self._compressed_pools(model)
         self.widths = {k: (blocks_per_request(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
         self.allocators = {k: BlockAllocator(pool_blocks(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
         self.tables = {k: torch.full((cfg.max_requests, w), -1, dtype=torch.int32) for k, w in self.widths.items()}
         self.free_slots = list(range(cfg.max_requests - 1, -1, -1))
-        self._topk_workspace: dict[torch.device, torch.Tensor] = {}
         self.slot_of: dict[object, int] = {}
         self.length: dict[object, int] = {}
+        self.generation = [_next_generation() for _ in range(cfg.max_requests)]
+        self._caches: weakref.WeakSet = weakref.WeakSet()
+        self._open: _OpenStep | None = None
+        self._steps = itertools.count(1)
+        self._topk_workspace: dict[torch.device, torch.Tensor] = {}
+
+    def _compressed_pools(self, model) -> tuple[dict, set]:
+        """({pool group: ratio}, the groups the model has): the compressed pools whose blocks this
+        manager allocates, one block table per group (V4: one group per layer kind)."""
+        kinds = {model.layer_type(i) for i in range(model.num_layers)}
+        return {CSA: model.csa_ratio, HCA: model.hca_ratio}, kinds
+
+    def _step_meta(self, pos: torch.Tensor, req: torch.Tensor, entries: dict, gens: torch.Tensor) -> StepMeta:
+        """The step's metadata (host tensors) from its positions, request slots, entry slots per
+        group and request generations."""
+        return StepMeta(pos, req, entries[CSA], entries[HCA], self.tables[CSA].clone(), self.tables[HCA].clone(), gens)
 
     def topk_workspace(self, device) -> torch.Tensor:
         """The indexer top-k scratch every CSA layer attached to this manager shares on `device`
@@ -55,23 +105,41 @@ class KVCacheManager:
                                                        device=device)
         return self._topk_workspace[device]
 
-    def _compressed_pools(self, model) -> tuple[dict, set]:
-        """({pool group: ratio}, the groups the model has): the compressed pools whose blocks this
-        manager allocates, one block table per group (V4: one group per layer kind)."""
-        kinds = {model.layer_type(i) for i in range(model.num_layers)}
-        return {CSA: model.csa_ratio, HCA: model.hca_ratio}, kinds
+    # ---- layers ---------------------------------------------------------------------------------
+    def attach(self, cache) -> None:
+        """Register a layer's LayerCache (done by `layer.attach_cache`): abort restores its
+        compressor states, and its `generations` buffer follows the slots' generations."""
+        self._caches.add(cache)
+        cache.generations.copy_(torch.tensor(self.generation, dtype=torch.int32))
+
+    def _publish_generations(self):
+        host = torch.tensor(self.generation, dtype=torch.int32)
+        for cache in list(self._caches):
+            cache.generations.copy_(host, non_blocking=True)
+
+    def _bump(self, slots):
+        for slot in slots:
+            self.generation[slot] = _next_generation()
+        self._publish_generations()
 
     # ---- requests ------------------------------------------------------------------------------
     def admit(self, request_id) -> int:
+        try:
+            hash(request_id)
+        except TypeError:
+            raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
         if request_id in self.slot_of:
             raise ValueError(f"request_id: {request_id!r} is already admitted")
         if not self.free_slots:
             raise CacheFullError(f"admit: all {self.cfg.max_requests} request slots are in use")
         slot = self.free_slots.pop()
         self.slot_of[request_id], self.length[request_id] = slot, 0
+        self._bump([slot])
         return slot
 
     def release(self, request_id):
+        """Free the request's slot and blocks. Allowed while a step is open: that step then no
+        longer runs the request (its tokens are stale) and abort or commit skip it."""
         slot = self._slot(request_id)
         for kind, table in self.tables.items():
             row = table[slot]
@@ -80,22 +148,62 @@ class KVCacheManager:
         del self.slot_of[request_id], self.length[request_id]
         self.free_slots.append(slot)
         self.free_slots.sort(reverse=True)
+        self._bump([slot])
 
     def _slot(self, request_id) -> int:
-        if request_id not in self.slot_of:
+        try:
+            known = request_id in self.slot_of
+        except TypeError:
+            known = False
+        if not known:
             raise KeyError(f"request_id: {request_id!r} is not admitted (unknown or released)")
         return self.slot_of[request_id]
 
     # ---- the step ------------------------------------------------------------------------------
+    @property
+    def open_step(self) -> StepMeta | None:
+        """The planned step not yet committed or aborted, if any."""
+        return None if self._open is None else self._open.step
+
+    @contextlib.contextmanager
+    def step(self, new_tokens: Mapping[object, int]):
+        """`with manager.step({request: tokens}) as step:` plan a step (prepare_step), commit it when
+        the block ends, abort it if the block raises (the exception propagates)."""
+        step = self.prepare_step(new_tokens)
+        try:
+            yield step
+        except BaseException:
+            self.abort(step)
+            raise
+        self.commit(step)
+
     def prepare_step(self, new_tokens: Mapping[object, int]) -> StepMeta:
-        """`new_tokens` maps each request of the step to how many tokens it adds (a prefill chunk, a
-        continuation, or 1 for decode), in the order their tokens appear in the step's flat batch.
-        Raises before changing anything if a request is unknown, a count is not positive, a
-        position would pass max_context, the step passes its capacity, or blocks run out."""
+        """Plan and open a step. `new_tokens` maps each request of the step to how many tokens it
+        adds (a prefill chunk, a continuation, or 1 for decode), in the order their tokens appear in
+        the step's flat batch. Raises before changing anything if a step is open, a request is
+        unknown, a count is not a positive int, a position would pass max_context, the step passes
+        its capacity, or blocks run out. The step stays open until `commit(step)` or `abort(step)`."""
         cfg = self.cfg
+        if self._open is not None:
+            o = self._open.step.origin
+            raise RuntimeError(f"prepare_step: step {o.step_id} is still open (requests "
+                               f"{[r.request_id for r in o.requests]}); commit(step) or abort(step) it first, or "
+                               f"plan steps with `with manager.step(...)`")
+        if not isinstance(new_tokens, Mapping):
+            raise TypeError(f"new_tokens: expected a mapping {{request_id: token count}}, got "
+                            f"{type(new_tokens).__name__}")
+        if not new_tokens:
+            raise ValueError("new_tokens: expected at least one request, got an empty mapping")
         plan = []
         for rid, n in new_tokens.items():
             slot = self._slot(rid)
+            if isinstance(n, bool):
+                raise TypeError(f"new_tokens[{rid!r}]: expected an int token count, got bool {n}")
+            try:
+                n = operator.index(n)
+            except TypeError:
+                raise TypeError(f"new_tokens[{rid!r}]: expected an int token count, got {type(n).__name__} "
+                                f"{n!r}") from None
             if n < 1:
                 raise ValueError(f"new_tokens[{rid!r}]: expected >= 1 token, got {n}")
             if n > cfg.request_step_tokens:
@@ -105,42 +213,47 @@ class KVCacheManager:
             if start + n > cfg.max_context:
                 raise ValueError(f"new_tokens[{rid!r}]: positions {start}..{start + n - 1} pass max_context "
                                  f"{cfg.max_context}")
-            plan.append((rid, slot, start, n))
-        total = sum(n for *_, n in plan)
+            plan.append(PlannedRequest(rid, slot, self.generation[slot], start, n))
+        total = sum(p.tokens for p in plan)
         if total > cfg.max_step_tokens:
             raise ValueError(f"new_tokens: {total} tokens pass max_step_tokens {cfg.max_step_tokens}")
         need = {k: [] for k in self.tables}
-        for rid, slot, start, n in plan:
+        for p in plan:
             for kind, r in self.ratios.items():
                 if self.widths[kind] == 0:
                     continue
-                have = int((self.tables[kind][slot] >= 0).sum())
-                want = -(-((start + n) // r) // cfg.block_size)
-                need[kind] += [(slot, b) for b in range(have, want)]
+                have = int((self.tables[kind][p.slot] >= 0).sum())
+                want = -(-((p.start + p.tokens) // r) // cfg.block_size)
+                need[kind] += [(p.slot, b) for b in range(have, want)]
         for kind, blocks in need.items():
             if len(blocks) > len(self.allocators[kind].free):
                 raise CacheFullError(f"prepare_step: the {kind} pool needs {len(blocks)} more blocks, "
                                      f"{len(self.allocators[kind].free)} are free")
-        # Every check passed: allocate and commit.
+        # Every check passed: back up the state rows the step may overwrite, allocate, open the step.
+        backups = self._back_up_states(plan)
+        taken = {k: [] for k in self.tables}
         for kind, blocks in need.items():
             for (slot, b), block in zip(blocks, self.allocators[kind].take(len(blocks))):
                 self.tables[kind][slot, b] = block
+                taken[kind].append((slot, b, block))
         bucket = min(b for b in cfg.buckets if b >= total)
         pos = torch.zeros(bucket, dtype=torch.int32)
         req = torch.full((bucket,), -1, dtype=torch.int32)
+        gens = torch.zeros(bucket, dtype=torch.int32)
         i = 0
-        for rid, slot, start, n in plan:
-            pos[i:i + n] = torch.arange(start, start + n, dtype=torch.int32)
-            req[i:i + n] = slot
-            self.length[rid] = start + n
-            i += n
+        for p in plan:
+            pos[i:i + p.tokens] = torch.arange(p.start, p.start + p.tokens, dtype=torch.int32)
+            req[i:i + p.tokens] = p.slot
+            gens[i:i + p.tokens] = p.generation
+            i += p.tokens
         entries = {k: self._entry_slots(k, pos, req) for k in self.tables}
-        return self._step_meta(pos, req, entries)
-
-    def _step_meta(self, pos: torch.Tensor, req: torch.Tensor, entries: dict) -> StepMeta:
-        """The step's device metadata from its positions, request slots and entry slots per group."""
-        return StepMeta(pos, req, entries[CSA], entries[HCA], self.tables[CSA].clone(),
-                        self.tables[HCA].clone()).to(self.device)
+        planned = self._step_meta(pos, req, entries, gens)
+        step = planned.to(self.device)
+        on_cpu = self.device.type == "cpu"
+        step.origin = StepOrigin(self.id, next(self._steps), tuple(plan),
+                                 {k: t.clone() for k, t in planned.tensors().items()} if on_cpu else None)
+        self._open = _OpenStep(step, taken, backups)
+        return step
 
     def _entry_slots(self, kind: str, pos: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
         r, bs = self.ratios[kind], self.cfg.block_size
@@ -150,3 +263,109 @@ class KVCacheManager:
         w = (pos // r).long()
         blocks = self.tables[kind][req.clamp(min=0).long(), (w // bs).clamp(max=self.widths[kind] - 1)]
         return torch.where(closes, blocks * bs + (w % bs).int(), -1).to(torch.int32)
+
+    def _back_up_states(self, plan) -> list:
+        """Copies of the compressor-state rows of every request whose chunk wraps its state ring far
+        enough to overwrite a row that the step's first block-closing token still pools from before
+        the step (positions c - span + 1 .. start - 1, c = the first closing position >= start,
+        span = coff x ratio): a chunk of n tokens from `start` rewrites row q % rows for q in
+        start .. start + n - 1, so row (lo % rows) is hit iff lo + rows <= start + n - 1. A decode
+        token never is (rows >= span). `rows` is the ring's row count, read from the buffer."""
+        backups = []
+        for cache in list(self._caches):
+            for name, ratio, span in cache.state_rings:
+                state = getattr(cache, name)
+                rows = state.shape[1]
+                slots = []
+                for p in plan:
+                    c = (p.start // ratio + 1) * ratio - 1
+                    lo = max(0, c - span + 1)
+                    if lo < p.start and lo + rows <= p.start + p.tokens - 1:
+                        slots.append(p.slot)
+                if slots:
+                    index = torch.tensor(slots, dtype=torch.long, device=state.device)
+                    backups.append((cache, name, index, state.index_select(0, index)))
+        return backups
+
+    def _check_open(self, step: StepMeta, what: str) -> _OpenStep:
+        o = getattr(step, "origin", None)
+        if self._open is None or o is None or o.manager_id != self.id or self._open.step.origin is not o:
+            open_id = None if self._open is None else self._open.step.origin.step_id
+            got = "a step of no manager" if o is None else f"step {o.step_id} of manager {o.manager_id}"
+            raise ValueError(f"{what}: expected the open step ({'none is open' if open_id is None else open_id}) "
+                             f"of manager {self.id}, got {got}")
+        return self._open
+
+    def _unchanged(self, p: PlannedRequest) -> bool:
+        """The request of a planned step is still admitted in its slot, with the same generation."""
+        return self.slot_of.get(p.request_id) == p.slot and self.generation[p.slot] == p.generation
+
+    def commit(self, step: StepMeta) -> None:
+        """Close the open step after its forward: its requests' lengths advance (a request released
+        since planning is skipped), their slots get a new generation (the step no longer runs)."""
+        self._check_open(step, "commit")
+        live = [p for p in step.origin.requests if self._unchanged(p)]
+        for p in live:
+            self.length[p.request_id] = p.start + p.tokens
+        self._open = None
+        self._bump([p.slot for p in live])
+
+    def abort(self, step: StepMeta) -> None:
+        """Undo the open step (its forward failed or will not run): lengths stay, the blocks it took
+        go back to the free lists, the compressor-state rows it may have overwritten are restored,
+        and its slots get a new generation. Requests released since planning are left alone."""
+        opened = self._check_open(step, "abort")
+        live = {p.slot for p in step.origin.requests if self._unchanged(p)}
+        for kind, taken in opened.taken.items():
+            back = [block for slot, b, block in taken if slot in live]
+            for slot, b, block in taken:
+                if slot in live:
+                    self.tables[kind][slot, b] = -1
+            self.allocators[kind].give(back)
+        for cache, name, index, rows in opened.backups:
+            keep = torch.tensor([int(s) in live for s in index.tolist()], dtype=torch.bool)
+            if keep.any():
+                getattr(cache, name).index_copy_(0, index[keep.to(index.device)], rows[keep.to(rows.device)])
+        self._open = None
+        self._bump(sorted(live))
+
+    # ---- the forward's check -------------------------------------------------------------------
+    def check_step(self, step: StepMeta, tokens: int) -> None:
+        """Raises unless `step` is this manager's open step, all its requests are still admitted with
+        the generation they had when it was planned, and (when the step lives on the CPU, where it
+        costs no sync) its tensors are the planned ones for every live token. Reads host metadata
+        only. The eager serving forward calls it before writing anything."""
+        if not hasattr(step, "tensors") or not hasattr(step, "req_gens"):
+            raise TypeError(f"step: expected the metadata of a step planned by {type(self).__name__}.prepare_step / "
+                            f".step, got {type(step).__name__}")
+        o = step.origin
+        if o is None:
+            raise ValueError("step: expected a StepMeta planned by a KVCacheManager (prepare_step / step), got one "
+                             "without the planner's record (built or rebuilt by hand?)")
+        if o.manager_id != self.id:
+            raise ValueError(f"step: planned by KVCacheManager {o.manager_id}, but this layer's cache belongs to "
+                             f"KVCacheManager {self.id}; a step runs only on the layers of the manager that planned it")
+        if self._open is None or self._open.step.origin is not o:
+            raise ValueError(f"step: step {o.step_id} is closed (committed or aborted); plan the next step")
+        for p in o.requests:
+            if not self._unchanged(p):
+                raise ValueError(f"step: request {p.request_id!r} (slot {p.slot}) was released or re-admitted after "
+                                 f"step {o.step_id} was planned; abort(step) and plan again")
+        if step.positions.shape[0] != tokens:
+            raise ValueError(f"hidden_states: expected {step.positions.shape[0]} rows (the step's tokens, padded to "
+                             f"its bucket), got {tokens}")
+        planned = o.planned
+        if planned is None or step.positions.device.type != "cpu":
+            return
+        live = planned["req_slots"] >= 0
+        got_all = step.tensors()
+        for name, want in planned.items():
+            got = got_all[name]
+            # Padding rows may carry any position, generation or entry slot (they read and write
+            # nothing) but must stay padding: req_slots and the 2-D block tables are compared whole.
+            per_token = want.dim() == 1 and name != "req_slots"
+            same = got.shape == want.shape and (torch.equal(got[live], want[live]) if per_token
+                                                 else torch.equal(got, want))
+            if not same:
+                raise ValueError(f"step: {name} is not what step {o.step_id} was planned with (edited by hand?); "
+                                 f"plan steps with the manager")

@@ -5,13 +5,16 @@ import torch
 from torch import nn
 
 from dsv4ops.cache.config import CacheConfig, layer_pools, topk_workspace_words
-from dsv4ops.config import CSA, DSV4AttentionConfig
+from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 
 
 class LayerCache(nn.Module):
     """Buffers `window` (ring of every request), and for compressed layers `comp` (paged entries)
     and `state` (fp32 compressor ring), and for CSA layers `index`, `index_state` and
-    `topk_workspace` (the indexer's scratch, one tensor shared by every CSA layer of a manager)."""
+    `topk_workspace` (the indexer's scratch, one tensor shared by every CSA layer of a manager);
+    `generations` (int32 [max_requests]): each request slot's current generation, kept by the
+    manager the cache is attached to (a token whose step carries another generation reads and
+    writes nothing)."""
 
     def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None,
                  topk_workspace: torch.Tensor | None = None):
@@ -30,3 +33,13 @@ class LayerCache(nn.Module):
             if topk_workspace is None:
                 topk_workspace = torch.empty(topk_workspace_words(model, cfg), dtype=torch.int32, device=device)
             self.register_buffer("topk_workspace", topk_workspace, persistent=False)
+        # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
+        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
+                             persistent=False)
+        # (state buffer, compress ratio, positions one entry pools): what abort may have to restore.
+        kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
+        self.state_rings = []
+        if kind != SLIDING:
+            self.state_rings.append(("state", ratio, (2 if kind == CSA else 1) * ratio))
+        if kind == CSA:
+            self.state_rings.append(("index_state", ratio, 2 * ratio))

@@ -1,7 +1,11 @@
 """The metadata of one serving step: int32 tensors only, a registered pytree, padded to a bucket
-(padding tokens have request slot -1 and read and write nothing)."""
+(padding tokens have request slot -1 and read and write nothing), plus the planner's host-side
+record (`StepMeta.origin`, never traced)."""
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -10,12 +14,41 @@ from torch import Tensor
 from dsv4ops.config import CSA, HCA
 
 
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request of a step as the planner saw it: id, slot, the slot's generation, first position
+    and token count."""
+
+    request_id: object
+    slot: int
+    generation: int
+    start: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class StepOrigin:
+    """Host-side record of who planned a step: the manager's id, the step's number, its requests,
+    and (for steps on the CPU) the planned tensors, so the eager forward checks a step without
+    reading device memory."""
+
+    manager_id: int
+    step_id: int
+    requests: tuple[PlannedRequest, ...]
+    planned: dict[str, Tensor] | None  # CPU copies of the step's tensors (by name), for a step on the CPU
+
+
 @dataclass
 class StepMeta:
     """positions [T], req_slots [T] (-1: padding), entry_slots_csa / entry_slots_hca [T] (pool slot
     of the compressed entry a token closes, else -1), block_table_csa / block_table_hca
-    [max_requests, blocks] (physical block of each block of entries; -1 unallocated). All CSA
-    layers share one block table (their pools fill in step), and so do all HCA layers."""
+    [max_requests, blocks] (physical block of each block of entries; -1 unallocated), req_gens [T]
+    (the generation of each token's request slot when the step was planned). All CSA layers share
+    one block table (their pools fill in step), and so do all HCA layers.
+
+    A token runs only while its slot still has that generation (the layer compares req_gens with
+    its cache's `generations` on the device): the manager gives a slot a new generation on admit,
+    release, commit and abort, so only the open step of the layer's own manager writes anything."""
 
     positions: Tensor
     req_slots: Tensor
@@ -23,6 +56,10 @@ class StepMeta:
     entry_slots_hca: Tensor
     block_table_csa: Tensor
     block_table_hca: Tensor
+    req_gens: Tensor
+    # The planner's host-side record: a plain attribute, not a dataclass field, so it is neither a
+    # pytree leaf nor seen by torch.compile.
+    origin: ClassVar[StepOrigin | None] = None
 
     def entry_slots(self, kind: str) -> Tensor:
         return self.entry_slots_csa if kind == CSA else self.entry_slots_hca
@@ -30,20 +67,27 @@ class StepMeta:
     def block_table(self, kind: str) -> Tensor:
         return self.block_table_csa if kind == CSA else self.block_table_hca
 
-    def to(self, device) -> "StepMeta":
-        return StepMeta(*(getattr(self, f).to(device, non_blocking=True) for f in self.__dataclass_fields__))
+    def to(self, device) -> StepMeta:
+        moved = StepMeta(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
+        moved.origin = self.origin
+        return moved
+
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The step's tensors by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 pytree.register_dataclass(StepMeta)
 
 
-def visible_counts(step: StepMeta, ratio: int) -> Tensor:
+def visible_counts(positions: Tensor, req_slots: Tensor, ratio: int) -> Tensor:
     """[T] int32: complete entries of each token's request, (t + 1) // m (0 for padding)."""
-    return torch.where(step.req_slots >= 0, (step.positions + 1) // ratio, 0).to(torch.int32)
+    return torch.where(req_slots >= 0, (positions + 1) // ratio, 0).to(torch.int32)
 
 
 def visible_entries(step: StepMeta, ratio: int, block_size: int) -> Tensor:
-    """[T, max entries] pool slots of every complete entry of each token's request (w < (t+1)//m),
+    """[T, max entries] pool slots of every complete entry of each token's request (w < (t+1)//ratio),
     -1 elsewhere: the HCA key list, computed on the device inside the graph."""
     table = step.block_table(HCA)
     n = table.shape[1] * block_size
@@ -52,3 +96,16 @@ def visible_entries(step: StepMeta, ratio: int, block_size: int) -> Tensor:
     slots = table[req][:, w // block_size] * block_size + w % block_size
     ok = (w[None] < (step.positions[:, None] + 1) // ratio) & (step.req_slots >= 0)[:, None]
     return slots.where(ok, -1).to(torch.int32)
+
+
+def live_tokens(step, cache) -> tuple[Tensor, Tensor]:
+    """(positions, req_slots) of `step` (a StepMeta or V41StepMeta) with every token that must not
+    run turned into padding, on the device and without a sync, against `cache` (its `generations`
+    and CacheConfig): request slot out of range, slot generation != the step's (a foreign, stale
+    or closed step), position outside [0, max_context)."""
+    pos, req = step.positions, step.req_slots
+    n = cache.generations.shape[0]
+    pos_ok = (pos >= 0) & (pos < cache.cfg.max_context)
+    live = (req >= 0) & (req < n) & pos_ok
+    live &= cache.generations[req.clamp(0, n - 1).long()] == step.req_gens
+    return torch.where(pos_ok, pos, 0), torch.where(live, req, -1)

@@ -11,6 +11,7 @@ allocation and the step planner are KVCacheManager's, unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from dsv4ops.cache.config import CacheConfig, PoolSpec, blocks_per_request, paged_pool, pool_blocks, row_bytes
 from dsv4ops.cache.manager import KVCacheManager
+from dsv4ops.cache.step import StepOrigin
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.reference.v41 import V41Numerics
@@ -27,12 +29,16 @@ from dsv4ops.reference.v41 import V41Numerics
 class V41StepMeta:
     """positions [T], req_slots [T] (-1: padding), entries {ratio: [T] pool slot of the entry a token
     closes in that ratio's pools, else -1}, tables {ratio: [max_requests, blocks] physical block of
-    each block of a request's entries (-1 unallocated)}. int32 tensors, a registered pytree."""
+    each block of a request's entries (-1 unallocated)}, req_gens [T] (the generation of each
+    token's slot at planning: see StepMeta). int32 tensors, a registered pytree; `origin` is the
+    planner's host-side record, never traced."""
 
     positions: Tensor
     req_slots: Tensor
     entries: dict[int, Tensor]
     tables: dict[int, Tensor]
+    req_gens: Tensor
+    origin: ClassVar[StepOrigin | None] = None
 
     def entry_slots(self, ratio: int) -> Tensor:
         return self.entries[ratio]
@@ -41,9 +47,18 @@ class V41StepMeta:
         return self.tables[ratio]
 
     def to(self, device) -> V41StepMeta:
-        return V41StepMeta(self.positions.to(device, non_blocking=True), self.req_slots.to(device, non_blocking=True),
-                           {k: v.to(device, non_blocking=True) for k, v in self.entries.items()},
-                           {k: v.to(device, non_blocking=True) for k, v in self.tables.items()})
+        moved = V41StepMeta(self.positions.to(device, non_blocking=True), self.req_slots.to(device, non_blocking=True),
+                            {k: v.to(device, non_blocking=True) for k, v in self.entries.items()},
+                            {k: v.to(device, non_blocking=True) for k, v in self.tables.items()},
+                            self.req_gens.to(device, non_blocking=True))
+        moved.origin = self.origin
+        return moved
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The step's tensors by name."""
+        return {"positions": self.positions, "req_slots": self.req_slots, "req_gens": self.req_gens,
+                **{f"entries_{m}": t for m, t in self.entries.items()},
+                **{f"tables_{m}": t for m, t in self.tables.items()}}
 
 
 pytree.register_dataclass(V41StepMeta)
@@ -82,6 +97,13 @@ class V41StackCache(nn.Module):
             fill = 255 if spec.dtype == torch.uint8 else float("nan")
             self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
                                  persistent=False)
+        # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
+        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
+                             persistent=False)
+        # (state buffer, ratio, positions one entry pools): the ratio-2 sources' pending rows, what
+        # abort may have to restore (ratio 1 pools its own token only).
+        self.state_rings = [(f"state_{r.layer}", r.ratio, r.ratio) for r in model.roles
+                            if r.owns_compressor and r.ratio > 1]
         # The indexer's top-k scratch, shared by every index source (they run one after another).
         self.register_buffer("topk_workspace", torch.empty(topk_workspace_words(model, cfg), dtype=torch.int32,
                                                            device=device), persistent=False)
@@ -112,8 +134,8 @@ class V41CacheManager(KVCacheManager):
         ratios = sorted({r.ratio for r in model.roles if r.owns_compressor}, reverse=True)
         return {m: m for m in ratios}, set(ratios)
 
-    def _step_meta(self, pos: Tensor, req: Tensor, entries: dict) -> V41StepMeta:
-        return V41StepMeta(pos, req, dict(entries), {m: t.clone() for m, t in self.tables.items()}).to(self.device)
+    def _step_meta(self, pos: Tensor, req: Tensor, entries: dict, gens: Tensor) -> V41StepMeta:
+        return V41StepMeta(pos, req, dict(entries), {m: t.clone() for m, t in self.tables.items()}, gens)
 
 
 def memory(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),

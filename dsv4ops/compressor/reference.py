@@ -8,7 +8,8 @@ a-stream [:d], the last m the b-stream [d:]), casts to the entry dtype (the cach
 for FP8 pools), RMSNorm, RoPE at w*m, and stores the entry at entry_slots[token].
 
 Tokens of one request are contiguous in the step with consecutive positions (the step planner's
-invariant); a state row is written only by the last token of the step that maps to it.
+invariant); a state row is written only by the last token of the step that maps to it. A request
+slot past the state or a negative position makes a token padding.
 """
 
 import torch
@@ -26,7 +27,9 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     d, m = norm_weight.shape[0], ape.shape[0]
     rows = (width // d) * m
     pos, req = positions.long(), req_slots.long()
-    live = req >= 0
+    # Padding: request -1, or any slot past the state (kernels never index out of range), or a
+    # negative position. A closing token's entry slot past the pool stores nothing (pack_kv).
+    live = (req >= 0) & (req < state.shape[0]) & (pos >= 0)
     a = kv.float()
     z = score.float() + ape.float()[pos % m]
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.compressor import checks as _checks
-from dsv4ops.quant.reference import INDEXER_DIM, MAIN_DIM, MAIN_ROPE
+from dsv4ops.quant.reference import INDEXER_DIM, MAIN_DIM, MAIN_ROPE, capacity
 from dsv4ops.quant.triton import block_size, fmt_code, not_yet, store_rows
 from dsv4ops.triton_helpers import (
     INTERPRET,
@@ -32,13 +32,15 @@ from dsv4ops.triton_helpers import (
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, state_ptr, cache_ptr,
-                     n_tokens, s_kv, s_sc, ratio, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr,
+                     n_tokens, n_requests, n_slots, s_kv, s_sc, ratio, block_size, eps, D: tl.constexpr,
+                     ROPE: tl.constexpr,
                      OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr, FMT: tl.constexpr,
                      SOFT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + i)
     req = tl.load(req_ptr + i)
-    if (req >= 0) & ((pos + 1) % ratio == 0):
+    # A request slot past the state or a negative position: padding (kernels never index out of range).
+    if (req >= 0) & (req < n_requests) & (pos >= 0) & ((pos + 1) % ratio == 0):
         if OVERLAP:
             width = 2 * D
             rows = 2 * ratio
@@ -90,12 +92,13 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
         cos, sin, rot = rope_coeffs(freq_ptr, (pos // ratio) * ratio, D, ROPE)
         y = round_via(apply_rope(y[None, :], cos, sin, rot, 1, D, False), EDT, SOFT)
         slot = tl.full([1], 0, tl.int64) + tl.load(eslot_ptr + i)
-        store_rows(cache_ptr, tl.maximum(slot, 0), slot >= 0, y, block_size, 1, D, FMT, SOFT)
+        ok = (slot >= 0) & (slot < n_slots)  # -1 or out of range: no entry
+        store_rows(cache_ptr, tl.where(ok, slot, 0), ok, y, block_size, 1, D, FMT, SOFT)
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
-def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_tokens, s_kv, s_sc, ratio, rows,
-                 W: tl.constexpr, SOFT: tl.constexpr):
+def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_tokens, n_requests, s_kv, s_sc, ratio,
+                 rows, W: tl.constexpr, SOFT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + i)
     req = tl.load(req_ptr + i)
@@ -103,7 +106,7 @@ def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_toke
     has_next = nxt < n_tokens
     later = has_next & (tl.load(req_ptr + nxt, mask=has_next, other=-2) == req)
     later = later & (tl.load(pos_ptr + nxt, mask=has_next, other=-1) == pos + rows)
-    if (req >= 0) & (later == 0):
+    if (req >= 0) & (req < n_requests) & (pos >= 0) & (later == 0):
         c = tl.arange(0, W)
         a = to_f32(tl.load(kv_ptr + i * s_kv + c), SOFT)
         z = to_f32(tl.load(score_ptr + i * s_sc + c), SOFT) + tl.load(ape_ptr + (pos % ratio) * W + c)
@@ -130,9 +133,9 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
     edt = cache.dtype if code == 0 else torch.bfloat16
     rb = min(8, triton.next_power_of_2(rows))
     launch(_compress_kernel, (t,),
-           (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, t, kv.stride(0),
-            score.stride(0), ratio, block_size(cache, fmt), eps),
+           (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, t, state.shape[0],
+            capacity(cache, fmt), kv.stride(0), score.stride(0), ratio, block_size(cache, fmt), eps),
            dict(D=d, ROPE=MAIN_ROPE, OVERLAP=overlap, RB=rb, EDT=TL_DTYPES[edt], FMT=code, SOFT=INTERPRET),
            num_warps=4)
-    launch(_save_kernel, (t,), (kv, score, ape, positions, req_slots, state, t, kv.stride(0), score.stride(0), ratio,
-                                rows), dict(W=width, SOFT=INTERPRET))
+    launch(_save_kernel, (t,), (kv, score, ape, positions, req_slots, state, t, state.shape[0], kv.stride(0),
+                                score.stride(0), ratio, rows), dict(W=width, SOFT=INTERPRET))

@@ -71,11 +71,11 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
     pack_kv(apply_rope(k, cos, sin), entry_slots[close], cache, fmt)
 
 
-def entry_slots(block_table: Tensor, req: Tensor, entries: Tensor, block_size: int) -> Tensor:
+def entry_slots(block_table: Tensor, req: Tensor, entries: Tensor, block_size: int, pool_blocks: int) -> Tensor:
     """Global pool slot of entry `entries` of request `req` through the block table; -1 where the
-    block is not allocated."""
-    blocks = block_table[req.clamp(min=0).long()[:, None], (entries // block_size).long()].long()
-    return torch.where(blocks >= 0, blocks * block_size + entries % block_size, -1)
+    block is not allocated (or names a block past the pool: no entry)."""
+    blocks = block_table[req.clamp(0, block_table.shape[0] - 1).long()[:, None], (entries // block_size).long()].long()
+    return torch.where((blocks >= 0) & (blocks < pool_blocks), blocks * block_size + entries % block_size, -1)
 
 
 def _candidate_entries(cand: Tensor, cand_block: int) -> Tensor:
@@ -91,7 +91,8 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     t, k = idx_out.shape
     bs = formats.block_size(cache.shape, fmt)
     n_max = block_table.shape[1] * bs
-    n_visible = torch.where(req_slots >= 0, (positions.long() + 1) // ratio, 0)
+    live = (req_slots >= 0) & (req_slots < block_table.shape[0])  # other slots: padding
+    n_visible = torch.where(live, (positions.long() + 1) // ratio, 0)
     if cand is None:
         entries = torch.arange(n_max, device=q.device)[None].expand(t, -1)
     else:
@@ -100,7 +101,7 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
         # ties toward the lower entry whatever the order of the candidate blocks.
         entries = torch.sort(entries.where(entries >= 0, n_max + entries.shape[1]), dim=1, stable=True).values
     visible = (entries < n_visible[:, None]) & (entries < n_max)
-    slots = entry_slots(block_table, req_slots, entries.clamp(0, max(n_max - 1, 0)), bs)
+    slots = entry_slots(block_table, req_slots, entries.clamp(0, max(n_max - 1, 0)), bs, cache.shape[0])
     visible &= slots >= 0
     slots = slots.where(visible, -1)
     e = entries.shape[1]

@@ -9,9 +9,10 @@ from dsv4ops.reference.functional import apply_rope, head_rms_norm, rope_angles
 
 
 def window_slots(positions: Tensor, req_slots: Tensor, ring_size: int) -> Tensor:
-    """Global slot of (request, position) in the window ring pool; -1 for padding tokens."""
+    """Global slot of (request, position) in the window ring pool; -1 for padding tokens and for
+    negative positions (a request slot past the pool gives a slot past it: no entry either)."""
     slots = req_slots.long() * ring_size + positions.long() % ring_size
-    return slots.where(req_slots >= 0, -1)
+    return slots.where((req_slots >= 0) & (positions >= 0), -1)
 
 
 def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_freq: Tensor, q_out: Tensor,

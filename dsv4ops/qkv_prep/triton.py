@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.qkv_prep import checks as _checks
-from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
+from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE, capacity
 from dsv4ops.quant.triton import block_size, fmt_code, not_yet, store_rows
 from dsv4ops.triton_helpers import (
     INTERPRET,
@@ -26,8 +26,8 @@ from dsv4ops.triton_helpers import (
 
 @triton.jit(do_not_specialize=["n_heads"])
 def _qkv_prep_kernel(q_ptr, kv_ptr, pos_ptr, req_ptr, freq_ptr, qo_ptr, cache_ptr, sq_t, sq_h, skv_t, so_t, so_h,
-                     n_heads, ring_size, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr,
-                     FMT: tl.constexpr, SOFT: tl.constexpr):
+                     n_heads, n_requests, ring_size, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr,
+                     HB: tl.constexpr, FMT: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -46,7 +46,8 @@ def _qkv_prep_kernel(q_ptr, kv_ptr, pos_ptr, req_ptr, freq_ptr, qo_ptr, cache_pt
                  mask=hm[:, None])
     else:
         req = tl.load(req_ptr + t)
-        if req >= 0:
+        # A request slot past the pool or a negative position: padding (kernels never index out of range).
+        if (req >= 0) & (req < n_requests) & (pos >= 0):
             x = to_f32(tl.load(kv_ptr + t * skv_t + cols), SOFT)
             y = round_via(apply_rope(x[None, :], cos, sin, rot, 1, D, False), kv_ptr.dtype.element_ty, SOFT)
             slot = req.to(tl.int64) * ring_size + pos % ring_size
@@ -73,6 +74,7 @@ def qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_si
     grid = (t, triton.cdiv(h, hb) + 1)
     launch(_qkv_prep_kernel, grid,
            (q, kv, positions, req_slots, inv_freq, q_out, window_cache, q.stride(0), q.stride(1), kv.stride(0),
-            q_out.stride(0), q_out.stride(1), h, ring_size, block_size(window_cache, window_fmt), eps),
+            q_out.stride(0), q_out.stride(1), h, capacity(window_cache, window_fmt) // ring_size, ring_size,
+            block_size(window_cache, window_fmt), eps),
            dict(D=d, ROPE=MAIN_ROPE, HB=hb, FMT=fmt, SOFT=INTERPRET))
 

@@ -104,15 +104,25 @@ def _span(at: Tensor, n: int) -> Tensor:
     return (at[:, None] + torch.arange(n, device=at.device)).reshape(-1)
 
 
-def _live(slots: Tensor) -> Tensor:
-    """The rows that name an entry (slot -1: none)."""
-    return slots >= 0
+def capacity(cache: Tensor, fmt: str) -> int:
+    """Slots a page pool of format `fmt` holds (exact pools [blocks, block_size, dim])."""
+    if fmt == EXACT:
+        return cache.shape[0] * cache.shape[1]
+    return cache.shape[0] * formats.block_size(cache.shape, fmt)
+
+
+def valid_slots(slots: Tensor, cache: Tensor, fmt: str) -> Tensor:
+    """Slots that name an entry of the pool. Inside kernels -1, and any other value out of range,
+    means "no entry": written nowhere, read as 0 (the public functions reject out-of-range values),
+    so a raw op never half-writes a batch before failing."""
+    return (slots >= 0) & (slots < capacity(cache, fmt))
 
 
 def pack_kv(x: Tensor, slots: Tensor, cache: Tensor, fmt: str) -> None:
-    """Store rows x [N, d] at global `slots` (-1: skipped) of a pool of format `fmt`: byte formats
-    code the rows (dsv4ops/quant/codecs.py); `exact` pools [blocks, block_size, d] take them as is."""
-    live = _live(slots)
+    """Store rows x [N, d] at global `slots` (-1 or out of range: skipped) of a pool of format `fmt`:
+    byte formats code the rows (dsv4ops/quant/codecs.py); `exact` pools [blocks, block_size, d] take
+    them as is."""
+    live = valid_slots(slots, cache, fmt)
     x, slots = x[live], slots[live]
     if fmt == EXACT:
         cache.view(-1, cache.shape[-1])[slots.long()] = x.to(cache.dtype)
@@ -126,9 +136,10 @@ def pack_kv(x: Tensor, slots: Tensor, cache: Tensor, fmt: str) -> None:
 
 
 def unpack_kv(cache: Tensor, slots: Tensor, out: Tensor, fmt: str) -> None:
-    """Read the rows at `slots` into out [N, d] (dequantized); rows with slot -1 become 0."""
-    live = _live(slots)
-    safe = slots.clamp(min=0)
+    """Read the rows at `slots` into out [N, d] (dequantized); rows with slot -1 (or out of range)
+    become 0."""
+    live = valid_slots(slots, cache, fmt)
+    safe = slots.where(live, 0)
     if fmt == EXACT:
         rows = cache.view(-1, cache.shape[-1])[safe.long()].to(out.dtype)
     else:

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from dsv4ops.quant import checks as _checks
 from dsv4ops.quant import formats
+from dsv4ops.quant.reference import capacity
 from dsv4ops.triton_helpers import (
     INTERPRET,
     e4m3_bits_to_f32,
@@ -137,24 +138,25 @@ def load_rows(cache_ptr, slots, mask, block_size, R: tl.constexpr, D: tl.constex
 
 # ---- pack_kv / unpack_kv -----------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
-def _pack_kernel(x_ptr, slots_ptr, cache_ptr, n_rows, stride_x, block_size, D: tl.constexpr, FMT: tl.constexpr,
-                 ROWS: tl.constexpr, SOFT: tl.constexpr):
+def _pack_kernel(x_ptr, slots_ptr, cache_ptr, n_rows, n_slots, stride_x, block_size, D: tl.constexpr,
+                 FMT: tl.constexpr, ROWS: tl.constexpr, SOFT: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_range = rows < n_rows
     slots = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    keep = in_range & (slots >= 0)
+    keep = in_range & (slots >= 0) & (slots < n_slots)  # -1 or out of range: no entry
     cols = tl.arange(0, D)
     x = to_f32(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=keep[:, None], other=0.0), SOFT)
     store_rows(cache_ptr, tl.maximum(slots, 0), keep, x, block_size, ROWS, D, FMT, SOFT)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _unpack_kernel(cache_ptr, slots_ptr, out_ptr, n_rows, stride_out, block_size, D: tl.constexpr,
+def _unpack_kernel(cache_ptr, slots_ptr, out_ptr, n_rows, n_slots, stride_out, block_size, D: tl.constexpr,
                    FMT: tl.constexpr, ROWS: tl.constexpr, SOFT: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     in_range = rows < n_rows
     slots = tl.load(slots_ptr + rows, mask=in_range, other=-1).to(tl.int64)
-    x = load_rows(cache_ptr, tl.maximum(slots, 0), in_range & (slots >= 0), block_size, ROWS, D, FMT, SOFT)
+    ok = in_range & (slots >= 0) & (slots < n_slots)  # -1 or out of range: a row of zeros
+    x = load_rows(cache_ptr, tl.where(ok, slots, 0), ok, block_size, ROWS, D, FMT, SOFT)
     cols = tl.arange(0, D)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], round_to(x, out_ptr.dtype.element_ty, SOFT),
              mask=in_range[:, None])
@@ -175,7 +177,8 @@ def pack_kv(x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, fmt: str)
     require(x.stride(1) == 1, "pack_kv", "x", "a contiguous last dim", x.stride())
     if n == 0:
         return
-    launch(_pack_kernel, (triton.cdiv(n, _ROWS),), (x, slots, cache, n, x.stride(0), block_size(cache, fmt)),
+    launch(_pack_kernel, (triton.cdiv(n, _ROWS),),
+           (x, slots, cache, n, capacity(cache, fmt), x.stride(0), block_size(cache, fmt)),
            dict(D=d, FMT=code, ROWS=_ROWS, SOFT=INTERPRET))
 
 
@@ -188,5 +191,6 @@ def unpack_kv(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, fmt: 
     require(out.stride(1) == 1, "unpack_kv", "out", "a contiguous last dim", out.stride())
     if n == 0:
         return
-    launch(_unpack_kernel, (triton.cdiv(n, _ROWS),), (cache, slots, out, n, out.stride(0), block_size(cache, fmt)),
+    launch(_unpack_kernel, (triton.cdiv(n, _ROWS),),
+           (cache, slots, out, n, capacity(cache, fmt), out.stride(0), block_size(cache, fmt)),
            dict(D=d, FMT=code, ROWS=_ROWS, SOFT=INTERPRET))

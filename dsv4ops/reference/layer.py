@@ -31,6 +31,7 @@ from dsv4ops.reference.numerics import (
     quantize_indexer_query,
     round_indexer_key,
     round_kv,
+    round_to,
 )
 
 
@@ -55,10 +56,13 @@ def compress(
         prev_z = torch.cat([z.new_full((1, ratio, d), float("-inf")), z[:-1, :, :d]])
         a = torch.cat([prev_a, a[:, :, d:]], dim=1)
         z = torch.cat([prev_z, z[:, :, d:]], dim=1)
+    # The pooled entry, its norm and its RoPE each round to the entry dtype (bf16 in the FP8 modes;
+    # the norm and the rotation compute in fp32 from bf16 values).
     edt = entry_dtype(mode, x.dtype)
-    c = rms_norm(pool_entry(a, z).to(edt), norm_weight, eps)
+    hi = acc_dtype(edt)
+    c = round_to(rms_norm(round_to(pool_entry(a, z), edt), norm_weight, eps, out_dtype=hi), edt)
     cos, sin = rope_angles(torch.arange(n, device=x.device) * ratio, inv_freq, edt)
-    return apply_rope(c, cos, sin)
+    return round_to(apply_rope(c.to(hi), cos, sin), edt)
 
 
 class _Layer:
@@ -149,11 +153,8 @@ def attention(
     return torch.stack([layer.forward(x[b], None if topk is None else topk[b])[0] for b in range(x.shape[0])])
 
 
-def indexer_topk(
-    params: Mapping[str, Tensor], cfg: DSV4AttentionConfig, layer_idx: int, x: Tensor,
-    numerics: Numerics = Numerics(),
-) -> Tensor:
-    """[B, S, min(index_topk, S // ratio)] the Lightning Indexer's selection of a CSA layer."""
+def _indexer(params: Mapping[str, Tensor], cfg: DSV4AttentionConfig, layer_idx: int, x: Tensor,
+             numerics: Numerics, select: bool) -> Tensor:
     layer = _Layer(params, cfg, layer_idx, numerics)
     if layer.kind != CSA:
         raise ValueError(f"layer_idx: layer {layer_idx} is {layer.kind}, the indexer exists only in CSA layers")
@@ -161,5 +162,23 @@ def indexer_topk(
     positions = torch.arange(x.shape[1], device=x.device)
     for b in range(x.shape[0]):
         qr = rms_norm(F.linear(x[b], params["q_a_proj.weight"]), params["q_a_norm.weight"], cfg.rms_norm_eps)
-        out.append(layer.topk(layer.indexer_scores(x[b], qr, positions), positions))
+        scores = layer.indexer_scores(x[b], qr, positions)
+        out.append(layer.topk(scores, positions) if select else scores)
     return torch.stack(out)
+
+
+def indexer_topk(
+    params: Mapping[str, Tensor], cfg: DSV4AttentionConfig, layer_idx: int, x: Tensor,
+    numerics: Numerics = Numerics(),
+) -> Tensor:
+    """[B, S, min(index_topk, S // ratio)] the Lightning Indexer's selection of a CSA layer."""
+    return _indexer(params, cfg, layer_idx, x, numerics, select=True)
+
+
+def indexer_scores(
+    params: Mapping[str, Tensor], cfg: DSV4AttentionConfig, layer_idx: int, x: Tensor,
+    numerics: Numerics = Numerics(),
+) -> Tensor:
+    """[B, S, S // ratio] the Lightning Indexer's score of every compressed entry for every query of
+    a CSA layer (-inf where the entry is not visible yet): what a selection is checked against."""
+    return _indexer(params, cfg, layer_idx, x, numerics, select=False)

@@ -56,6 +56,13 @@ class Numerics:
             raise ValueError(f"indexer: expected one of {INDEXER_MODES}, got {self.indexer!r}")
 
 
+def round_to(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A rounding point of the oracle outside the quantizers below: the cast of a value to the
+    (narrower) dtype the mode stores it in. One name, so a test can nudge every rounding point
+    (dsv4ops.testing.rounding_twins)."""
+    return x.to(dtype)
+
+
 def compressor_dtype(mode: str, model_dtype: torch.dtype) -> torch.dtype:
     """dtype of the compressor projections a, z for a mode."""
     return model_dtype if mode == "exact" else torch.float32

@@ -5,9 +5,12 @@ gate_topk selects the k largest scores + bias (bias only steers the selection; e
 expert; the indices come sorted by that key), hash_route selects tid2eid[token_id]; both return
 weights = selected scores / their sum * routed_scaling_factor (fp32) and int64 indices.
 
-CUDA: the first call with CUDA tensors builds/loads csrc/ (dsv4ops.router.cuda) and binds the
-router_gate CUDA kernel below (load_cuda_backends); under torch.compile the op fakes do it while
-tracing, so a compiled graph never falls back to the reference kernels for want of a loaded backend.
+CUDA: the kernels bind at the first run with CUDA tensors, never while tracing (the fakes have no
+side effects): an eager public function binds them before calling the op, and an op that reaches
+its reference body with CUDA tensors (a compiled graph's first run, a raw op call) binds them there
+and runs again on the CUDA kernel (`bind_cuda_kernel`). `dsv4ops.warmup(..., "cuda")` binds them
+ahead of a CUDA-graph capture. Where the arch table names a CUDA backend and it cannot be built, the
+call raises; only the table (an architecture without a row) sends CUDA tensors to the reference.
 """
 
 import functools
@@ -70,19 +73,29 @@ def _router_gate_cuda(
 
 @functools.cache
 def load_cuda_backends() -> bool:
-    """Binds the router's CUDA kernels (csrc/ gate_topk + hash_route, and router_gate below); False,
-    with one logged reason, when they cannot be. Called by the public functions in eager mode and by
-    the router fakes (meta/router.py) when a trace meets CUDA tensors, so that a compiled graph whose
-    first run is on the GPU finds its kernels bound."""
-    if not _cuda.load():
-        return False
+    """Binds the router's CUDA kernels (csrc/ gate_topk + hash_route, and router_gate below) and
+    returns True; raises a RuntimeError with the reason when csrc/ cannot be built or loaded."""
+    _cuda.load()
     _ops.router_gate.register_kernel("cuda")(_router_gate_cuda)
     return True
 
 
+def bind_cuda_kernel(op: str, capability: tuple[int, int]) -> bool:
+    """Whether `op` has a CUDA kernel on a GPU of `capability`: False where the arch table names the
+    reference (no row for the architecture); otherwise binds the kernels (a failed build raises) and
+    returns True. Called by the ops' reference bodies when they meet CUDA tensors."""
+    if _arch.backends(op, capability) == ("reference",):
+        return False
+    load_cuda_backends()
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dsv4::{op}", "CUDA"):
+        raise RuntimeError(f"dsv4::{op}: the CUDA kernels were loaded but none is registered for this op")
+    return True
+
+
 def _prepare(t: Tensor):
-    if t.device.type == "cuda" and not torch.compiler.is_compiling():
-        load_cuda_backends()
+    """Bind the CUDA kernels before an eager call with real CUDA tensors (not while tracing)."""
+    if t.device.type == "cuda" and not torch.compiler.is_compiling() and not is_fake(t):
+        bind_cuda_kernel("gate_topk", torch.cuda.get_device_capability(t.device))
 
 
 def _check_k(k: int, experts: int):

@@ -1,15 +1,13 @@
 """Builds (JIT, on first use) and loads the CUDA C++ router kernels of csrc/, which bind themselves to
-the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key. Nothing else is registered here."""
+the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key. Nothing else is registered here; a
+failure raises (no silent fallback)."""
 
 import functools
-import logging
 import os
 import pathlib
 import sys
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("dsv4ops.cpp", "router/api.cpp", "router/gate_topk.cu", "router/hash_route.cu")
@@ -42,9 +40,10 @@ def build_directory() -> pathlib.Path:
 
 @functools.cache
 def load() -> bool:
-    """Builds (first call on a machine: about a minute) and loads the extension; True when the CUDA
-    kernels are bound. When they cannot be, logs one reason and returns False: CUDA tensors then run
-    the ops' reference kernels."""
+    """Builds (first call on a machine: about a minute) and loads the extension; returns True once
+    the CUDA kernels are bound. Raises a RuntimeError with the reason when they cannot be: callers
+    ask for these kernels only where the arch table requires them, and nothing falls back silently
+    to the reference kernels."""
     reason = _unavailable_reason()
     if reason is None:
         from torch.utils import cpp_extension
@@ -63,8 +62,6 @@ def load() -> bool:
         except (RuntimeError, OSError, ImportError) as error:  # a failed nvcc / ninja run, or dlopen
             reason = f"building csrc/ failed: {error}"
     if reason is not None:
-        log.warning(
-            "dsv4ops: CUDA C++ router kernels unavailable (%s); the reference kernels serve CUDA tensors", reason
-        )
-        return False
+        raise RuntimeError(f"dsv4ops: the CUDA C++ router kernels (csrc/) are required on this GPU by the arch "
+                           f"table (dsv4ops/_arch.py) and cannot be loaded: {reason}")
     return True

@@ -7,6 +7,8 @@ logits are fp32 whatever the weight dtype (transformers returns the weight dtype
 come sorted by descending score + bias (transformers' topk is unsorted: same set).
 """
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -30,6 +32,11 @@ class _Gate(nn.Module):
         self.hidden_dim = config.hidden_size
         self.routed_scaling_factor = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """As nn.Linear(hidden, experts) initialises its weight (checkpoints overwrite it)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
 
 class DeepseekV4Router(_Gate):

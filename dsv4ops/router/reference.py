@@ -34,9 +34,16 @@ def hash_route(
     logits: Tensor, token_ids: Tensor, tid2eid: Tensor, weights_out: Tensor, indices_out: Tensor,
     routed_scaling_factor: float,
 ):
+    """A token id outside [0, vocab) or a table entry outside [0, experts) selects nothing: index -1,
+    weight 0, and the other slots renormalise among themselves (as the CUDA kernel)."""
     scores = sqrt_softplus(logits)
-    indices = tid2eid[token_ids.long()].long()
-    weights_out.copy_(renormalize(scores, indices, routed_scaling_factor))
+    ids = token_ids.long()
+    token_ok = (ids >= 0) & (ids < tid2eid.shape[0])
+    indices = tid2eid[ids.where(token_ok, 0)].long()
+    ok = token_ok[:, None] & (indices >= 0) & (indices < logits.shape[-1])
+    indices = indices.where(ok, -1)
+    picked = scores.gather(-1, indices.clamp(min=0)).where(ok, 0.0)
+    weights_out.copy_(picked / (picked.sum(dim=-1, keepdim=True) + 1e-20) * routed_scaling_factor)
     indices_out.copy_(indices)
 
 

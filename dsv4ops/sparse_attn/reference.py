@@ -1,15 +1,15 @@
 """Reference kernel of `dsv4::sparse_attn`: each query attends to its window (positions
 max(0, t - window + 1) .. t of its request's ring, itself included) and to the compressed entries
 listed in comp_idx (global pool slots, -1 = none), with the per-head sink in the denominator
-(spec 3.5); only the first comp_lens[t] columns of a row are listed. Padding tokens (request -1)
-get a zero row. Keys are read back in their pool's format (V4: fp8_584 or exact; V4.1: fp8_528
-window rows and fp4_288 compressed rows)."""
+(spec 3.5); only the first comp_lens[t] columns of a row are listed. Padding tokens (request -1,
+or a slot past the pool) get a zero row. Keys are read back in their pool's format (V4: fp8_584 or
+exact; V4.1: fp8_528 window rows and fp4_288 compressed rows)."""
 
 import torch
 from torch import Tensor
 
 from dsv4ops.qkv_prep.reference import window_slots
-from dsv4ops.quant.reference import unpack_kv
+from dsv4ops.quant.reference import unpack_kv, valid_slots
 from dsv4ops.reference.functional import sink_attention
 
 # Queries per gather: bounds the [chunk, window + top-k, 512] key copy of the reference.
@@ -22,18 +22,21 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
     d = q.shape[-1]
     listed = torch.arange(comp_idx.shape[1], device=q.device)[None] < comp_lens.long()[:, None]
     comp_idx = comp_idx.where(listed, -1)
+    # A request slot past the window pool is a padding token; a listed entry past the compressed
+    # pool is no entry (kernels never index out of range).
     for s in range(0, q.shape[0], _CHUNK):
         qs, pos, req, idx = q[s:s + _CHUNK], positions[s:s + _CHUNK].long(), req_slots[s:s + _CHUNK], comp_idx[s:s + _CHUNK]
         n = qs.shape[0]
+        live = (req >= 0) & valid_slots(req.long() * ring_size, window_cache, window_fmt)
         back = torch.arange(window - 1, -1, -1, device=q.device)
         wpos = pos[:, None] - back  # oldest first
-        wvalid = (wpos >= 0) & (req >= 0)[:, None]
+        wvalid = (wpos >= 0) & live[:, None]
         wslots = window_slots(wpos.clamp(min=0), req[:, None].expand(-1, window), ring_size).where(wvalid, -1)
         wkeys = torch.empty(n * window, d, dtype=q.dtype, device=q.device)
         unpack_kv(window_cache, wslots.reshape(-1), wkeys, window_fmt)
-        cvalid = (idx >= 0) & (req >= 0)[:, None]
+        cvalid = valid_slots(idx, comp_cache, comp_fmt) & live[:, None]
         ckeys = torch.empty(n * idx.shape[1], d, dtype=q.dtype, device=q.device)
         unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys, comp_fmt)
         keys = torch.cat([wkeys.view(n, window, d), ckeys.view(n, idx.shape[1], d)], 1)
         o = sink_attention(qs, keys, torch.cat([wvalid, cvalid], 1), sinks, scale)
-        out[s:s + _CHUNK] = o.where((req >= 0)[:, None, None], 0).to(out.dtype)
+        out[s:s + _CHUNK] = o.where(live[:, None, None], 0).to(out.dtype)
