@@ -70,3 +70,20 @@ def request_span(positions: Tensor, req_slots: Tensor, limit: int, what: str):
         r = (span > limit).nonzero()[0, 0].item()
         raise ValueError(f"positions: expected the tokens of a request to span at most {limit} positions ({what}), "
                          f"got {span[r].item()} for request {r} (positions {lo[r].item()}..{hi[r].item()})")
+
+
+def window_ends(positions: Tensor, req_slots: Tensor, ends: Tensor):
+    """For each live token, its position <= ends <= the last position of its request among the
+    tokens (the window never reaches a row the call has not written)."""
+    live = req_slots >= 0
+    if not bool(live.any()):
+        return
+    req, pos, end = req_slots[live].long(), positions[live].long(), ends[live].long()
+    hi = torch.full((int(req.max()) + 1,), -1, dtype=torch.long, device=req.device).scatter_reduce(0, req, pos, "amax")
+    bad = (end < pos) | (end > hi[req])
+    if bool(bad.any()):
+        i = bad.nonzero()[0, 0].item()
+        at = live.nonzero()[i, 0].item()
+        raise ValueError(f"window_ends: expected values from the token's position to the last position of its request "
+                         f"({pos[i].item()}..{hi[req[i]].item()} for request {req[i].item()}), got {end[i].item()} at "
+                         f"index {at}")

@@ -238,7 +238,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
         comp_lens = visible_counts(pos, req, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
 
     o = torch.empty_like(q_rot)
-    ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, layer.sinks, o,
+    ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
                     cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)

@@ -146,8 +146,8 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
         # The selection lists its entries first: the first min(visible, k) columns hold them all.
         comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
     o = torch.empty_like(q_rot)
-    ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, layer.sinks, o, cfg.head_dim**-0.5,
-                    cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
+    ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
+                    cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)

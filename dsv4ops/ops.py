@@ -164,15 +164,15 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
 # ---- sparse_attn -------------------------------------------------------------------------------
 @custom_op("dsv4::sparse_attn", mutates_args=("out",))
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int,
-                ring_size: int, window_fmt: str, comp_fmt: str) -> None:
-    """MQA with sink over each query's window (ring of its request, itself included) and the
-    compressed entries comp_idx[t, :comp_lens[t]] (-1 = none); K = V; padding tokens get zeros. The
-    pools' formats are window_fmt and comp_fmt."""
-    _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks,
-                                    out, window, ring_size, window_fmt, comp_fmt)
-    _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out,
-                             scale, window, ring_size, window_fmt, comp_fmt)
+                comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+    """MQA with sink over each query's window (the `window` positions of its request's ring ending at
+    window_ends[t]; None: at its own position) and the compressed entries comp_idx[t, :comp_lens[t]]
+    (-1 = none); K = V; padding tokens get zeros. The pools' formats are window_fmt and comp_fmt."""
+    _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens,
+                                    window_ends, sinks, out, window, ring_size, window_fmt, comp_fmt)
+    _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
+                             sinks, out, scale, window, ring_size, window_fmt, comp_fmt)
 
 
 # ---- output ------------------------------------------------------------------------------------

@@ -291,6 +291,68 @@ def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: 
     return {rid: torch.cat(v) for rid, v in outs.items()}
 
 
+def speculative_schedule(lengths: dict, max_draft: int, seed: int, prefill: dict | None = None) -> list[dict]:
+    """A random speculative-decoding schedule: steps of {request: (tokens, kept)}. A request first
+    brings its `prefill` chunk (if any), then each step either a verify of 1 + k tokens (k in
+    0..max_draft, a draft of k; kept = 1 + the accepted drafts, at random) or a chunk of 2..9 tokens
+    (all kept); requests sit out steps at random. The kept tokens of a request add up to its length."""
+    import random
+
+    rng = random.Random(seed)
+    left = dict(lengths)
+    steps = []
+    first = dict(prefill or {})
+    while any(left.values()):
+        active = [r for r, n in left.items() if n and rng.random() < 0.75] or [r for r, n in left.items() if n]
+        step = {}
+        for r in active:
+            if r in first:
+                n = kept = min(first.pop(r), left[r])
+            elif rng.random() < 0.8:
+                n = 1 + rng.randint(0, max_draft)
+                kept = min(1 + rng.randint(0, n - 1), left[r])
+            else:
+                n = kept = min(rng.randint(2, 9), left[r])
+            step[r] = (n, kept)
+            left[r] -= kept
+        steps.append(step)
+    return steps
+
+
+def serve_speculative(fn, manager, inputs: dict, schedule: list[dict], garbage: torch.Generator) -> dict:
+    """Run a speculative schedule (steps of {request: (tokens, kept)}, see speculative_schedule)
+    through fn(x, step) (a layer's or a stack's serving forward; inputs[request] and the outputs
+    carry tokens on dim -2): a step's kept tokens are the request's next rows of `inputs`, its
+    rejected drafts random rows; after the step commits, each request is rewound by its rejected
+    tokens. Returns {request: outputs of the kept tokens} (what a run of the kept tokens alone,
+    stateless, must give). Requests are admitted on first appearance."""
+    done = {r: 0 for r in inputs}
+    outs = {r: [] for r in inputs}
+    for spec in schedule:
+        for r in spec:
+            if r not in manager.slot_of:
+                manager.admit(r)
+        new = {r: n for r, (n, _) in spec.items()}
+        with manager.step(new) as step:
+            rows = []
+            for r, (n, kept) in spec.items():
+                x = inputs[r]
+                rows.append(x[..., done[r]:done[r] + kept, :])
+                rows.append(torch.randn(*x.shape[:-2], n - kept, x.shape[-1], generator=garbage).to(x))
+            x = torch.cat(rows, -2)
+            pad = step.positions.shape[0] - x.shape[-2]
+            x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], -2)
+            y = fn(x, step)
+        i = 0
+        for r, (n, kept) in spec.items():
+            outs[r].append(y[..., i:i + kept, :])
+            done[r] += kept
+            i += n
+        for r, (n, kept) in spec.items():
+            manager.rewind(r, n - kept)
+    return {r: torch.cat(v, -2) for r, v in outs.items() if v}
+
+
 # ---- inputs of the dsv4:: ops ------------------------------------------------------------------
 # Tiny valid argument sets, built fresh per call (the ops mutate them), as dicts in schema order.
 # Exact pools take rows of any width, so the default rows are 16-d (rope 8); byte formats fix the
@@ -518,11 +580,13 @@ def topk_workspace(tokens: int, n_entries: int, k: int, device=None) -> Tensor:
 
 
 def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, window=4, ring=8,
-                     requests=2, block_size=4, comp_blocks=2, entries=3, noncontig=False, comp_fmt=None) -> dict:
+                     requests=2, block_size=4, comp_blocks=2, entries=3, noncontig=False, comp_fmt=None,
+                     blocks=False) -> dict:
     """comp_idx rows: random slots of the compressed pool, the last column -1; comp_lens lists every
     column but the first token's last one (a listed -1 and an unlisted slot both read nothing).
     comp_fmt: the compressed pool's format when it differs from the window's (V4.1: fp8_528 /
-    fp4_288)."""
+    fp4_288). blocks: window_ends = the last position of each token's run (each run one draft block
+    that sees itself both ways); otherwise None (causal windows)."""
     fmt = fmt or dtype
     comp_fmt = comp_fmt or fmt
     dim, _ = _dims(fmt, dim)
@@ -532,11 +596,15 @@ def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAUL
     comp_idx[:, -1] = -1
     comp_lens = torch.full((t,), entries, dtype=torch.int32)
     comp_lens[0] = entries - 1
+    window_ends = None
+    if blocks:
+        window_ends = torch.tensor([start + n - 1 for _, start, n in runs for _ in range(n)] + [0] * pad,
+                                   dtype=torch.int32)
     return dict(q=_rows((t, heads, dim), dtype, noncontig),
                 window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim, fmt),
                 comp_cache=fill_pool(page_pool(comp_blocks, block_size, dim, comp_fmt), dim, comp_fmt),
                 positions=positions, req_slots=req_slots, comp_idx=comp_idx, comp_lens=comp_lens,
-                sinks=torch.randn(heads), out=torch.empty(t, heads, dim, dtype=dtype), scale=dim**-0.5,
+                window_ends=window_ends, sinks=torch.randn(heads), out=torch.empty(t, heads, dim, dtype=dtype), scale=dim**-0.5,
                 window=window, ring_size=ring, window_fmt=format_name(fmt, dim), comp_fmt=format_name(comp_fmt, dim))
 
 
@@ -566,7 +634,7 @@ _PUBLIC = {
     "sparse_attn": lambda api, a: api.sparse_attn(a["q"], a["window_cache"], a["comp_cache"], a["positions"],
                                                   a["req_slots"], a["comp_idx"], a["sinks"], a["scale"], a["window"],
                                                   a["ring_size"], a["window_fmt"], a["comp_fmt"],
-                                                  comp_lens=a["comp_lens"]),
+                                                  comp_lens=a["comp_lens"], window_ends=a["window_ends"]),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",

@@ -87,7 +87,7 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                 else:
                     idx = torch.full((t, nblk * bs), -1, dtype=torch.int32, device=device)
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32, device=device)
-            ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, sinks, o, d**-0.5, model_cfg.window, ring,
+            ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, pos, sinks, o, d**-0.5, model_cfg.window, ring,
                             main_fmt, main_fmt)
             ops.inv_rope(o, pos, freq, o_rot)
             calls += 3

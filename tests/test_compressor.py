@@ -36,7 +36,8 @@ class Stream:
     per request, each step ends with a padding token that closes a block (position ratio - 1) and
     carries a valid entry slot and random rows: it must write nothing."""
 
-    def __init__(self, w: dict, xs: dict, fmt=torch.float32, blocks_per_request: int = 2, eps: float = EPS):
+    def __init__(self, w: dict, xs: dict, fmt=torch.float32, blocks_per_request: int = 2, eps: float = EPS,
+                 slack: int = 0):
         self.w, self.xs, self.eps = w, xs, eps
         requests = len(xs)
         width = w["kv"].shape[0]
@@ -44,7 +45,8 @@ class Stream:
         self.z = {r: F.linear(x, w["gate"]) for r, x in xs.items()}
         self.done = {r: 0 for r in xs}
         self.per_request = blocks_per_request * BLOCK
-        self.state = torch.full((requests, width // w["d"] * w["ratio"], 2 * width), float("nan"))
+        # slack: ring rows past the span (CacheConfig.state_rows sizes them for rewinds).
+        self.state = torch.full((requests, width // w["d"] * w["ratio"] + slack, 2 * width), float("nan"))
         self.cache = T.page_pool(requests * blocks_per_request, BLOCK, w["d"], fmt)
         self.fmt = T.format_name(fmt, w["d"])
         self.spare = requests * self.per_request - 1  # never a real entry in these tests
@@ -91,11 +93,12 @@ CHUNKED = {  # prefill chunks that end mid-block, decode tokens, requests interl
 
 
 @pytest.mark.parametrize("kind", [CSA, HCA], ids=["csa", "hca"])
-@pytest.mark.parametrize("steps", [ONE_STEP, CHUNKED], ids=["one-step", "chunked"])
-def test_entries_equal_the_stateless_oracle(kind, steps):
+@pytest.mark.parametrize("steps,slack", [(ONE_STEP, 0), (CHUNKED, 0), (CHUNKED, 5)],
+                         ids=["one-step", "chunked", "chunked-ring-slack"])
+def test_entries_equal_the_stateless_oracle(kind, steps, slack):
     w = _weights(*kind, d=8)
     xs = _xs(LENGTHS[kind])
-    stream = Stream(w, xs)
+    stream = Stream(w, xs, slack=slack)
     for new in steps[kind]:
         stream.step(new)
     for r, x in xs.items():
@@ -228,6 +231,19 @@ def test_state_ring_keeps_the_last_token_of_each_row():
     assert torch.equal(stream.state[0], expect)
 
 
+def test_state_ring_with_slack_rows_holds_position_p_at_row_p_mod_rows():
+    """A ring of 8 + 5 rows (CacheConfig.state_rows for 5 drafts): the last 13 positions of a
+    request each keep their row p % 13, so the 7 positions before any of the last 6 survive them."""
+    m = 4
+    w = _weights(*CSA, d=8)
+    xs = _xs({0: 20})
+    stream = Stream(w, xs, slack=5)
+    stream.step({0: 20})
+    rows = torch.cat([stream.a[0], stream.z[0] + w["ape"][torch.arange(20) % m]], -1)
+    expect = torch.stack([rows[p] for p in sorted(range(7, 20), key=lambda p: p % 13)])
+    assert torch.equal(stream.state[0], expect)
+
+
 def test_closing_token_with_entry_slot_minus_one_stores_nothing():
     w = _weights(*CSA, d=8)
     stream = Stream(w, _xs({0: 8}))
@@ -275,12 +291,13 @@ BAD = [
      r"entry_slots: expected size 9 \(tokens of kv\) at dim 0, got 8"),
     ("inv_freq-width", wa("inv_freq", lambda a: torch.ones(5)),
      r"inv_freq: expected at most 4 frequencies \(head dim 8\), got 5"),
-    ("state-ndim", wa("state", lambda a: a["state"][0]), r"state: expected 3-D \[requests, coff \* ratio, 2 \* coff"),
+    ("state-ndim", wa("state", lambda a: a["state"][0]),
+     r"state: expected 3-D \[requests, ring rows >= coff \* ratio, 2 \* coff"),
     ("state-dtype", wa("state", lambda a: a["state"].double()), r"state: expected dtype in \[torch.float32\]"),
     ("state-contiguous", wa("state", lambda a: a["state"].transpose(0, 1)), r"state: expected a contiguous tensor"),
     ("state-device", wa("state", lambda a: a["state"].to("meta")), r"state: expected device cpu \(as kv\), got meta"),
     ("state-rows", wa("state", lambda a: a["state"][:, :4].contiguous()),
-     r"state: expected size 8 \(coff \* ratio ring rows\) at dim 1, got 4"),
+     r"state: expected at least 8 ring rows \(coff \* ratio, the positions one entry pools\) at dim 1, got 4"),
     ("state-width", wa("state", lambda a: a["state"][..., :16].contiguous()),
      r"state: expected size 32 \(kv and score rows\) at dim 2, got 16"),
     ("cache-width", wa("cache", lambda a: a["cache"][..., :4].contiguous()),

@@ -42,14 +42,14 @@ def _case(heads: int, prefill: bool, entries: int = 512, seed: int = 0):
 
 def _ours(q, wc, cc, pos, req, idx, lens, sinks):
     out = torch.full_like(q, float("nan"))
-    torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING, FMT, FMT)
+    torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, idx, lens, None, sinks, out, 512**-0.5, WINDOW, RING, FMT, FMT)
     return out
 
 
 def _reference(dtype, q, wc, cc, pos, req, idx, lens, sinks):
     out = torch.empty(q.shape, dtype=dtype, device="cuda")
-    sparse_attn_ref.sparse_attn(q.to(dtype), wc, cc, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING, FMT,
-                                FMT)
+    sparse_attn_ref.sparse_attn(q.to(dtype), wc, cc, pos, req, idx, lens, None, sinks, out, 512**-0.5, WINDOW, RING,
+                                FMT, FMT)
     return out
 
 

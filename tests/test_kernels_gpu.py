@@ -342,11 +342,12 @@ def _attn_case(heads, w_pool, c_pool, prefill: bool, entries: int):
     return q, wc, cc, pos, req, idx, lens, sinks
 
 
-def _attn(fn, dtype, q, wc, cc, pos, req, idx, lens, sinks):
+def _attn(fn, dtype, q, wc, cc, pos, req, idx, lens, sinks, ends=None):
     as64 = (lambda c: c if c.dtype == torch.uint8 else c.double()) if dtype == torch.float64 else (lambda c: c)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEV)
     w_, c_ = as64(wc), as64(cc)
-    fn(q.to(dtype), w_, c_, pos, req, idx, lens, sinks, out, 512**-0.5, WINDOW, RING, _fmt(w_, 512), _fmt(c_, 512))
+    fn(q.to(dtype), w_, c_, pos, req, idx, lens, ends, sinks, out, 512**-0.5, WINDOW, RING, _fmt(w_, 512),
+       _fmt(c_, 512))
     return out
 
 
@@ -361,6 +362,22 @@ def test_sparse_attn(pools, prefill, heads):
     assert got.isfinite().all() and (got[req < 0] == 0).all(), "every row written, padding rows zero"
     testing.assert_close_to_ref(got, _attn(sparse_attn_ref.sparse_attn, torch.float64, *case),
                                 _attn(sparse_attn_ref.sparse_attn, torch.bfloat16, *case), what="attention")
+
+
+@pytest.mark.parametrize("pools", [(FP8, FP8), (torch.bfloat16, torch.bfloat16)], ids=["fp8", "bf16"])
+def test_sparse_attn_draft_blocks(pools):
+    """A prefill chunk cut in draft blocks of 5 tokens (DSpark), each token's window ending at its
+    block's last position (the chunk's last for the final, shorter block)."""
+    case = _attn_case(HEADS[0], *pools, prefill=True, entries=TOPK)
+    pos, req = case[3], case[4]
+    live = req >= 0
+    start, last = pos[live].min(), pos[live].max()
+    ends = torch.where(live, torch.minimum(start + ((pos - start) // 5 + 1) * 5 - 1, last), 0).to(torch.int32)
+    got = _attn(_op("sparse_attn"), torch.bfloat16, *case, ends=ends)
+    assert got.isfinite().all() and (got[req < 0] == 0).all(), "every row written, padding rows zero"
+    testing.assert_close_to_ref(got, _attn(sparse_attn_ref.sparse_attn, torch.float64, *case, ends=ends),
+                                _attn(sparse_attn_ref.sparse_attn, torch.bfloat16, *case, ends=ends),
+                                what="block-causal attention")
 
 
 def test_sparse_attn_hca_long_index_and_fp32():
@@ -416,7 +433,7 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
                 _workspace(q, table, 8), 4, 0, _fmt(cache, 128))
     if name == "sparse_attn":
         q, wc, cc, pos, req, idx, lens, sinks = _attn_case(h, FP8, FP8, prefill=False, entries=16)
-        return (q, wc, cc, pos, req, idx, lens, sinks, torch.empty_like(q), 512**-0.5, WINDOW, RING, "fp8_584",
+        return (q, wc, cc, pos, req, idx, lens, None, sinks, torch.empty_like(q), 512**-0.5, WINDOW, RING, "fp8_584",
                 "fp8_584")
     if name == "inv_rope":
         return torch.randn(t, h, 512, device=DEV), pos, _inv_freq(), torch.empty(t, h, 512, device=DEV)
@@ -441,13 +458,13 @@ def test_opcheck_cuda(name):
 def test_cuda_dispatch_reaches_triton_and_the_reference_stays_reachable():
     args = _op_args("sparse_attn")
     torch.ops.dsv4.sparse_attn(*args)
-    got = args[8].clone()
+    got = args[9].clone()
     assert "triton" in sys.modules and dsv4ops.backends.resolve.cache_info().currsize > 0
     with dsv4ops.ops.sparse_attn.set_kernel_enabled("cuda", False):
         torch.ops.dsv4.sparse_attn(*args)
-    ref = args[8].clone()
+    ref = args[9].clone()
     sparse_attn_ref.sparse_attn(*args)
-    assert torch.equal(ref, args[8]), "with the CUDA kernel disabled the op runs the reference"
+    assert torch.equal(ref, args[9]), "with the CUDA kernel disabled the op runs the reference"
     assert got.isfinite().all()
 
 
@@ -506,11 +523,12 @@ def test_pool_over_2gib_written_and_read_at_its_far_end():
     o, o_ref = torch.empty_like(q), torch.empty_like(q)
     idx = torch.full((3, 1), -1, dtype=torch.int32, device="cuda")
     sinks, lens = torch.zeros(64, device="cuda"), _i32([1, 1, 1])
-    torch.ops.dsv4.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o, 512**-0.5, 128, ring, f, f)
-    sparse_attn_ref.sparse_attn(q_out, pool, pool, pos, req, idx, lens, sinks, o_ref, 512**-0.5, 128, ring, f, f)
-    o64 = torch.empty(q.shape, dtype=torch.float64, device="cuda")
-    sparse_attn_ref.sparse_attn(q_out.double(), pool, pool, pos, req, idx, lens, sinks, o64, 512**-0.5, 128, ring, f,
+    torch.ops.dsv4.sparse_attn(q_out, pool, pool, pos, req, idx, lens, None, sinks, o, 512**-0.5, 128, ring, f, f)
+    sparse_attn_ref.sparse_attn(q_out, pool, pool, pos, req, idx, lens, None, sinks, o_ref, 512**-0.5, 128, ring, f,
                                 f)
+    o64 = torch.empty(q.shape, dtype=torch.float64, device="cuda")
+    sparse_attn_ref.sparse_attn(q_out.double(), pool, pool, pos, req, idx, lens, None, sinks, o64, 512**-0.5, 128,
+                                ring, f, f)
     testing.assert_close_to_ref(o, o64, o_ref, what="attention over the far end")
 
 

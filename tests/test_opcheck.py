@@ -77,6 +77,7 @@ SAMPLES = {
         partial(T.sparse_attn_args, BF16, heads=1, runs=((1, 2, 1),), pad=0),
         partial(T.sparse_attn_args, FP32, noncontig=True),
         partial(T.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
+        partial(T.sparse_attn_args, FP32, blocks=True),
     ],
     "inv_rope": [
         partial(T.inv_rope_args, FP32),

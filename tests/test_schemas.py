@@ -59,7 +59,7 @@ def test_indexer_topk():
 
 
 def test_sparse_attn():
-    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor sinks, Tensor(a8!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt) -> ()""")
+    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor? window_ends, Tensor sinks, Tensor(a9!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt) -> ()""")
 
 
 def test_inv_rope():

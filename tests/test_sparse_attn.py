@@ -24,7 +24,7 @@ COMP_IDX = [[0, 3, -1], [-1, -1, -1], [4, 1, 2], [2, -1, -1], [0, 1, 4], [6, 7, 
 COMP_LENS = [3, 3, 2, 1, 0, 3]
 
 
-def _case(dtype, fmt, heads: int, comp_fmt=None):
+def _case(dtype, fmt, heads: int, comp_fmt=None, window_ends=None):
     """Arguments whose pools hold rows only where a query may read; and those rows as read back."""
     comp_fmt = comp_fmt or fmt
     dim = 16 if isinstance(fmt, torch.dtype) else 512
@@ -40,7 +40,9 @@ def _case(dtype, fmt, heads: int, comp_fmt=None):
     t = positions.shape[0]
     args = dict(q=torch.randn(t, heads, dim, dtype=dtype), window_cache=window_cache, comp_cache=comp_cache,
                 positions=positions, req_slots=req_slots, comp_idx=torch.tensor(COMP_IDX, dtype=I32),
-                comp_lens=torch.tensor(COMP_LENS, dtype=I32), sinks=torch.randn(heads),
+                comp_lens=torch.tensor(COMP_LENS, dtype=I32),
+                window_ends=None if window_ends is None else torch.tensor(window_ends, dtype=I32),
+                sinks=torch.randn(heads),
                 out=torch.full((t, heads, dim), float("nan"), dtype=dtype), scale=dim**-0.5, window=WINDOW,
                 ring_size=RING, window_fmt=wf, comp_fmt=cf)
     read = {k: unpack_kv(window_cache, torch.tensor([k[0] * RING + k[1] % RING], dtype=I32), dim, FP32, wf)[0]
@@ -63,15 +65,17 @@ def _dense_sink_attention(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tens
 
 
 def _reference(args: dict, read: dict, comp: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Query by query: keys = window rows of positions max(0, t - W + 1) .. t, then comp rows of
-    its comp_idx >= 0; dense sink attention in `dtype` (fp64: the error budget's reference)."""
+    """Query by query: keys = window rows of positions max(0, e - W + 1) .. e (e: the token's window
+    end, its position by default), then comp rows of its comp_idx >= 0; dense sink attention in
+    `dtype` (fp64: the error budget's reference)."""
     outs = []
-    for i, (p, r) in enumerate(zip(args["positions"].tolist(), args["req_slots"].tolist(), strict=True)):
+    ends = args["positions"] if args["window_ends"] is None else args["window_ends"]
+    for i, (e, r) in enumerate(zip(ends.tolist(), args["req_slots"].tolist(), strict=True)):
         q = args["q"][i].to(dtype)
         if r < 0:
             outs.append(torch.zeros_like(q))
             continue
-        keys = [read[r, s] for s in range(max(0, p - WINDOW + 1), p + 1)]
+        keys = [read[r, s] for s in range(max(0, e - WINDOW + 1), e + 1)]
         keys += [comp[j] for j in args["comp_idx"][i, :args["comp_lens"][i]].tolist() if j >= 0]
         outs.append(_dense_sink_attention(q, torch.stack(keys).to(dtype), args["sinks"], args["scale"]))
     return torch.stack(outs)
@@ -93,6 +97,32 @@ def test_attends_to_exactly_its_window_and_entries(dtype, fmt, heads, comp_fmt):
     T.assert_close_to_ref(out, ref64, lowp, what=f"sparse_attn {dtype} {fmt}")
     public = T.call_public("sparse_attn", args)
     assert public.is_contiguous() and T.bytes_equal(public, out)
+
+
+# Draft blocks: request 0's three tokens (9..11) one block ending at 11, request 1's two (0..1) one
+# ending at 1; the padding token's end is free.
+BLOCK_ENDS = [11, 11, 11, 1, 1, 0]
+
+
+@pytest.mark.parametrize("dtype,fmt,comp_fmt", [(FP32, FP32, None), (BF16, FP8, None), (BF16, "fp8_528", "fp4_288")],
+                         ids=["fp32", "bf16-fp8", "v41-bf16"])
+def test_draft_block_sees_itself_both_ways(dtype, fmt, comp_fmt):
+    """window_ends = the block's last position: every token of a block reads the same window (the
+    `window` positions ending there, later tokens of its block included), equal to the independent
+    dense formulation with those keys."""
+    args, read, comp = _case(dtype, fmt, 2, comp_fmt, window_ends=BLOCK_ENDS)
+    T.call_op("sparse_attn", args)
+    out = args["out"]
+    assert not out.isnan().any() and (out[-1] == 0).all()
+    T.assert_close_to_ref(out, _reference(args, read, comp, torch.float64), _reference(args, read, comp, dtype),
+                          what=f"block-causal sparse_attn {dtype} {fmt}")
+    public = T.call_public("sparse_attn", args)
+    assert T.bytes_equal(public, out)
+    causal = T.call_public("sparse_attn", dict(args, window_ends=None))
+    # Token 2 (position 11, the block's end) and token 4 (position 1) see the same keys either way;
+    # the earlier tokens of each block see later ones only with the block's window end.
+    same = [bool(torch.equal(a, b)) for a, b in zip(causal, public, strict=True)]
+    assert same == [False, False, True, False, True, True]
 
 
 def test_window_and_entries_both_count():
@@ -137,6 +167,10 @@ BAD = [
     ("comp_lens-dtype", wa("comp_lens", lambda a: a["comp_lens"].long()),
      r"comp_lens: expected dtype in \[torch.int32\]"),
     ("comp_lens-size", wa("comp_lens", lambda a: a["comp_lens"][:-1]), r"comp_lens: expected size 6 \(tokens of q\)"),
+    ("window_ends-dtype", wa("window_ends", lambda a: a["positions"].long()),
+     r"window_ends: expected dtype in \[torch.int32\]"),
+    ("window_ends-size", wa("window_ends", lambda a: a["positions"][:-1]),
+     r"window_ends: expected size 6 \(tokens of q\)"),
     ("sinks-ndim", wa("sinks", lambda a: a["sinks"][None]), r"sinks: expected 1-D \[heads\]"),
     ("sinks-dtype", wa("sinks", lambda a: a["sinks"].bfloat16()), r"sinks: expected dtype in \[torch.float32\]"),
     ("sinks-size", wa("sinks", lambda a: a["sinks"][:1]), r"sinks: expected size 2 \(heads of q\) at dim 0, got 1"),
@@ -161,6 +195,12 @@ BAD = [
     ("comp_lens-high", wa("comp_lens", lambda a: a["comp_lens"] + 1),
      r"comp_lens: expected values in \[0, 4\) \(entries listed of comp_idx's 3 columns\), got 4 at index 1",
      ("public",)),
+    ("window_ends-before", wa("window_ends", lambda a: torch.tensor([5, 7, 6, 0, 1, 0], dtype=I32)),
+     r"window_ends: expected values from the token's position to the last position of its request \(7\.\.7 for "
+     r"request 0\), got 6 at index 2", ("public",)),
+    ("window_ends-past", wa("window_ends", lambda a: torch.tensor([7, 7, 7, 2, 1, 0], dtype=I32)),
+     r"window_ends: expected values from the token's position to the last position of its request \(0\.\.1 for "
+     r"request 1\), got 2 at index 3", ("public",)),
     ("span", wa("positions", lambda a: torch.tensor([0, 1, 7, 0, 1, 0], dtype=I32)),
      r"positions: expected the tokens of a request to span at most 5 positions \(ring_size 8 - window 4 \+ 1\), "
      r"got 8 for request 0 \(positions 0\.\.7\)", ("public",)),

@@ -140,18 +140,20 @@ def test_qkv_prep(pool):
 # ---- compressor_update -------------------------------------------------------------------------
 # Steps of (request, tokens): prefill chunks, decode tokens, a chunk longer than the ring (its
 # closing tokens read state rows that later tokens of the same step overwrite), a padding token.
+# A ring with slack rows (CacheConfig.state_rows for drafts): rows past the span, addressed p % rows.
 STEPS = {
-    "csa": (512, 4, True, [[(0, 6), (1, 3)], [(0, 1), (1, 1)], [(0, 9)]]),
-    "hca": (512, 16, False, [[(0, 20), (1, 3)], [(1, 14)], [(0, 30)]]),  # ratio 16 stands in for 128
-    "indexer": (128, 4, True, [[(0, 6), (1, 3)], [(0, 9), (1, 1)]]),
+    "csa": (512, 4, True, [[(0, 6), (1, 3)], [(0, 1), (1, 1)], [(0, 9)]], 0),
+    "hca": (512, 16, False, [[(0, 20), (1, 3)], [(1, 14)], [(0, 30)]], 0),  # ratio 16 stands in for 128
+    "indexer": (128, 4, True, [[(0, 6), (1, 3)], [(0, 9), (1, 1)]], 0),
+    "csa-ring-slack": (512, 4, True, [[(0, 6), (1, 3)], [(0, 1), (1, 1)], [(0, 15)], [(0, 2)]], 5),
 }
 
 
 @pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("case", sorted(STEPS))
 def test_compressor_update(case, pool):
-    d, ratio, overlap, steps = STEPS[case]
-    width, rows = (2 * d, 2 * ratio) if overlap else (d, ratio)
+    d, ratio, overlap, steps, slack = STEPS[case]
+    width, rows = (2 * d, 2 * ratio + slack) if overlap else (d, ratio + slack)
     adt = torch.float32 if pool == "fp8" else torch.bfloat16  # numerics.compressor_dtype
     ape, w = torch.randn(ratio, width), 1 + 0.1 * torch.randn(d)
     nblk = 16
@@ -306,19 +308,22 @@ def test_indexer_score_keys_order_like_scores():
 
 
 # ---- sparse_attn -------------------------------------------------------------------------------
-@pytest.mark.parametrize("stages,n_split", [(1, 1), (2, 1), (1, 2)], ids=["skip-empty-tiles", "pipelined", "2-splits"])
+@pytest.mark.parametrize("stages,n_split,blocks", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)],
+                         ids=["skip-empty-tiles", "pipelined", "2-splits", "2-splits-draft-block"])
 @pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), (torch.bfloat16, torch.bfloat16), ("fp8", torch.float32)],
                          ids=["fp8", "bf16", "fp8-window-fp32-comp"])
-def test_sparse_attn(w_pool, c_pool, stages, n_split, monkeypatch):
+def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
     # 16-key tiles: the 8-key window is one tile, the 40 listed columns three more; two splits cut
-    # the entries between programs, merged with the sink by the combine kernel.
+    # the entries between programs, merged with the sink by the combine kernel. Draft block: tokens
+    # 0 and 1 of request 0 (positions 3, 4) end their windows at 4.
     hb = sparse_attn_tt.config(2, torch.bfloat16)[0]
     monkeypatch.setattr(sparse_attn_tt, "config", lambda *args: (hb, 16, 4, stages))
     monkeypatch.setattr(sparse_attn_tt, "splits", lambda *args: n_split)
-    t, h, window, ring = 4, 2, 8, 12
-    pos, req = _i32(3, 20, 9, 0), _i32(0, 1, -1, 1)
+    t, h, window, ring = 5, 2, 8, 12
+    pos, req = _i32(3, 4, 20, 9, 0), _i32(0, 0, 1, -1, 1)
+    ends = _i32(4, 4, 20, 9, 0) if blocks else None
     wc, cc = _pool(w_pool, 512, 2 * ring // BS), _pool(c_pool, 512, 4)
-    for p, r in zip(pos.tolist(), req.tolist()):  # only the windows' ring slots hold keys
+    for p, r in zip((pos if ends is None else ends).tolist(), req.tolist()):  # only the windows' ring slots hold keys
         if r >= 0:
             held = torch.arange(max(0, p - window + 1), p + 1)
             quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc,
@@ -326,20 +331,20 @@ def test_sparse_attn(w_pool, c_pool, stages, n_split, monkeypatch):
     quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc, _fmt(cc, 512))
     idx = torch.randint(0, 16, (t, 40), dtype=torch.int32)
     idx[0, 2:] = -1
-    idx[1, 0] = -1
-    lens = _i32(40, 37, 40, 5)  # token 1 drops its last 3 columns, token 3 lists 5 (all in split 0)
+    idx[2, 0] = -1
+    lens = _i32(40, 40, 37, 40, 5)  # token 2 drops its last 3 columns, token 4 lists 5 (all in split 0)
     q, sinks = torch.randn(t, h, 512), torch.randn(h)
 
     def run(fn, dtype):
         as_dtype = (lambda c: c if c.dtype == torch.uint8 else c.to(dtype)) if dtype == torch.float64 else (lambda c: c)
         out = torch.full((t, h, 512), float("nan"), dtype=dtype)
         w_, c_ = as_dtype(wc), as_dtype(cc)
-        fn(q.to(dtype), w_, c_, pos, req, idx, lens, sinks, out, 512**-0.5, window, ring, _fmt(w_, 512),
+        fn(q.to(dtype), w_, c_, pos, req, idx, lens, ends, sinks, out, 512**-0.5, window, ring, _fmt(w_, 512),
            _fmt(c_, 512))
         return out
 
     got = run(sparse_attn_tt.sparse_attn, torch.bfloat16)
-    assert (got[2] == 0).all(), "padding token"
+    assert (got[3] == 0).all(), "padding token"
     testing.assert_close_to_ref(got, run(sparse_attn_ref.sparse_attn, torch.float64),
                                 run(sparse_attn_ref.sparse_attn, torch.bfloat16), what="attention output")
 
@@ -353,9 +358,10 @@ def test_sparse_attn_fp32():
     q, sinks = torch.randn(t, h, 512), torch.randn(h)
     pos, req, idx, lens = _i32(5, 30), _i32(1, 0), _i32(0, 3, -1, 7).view(2, 2), _i32(2, 2)
     got, want = torch.empty(t, h, 512), torch.empty(t, h, 512, dtype=torch.float64)
-    sparse_attn_tt.sparse_attn(q, wc, cc, pos, req, idx, lens, sinks, got, 512**-0.5, window, ring, "exact", "exact")
-    sparse_attn_ref.sparse_attn(q.double(), wc.double(), cc.double(), pos, req, idx, lens, sinks, want, 512**-0.5,
-                                window, ring, "exact", "exact")
+    sparse_attn_tt.sparse_attn(q, wc, cc, pos, req, idx, lens, None, sinks, got, 512**-0.5, window, ring, "exact",
+                               "exact")
+    sparse_attn_ref.sparse_attn(q.double(), wc.double(), cc.double(), pos, req, idx, lens, None, sinks, want,
+                                512**-0.5, window, ring, "exact", "exact")
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -528,8 +534,8 @@ def record_launches():
                                         testing.topk_workspace(tokens, blocks * BS, 512), 4, 0, f128)
             idx = torch.zeros(t, 512, dtype=torch.int32)
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32)
-            sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, torch.zeros(64), q, 0.04, 8,
-                                       8, f512, f512)
+            sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, None, torch.zeros(64), q,
+                                       0.04, 8, 8, f512, f512)
             inv_rope_tt.inv_rope(q, pos, INV_FREQ, q)
             for d in (512, 128):
                 rows = torch.zeros(t, d, dtype=dtype)

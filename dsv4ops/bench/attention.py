@@ -133,8 +133,9 @@ class Case:
                                                                cache.index, st.block_table(CSA), None, self.idx, None,
                                                                cache.topk_workspace, cfg.csa_ratio, 0, fmt["index"])
         calls["sparse_attn"] = lambda: d.sparse_attn(self.q_rot, cache.window, comp_cache, st.positions, st.req_slots,
-                                                     self.idx, self.lens, layer.sinks, self.o, cfg.head_dim**-0.5,
-                                                     cfg.window, cache.ring_size, fmt["window"], comp_fmt)
+                                                     self.idx, self.lens, st.window_ends, layer.sinks, self.o,
+                                                     cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"],
+                                                     comp_fmt)
         calls["inv_rope"] = lambda: d.inv_rope(self.o, st.positions, layer.inv_freq, self.o_rot)
         return calls
 

@@ -35,7 +35,10 @@ class CacheConfig:
     (sizes the compressed pools; defaults to max_requests x max_context). topk_tokens: tokens one
     launch of the indexer's top-k serves (sizes its workspace, one row of max_context / 4 keys per
     token, shared by the CSA layers; defaults to min(max_step_tokens, 256): a decode batch in one
-    launch, a long prefill chunk in several).
+    launch, a long prefill chunk in several). max_draft_tokens: the most tokens `rewind` may drop
+    (the largest draft a verify step checks; 0: no speculative decoding): it sizes the window ring
+    and the compressor-state rings (`ring_size`, `state_rows`), and bounds how far behind its
+    parent a fork may start.
     """
 
     max_requests: int
@@ -49,17 +52,19 @@ class CacheConfig:
     max_total_tokens: int | None = None
     topk_tokens: int | None = None
     buckets: tuple[int, ...] = field(default=())
+    max_draft_tokens: int = 0
 
     def __post_init__(self):
         for name in ("max_requests", "max_context", "max_step_tokens", "block_size", "max_request_step_tokens",
-                     "max_total_tokens"):
+                     "max_total_tokens", "max_draft_tokens"):
             value = getattr(self, name)
             if value is None and name in ("max_request_step_tokens", "max_total_tokens"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-            if value < 1:
-                raise ValueError(f"{name}: expected >= 1, got {value}")
+            low = 0 if name == "max_draft_tokens" else 1
+            if value < low:
+                raise ValueError(f"{name}: expected >= {low}, got {value}")
         for name in ("kv_cache", "indexer_cache"):
             if getattr(self, name) not in CACHE_MODES:
                 raise ValueError(f"{name}: expected one of {CACHE_MODES}, got {getattr(self, name)!r}")
@@ -86,11 +91,26 @@ class CacheConfig:
     def total_tokens(self) -> int:
         return self.max_total_tokens or self.max_requests * self.max_context
 
+    @property
+    def rewind_tokens(self) -> int:
+        """Tokens a rewind may drop (past the last position ever written): max_draft_tokens, at least
+        1 (a ring of `span` rows already survives dropping one token)."""
+        return max(1, self.max_draft_tokens)
+
     def ring_size(self, window: int) -> int:
         """Window ring per request: W - 1 tokens of history plus a whole step of this request, so no
-        token of the step overwrites a key another token of the same step still reads."""
-        need = window - 1 + self.request_step_tokens
+        token of the step overwrites a key another token of the same step still reads, and plus
+        the largest draft, so the rows of the W - 1 positions before a rewound end survive the
+        dropped tokens (they wrote the slots of positions W - 1 + n and more behind them)."""
+        need = window - 1 + max(self.request_step_tokens, self.rewind_tokens)
         return -(-need // self.block_size) * self.block_size
+
+    def state_rows(self, span: int) -> int:
+        """Rows of a compressor-state ring whose entries pool `span` positions (CSA 2m, HCA m, V4.1
+        ratio 2: 2): a token closing an entry reads the span - 1 rows before it, and a rewind of n
+        <= rewind_tokens tokens must find them after the n dropped tokens wrote their rows (row
+        p % rows), so span - 1 + n rows (CSA m = 4 with 5 drafts: 12; HCA: 132)."""
+        return span - 1 + self.rewind_tokens
 
     def formats(self) -> tuple[str, str]:
         """Pool formats of (main KV, indexer keys): fp8_584 / fp8_132, or exact rows for "bf16"."""
@@ -153,10 +173,10 @@ def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) ->
         return pools
     coff = 2 if kind == CSA else 1
     pools.append(paged_pool("comp", cfg, main, d, pool_blocks(cfg, ratio)))
-    pools.append(PoolSpec("state", (cfg.max_requests, coff * ratio, 2 * coff * d), torch.float32))
+    pools.append(PoolSpec("state", (cfg.max_requests, cfg.state_rows(coff * ratio), 2 * coff * d), torch.float32))
     if kind == CSA:
         pools.append(paged_pool("index", cfg, index, di, pool_blocks(cfg, ratio)))
-        pools.append(PoolSpec("index_state", (cfg.max_requests, 2 * ratio, 4 * di), torch.float32))
+        pools.append(PoolSpec("index_state", (cfg.max_requests, cfg.state_rows(2 * ratio), 4 * di), torch.float32))
     return pools
 
 
@@ -169,25 +189,26 @@ def topk_workspace_words(model: DSV4AttentionConfig, cfg: CacheConfig) -> int:
 
 
 def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
-    """Bytes per context token (growth) and fixed bytes per request, over all main layers, and the
-    fixed bytes of the manager (the indexer's top-k workspace); paged FP8 main entries count with
-    their page padding (64 entries: 37440 B, 585 B each)."""
+    """Bytes per context token (growth) and fixed bytes per request, over all main layers (of them
+    the window rings: `window_bytes_per_request`), and the fixed bytes of the manager (the
+    indexer's top-k workspace); paged FP8 main entries count with their page padding (64 entries:
+    37440 B, 585 B each)."""
     main = row_bytes(cfg, cfg.formats()[0], model.head_dim)
     idx = row_bytes(cfg, cfg.formats()[1], model.index_head_dim)
     per_token = fixed = 0.0
+    window = model.num_layers * cfg.ring_size(model.window) * main
     for li in range(model.num_layers):
         kind, ratio = model.layer_type(li), model.compress_ratio(li)
-        fixed += cfg.ring_size(model.window) * main
         if kind == SLIDING:
             continue
         coff = 2 if kind == CSA else 1
         per_token += main / ratio
-        fixed += coff * ratio * 2 * coff * model.head_dim * 4
+        fixed += cfg.state_rows(coff * ratio) * 2 * coff * model.head_dim * 4
         if kind == CSA:
             per_token += idx / ratio
-            fixed += 2 * ratio * 4 * model.index_head_dim * 4
-    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed,
-            "fixed_bytes": 4 * topk_workspace_words(model, cfg)}
+            fixed += cfg.state_rows(2 * ratio) * 4 * model.index_head_dim * 4
+    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed + window,
+            "window_bytes_per_request": window, "fixed_bytes": 4 * topk_workspace_words(model, cfg)}
 
 
 def row_bytes(cfg: CacheConfig, fmt: str, dim: int) -> float:

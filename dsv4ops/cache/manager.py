@@ -1,6 +1,6 @@
-"""Host-side bookkeeping between steps: request slots and their generations, block allocation, and
-the step lifecycle (plan -> forward -> commit, or abort), with every value checked before anything
-changes."""
+"""Host-side bookkeeping between steps: request slots and their generations, block allocation with
+reference counts, the step lifecycle (plan -> forward -> commit, or abort), speculative rewind and
+prefix forks, with every value checked before anything changes."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 import torch
 
-from dsv4ops.cache.config import CacheConfig, blocks_per_request, pool_blocks, topk_workspace_words
+from dsv4ops.cache.config import CacheConfig, blocks_per_request, layer_pools, pool_blocks, topk_workspace_words
 from dsv4ops.cache.step import PlannedRequest, StepMeta, StepOrigin
-from dsv4ops.config import CSA, HCA, DSV4AttentionConfig
+from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
 
 # Process-wide counters: manager ids, and generations, so that no two (slot, generation) pairs of
 # any two managers are equal and a step of one manager never passes another's device check.
@@ -32,26 +32,55 @@ class CacheFullError(RuntimeError):
 
 
 class BlockAllocator:
-    """A free list of block ids (lowest first, so runs are reproducible)."""
+    """A free list of block ids (lowest first, so runs are reproducible) and each block's reference
+    count: every block-table entry that lists a block holds one reference (a fork shares its
+    parent's complete blocks); a block goes back to the free list when its last holder drops it."""
 
     def __init__(self, num_blocks: int):
         self.free = list(range(num_blocks - 1, -1, -1))
+        self.refs = [0] * num_blocks
 
     def take(self, n: int) -> list[int]:
         taken = [self.free.pop() for _ in range(n)]
+        for b in taken:
+            self.refs[b] = 1
         return taken
 
-    def give(self, blocks: list[int]):
-        self.free.extend(sorted(blocks, reverse=True))
-        self.free.sort(reverse=True)
+    def share(self, blocks: list[int]):
+        for b in blocks:
+            self.refs[b] += 1
+
+    def drop(self, blocks: list[int]):
+        freed = []
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                freed.append(b)
+        if freed:
+            self.free.extend(freed)
+            self.free.sort(reverse=True)
 
 
 class _OpenStep:
     """What abort needs to undo a planned step: the blocks it took (kind -> [(slot, block index in
-    the slot's table row, block id)]) and copies of the compressor-state rows it may overwrite."""
+    the slot's table row, block id)]), the shared blocks it copied on write ([(kind, slot, block
+    index, shared block, private copy)]) and copies of the compressor-state rows it may overwrite."""
 
-    def __init__(self, step: StepMeta, taken: dict, backups: list):
-        self.step, self.taken, self.backups = step, taken, backups
+    def __init__(self, step: StepMeta, taken: dict, cows: list, backups: list):
+        self.step, self.taken, self.cows, self.backups = step, taken, cows, backups
+
+
+def _count(name: str, n, low: int) -> int:
+    """n as an int >= low, else a TypeError / ValueError naming `name`."""
+    if isinstance(n, bool):
+        raise TypeError(f"{name}: expected an int, got bool {n}")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(n).__name__} {n!r}") from None
+    if n < low:
+        raise ValueError(f"{name}: expected >= {low}, got {n}")
+    return n
 
 
 class KVCacheManager:
@@ -65,7 +94,15 @@ class KVCacheManager:
     forward can never be built upon. Lengths move only at commit; abort restores block tables, free
     lists and the compressor-state rows a long chunk may have overwritten (the window ring and the
     compressed pools need nothing: a step only writes ring slots of positions that left every
-    window, and entries past the committed length)."""
+    window, and entries past the committed length).
+
+    Speculative decoding: a verify step brings 1 + k tokens of a request (k may differ per request
+    and step); after it, `rewind(request, n)` drops the n rejected drafts, as if they had never run
+    (CacheConfig.max_draft_tokens sizes the rings for it). Prefix sharing: `fork(parent, child,
+    length)` admits a request that continues from the first `length` tokens of another: complete
+    compressed blocks are shared by reference count and copied on write, the partial block, the
+    window ring and the compressor states are copied. `usage()` reports blocks, shared blocks and
+    bytes."""
 
     def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None):
         if not isinstance(cfg, CacheConfig):
@@ -79,6 +116,10 @@ class KVCacheManager:
         self.free_slots = list(range(cfg.max_requests - 1, -1, -1))
         self.slot_of: dict[object, int] = {}
         self.length: dict[object, int] = {}
+        # One past the furthest position a planned step of the request may have written to its
+        # window ring and compressor states (>= its length; more after a rewind or an abort): a
+        # rewind or fork may go back at most max_rewind positions behind it.
+        self.high: dict[object, int] = {}
         self.generation = [_next_generation() for _ in range(cfg.max_requests)]
         self._caches: weakref.WeakSet = weakref.WeakSet()
         self._open: _OpenStep | None = None
@@ -91,10 +132,30 @@ class KVCacheManager:
         kinds = {model.layer_type(i) for i in range(model.num_layers)}
         return {CSA: model.csa_ratio, HCA: model.hca_ratio}, kinds
 
-    def _step_meta(self, pos: torch.Tensor, req: torch.Tensor, entries: dict, gens: torch.Tensor) -> StepMeta:
+    def _state_spans(self, model) -> list[int]:
+        """Positions one entry pools, for every compressor-state ring of the model (V4: CSA 2m for the
+        main and indexer states, HCA m)."""
+        kinds = {model.layer_type(i) for i in range(model.num_layers)}
+        return [{CSA: 2 * model.csa_ratio, HCA: model.hca_ratio}[k] for k in kinds if k != SLIDING]
+
+    def _pool_bytes(self) -> tuple[dict, int]:
+        """({pool group: bytes of one block over every layer's pools of the group}, bytes of one
+        request slot: every layer's window ring and compressor states), from the pool specs."""
+        block, slot = {k: 0 for k in self.ratios}, 0
+        for li in range(self.model.num_layers):
+            for spec in layer_pools(self.model, li, self.cfg):
+                if spec.name in ("comp", "index"):
+                    block[self.model.layer_type(li)] += spec.nbytes // spec.shape[0]
+                else:  # the window ring (max_requests rings of pages) and the states [requests, rows, width]
+                    slot += spec.nbytes // self.cfg.max_requests
+        return block, slot
+
+    def _step_meta(self, pos: torch.Tensor, req: torch.Tensor, entries: dict, gens: torch.Tensor,
+                   ends: torch.Tensor) -> StepMeta:
         """The step's metadata (host tensors) from its positions, request slots, entry slots per
-        group and request generations."""
-        return StepMeta(pos, req, entries[CSA], entries[HCA], self.tables[CSA].clone(), self.tables[HCA].clone(), gens)
+        group, request generations and window ends."""
+        return StepMeta(pos, req, entries[CSA], entries[HCA], self.tables[CSA].clone(), self.tables[HCA].clone(), gens,
+                        ends)
 
     def topk_workspace(self, device) -> torch.Tensor:
         """The indexer top-k scratch every CSA layer attached to this manager shares on `device`
@@ -133,31 +194,170 @@ class KVCacheManager:
         if not self.free_slots:
             raise CacheFullError(f"admit: all {self.cfg.max_requests} request slots are in use")
         slot = self.free_slots.pop()
-        self.slot_of[request_id], self.length[request_id] = slot, 0
+        self.slot_of[request_id], self.length[request_id], self.high[request_id] = slot, 0, 0
         self._bump([slot])
         return slot
 
     def release(self, request_id):
-        """Free the request's slot and blocks. Allowed while a step is open: that step then no
-        longer runs the request (its tokens are stale) and abort or commit skip it."""
+        """Free the request's slot and drop its blocks (a block shared with a fork stays with the
+        other holders). Allowed while a step is open: that step then no longer runs the request
+        (its tokens are stale) and abort or commit skip it."""
         slot = self._slot(request_id)
         for kind, table in self.tables.items():
             row = table[slot]
-            self.allocators[kind].give(row[row >= 0].tolist())
+            self.allocators[kind].drop(row[row >= 0].tolist())
             row.fill_(-1)
-        del self.slot_of[request_id], self.length[request_id]
+        del self.slot_of[request_id], self.length[request_id], self.high[request_id]
         self.free_slots.append(slot)
         self.free_slots.sort(reverse=True)
         self._bump([slot])
 
-    def _slot(self, request_id) -> int:
+    def _slot(self, request_id, name: str = "request_id") -> int:
         try:
             known = request_id in self.slot_of
         except TypeError:
             known = False
         if not known:
-            raise KeyError(f"request_id: {request_id!r} is not admitted (unknown or released)")
+            raise KeyError(f"{name}: {request_id!r} is not admitted (unknown or released)")
         return self.slot_of[request_id]
+
+    def _no_open_step(self, what: str):
+        if self._open is not None:
+            o = self._open.step.origin
+            raise RuntimeError(f"{what}: step {o.step_id} is still open (requests {[r.request_id for r in o.requests]}); "
+                               f"commit(step) or abort(step) it first")
+
+    # ---- speculative decoding and prefix sharing -----------------------------------------------
+    @property
+    def max_rewind(self) -> int:
+        """How far behind the furthest written position a request's end may move back (rewind, fork):
+        the window ring keeps W - 1 + this many positions and every compressor-state ring span - 1
+        + this many (CacheConfig.ring_size, state_rows), so the rows the next tokens read survive
+        the tokens written after them."""
+        w = self.model.window
+        slack = [self.cfg.ring_size(w) - w + 1]
+        slack += [self.cfg.state_rows(span) - span + 1 for span in self._state_spans(self.model)]
+        return min(slack)
+
+    def rewindable(self, request_id) -> int:
+        """How many of the request's last tokens `rewind` may drop now."""
+        self._slot(request_id)
+        length = self.length[request_id]
+        return max(0, min(length, self.max_rewind - (self.high[request_id] - length)))
+
+    def rewind(self, request_id, n: int) -> None:
+        """Drop the request's last n tokens (rejected drafts of a verify step): its length goes back
+        by n and the blocks past the new end are dropped; continuing is exactly as if the tokens
+        had never run (the window ring and compressor states still hold every row the next tokens
+        read, and entries the dropped tokens closed are past the new end: invisible, rewritten when
+        closed again). n = 0 does nothing. Raises before changing anything while a step is open,
+        for an unknown request, or when n passes the request's length or `rewindable(request)`
+        (CacheConfig.max_draft_tokens sizes that slack)."""
+        self._no_open_step("rewind")
+        slot = self._slot(request_id)
+        n = _count("n", n, 0)
+        length = self.length[request_id]
+        if n > length:
+            raise ValueError(f"n: expected at most the {length} tokens of request {request_id!r}, got {n}")
+        new = length - n
+        behind = self.high[request_id] - new
+        if behind > self.max_rewind:
+            raise ValueError(
+                f"n: rewinding request {request_id!r} by {n} tokens to length {new} puts its end {behind} positions "
+                f"behind the furthest position its steps wrote ({self.high[request_id] - 1}); the window ring and "
+                f"compressor states keep the rows a rewind needs for at most {self.max_rewind} "
+                f"(CacheConfig.max_draft_tokens = {self.cfg.max_draft_tokens}); rewindable now: "
+                f"{self.rewindable(request_id)}")
+        if n == 0:
+            return
+        for kind, r in self.ratios.items():
+            if self.widths[kind] == 0:
+                continue
+            keep = -(-(new // r) // self.cfg.block_size)
+            row = self.tables[kind][slot]
+            tail = row[keep:]
+            self.allocators[kind].drop(tail[tail >= 0].tolist())
+            tail.fill_(-1)
+        self.length[request_id] = new
+        self._bump([slot])
+
+    def fork(self, parent, child, length: int | None = None) -> int:
+        """Admit `child` as a request whose first `length` tokens (default: all of the parent's) are
+        the parent's: it continues exactly like a fresh request fed those tokens and its own. Any
+        length, not page- or block-aligned: the complete blocks of compressed entries (and indexer
+        keys) are shared by reference count, the partial last block is copied, and so are the
+        window ring and the compressor states (the child's own rows). Writes never touch a shared
+        block: a step that would write one gives its request a private copy first (prepare_step).
+        Releasing either side frees only what nobody else holds.
+
+        The parent's rings must still hold the rows of the positions before `length`: length may be
+        at most max_rewind positions behind the furthest position the parent wrote (a long prompt:
+        fork right after its prefill). Raises before changing anything while a step is open, for
+        an unknown parent, a child already admitted, a length outside [1, parent's length] or too
+        far back, or no free slot or block. Returns the child's slot."""
+        self._no_open_step("fork")
+        pslot = self._slot(parent, "parent")
+        try:
+            hash(child)
+        except TypeError:
+            raise TypeError(f"child: expected a hashable id, got {type(child).__name__}") from None
+        if child in self.slot_of:
+            raise ValueError(f"child: {child!r} is already admitted")
+        have = self.length[parent]
+        length = have if length is None else _count("length", length, 1)
+        if length > have:
+            raise ValueError(f"length: expected at most the {have} tokens of parent {parent!r}, got {length}")
+        behind = self.high[parent] - length
+        if behind > self.max_rewind:
+            raise ValueError(
+                f"length: {length} is {behind} positions behind the furthest position parent {parent!r} wrote "
+                f"({self.high[parent] - 1}); its window ring and compressor states hold the rows before a fork point "
+                f"for at most {self.max_rewind} (CacheConfig.max_draft_tokens = {self.cfg.max_draft_tokens}): fork "
+                f"when the parent reaches the prefix")
+        if not self.free_slots:
+            raise CacheFullError(f"fork: all {self.cfg.max_requests} request slots are in use")
+        bs = self.cfg.block_size
+        partial = {k: bool((length // r) % bs) and self.widths[k] > 0 for k, r in self.ratios.items()}
+        for kind, copy in partial.items():
+            if copy and not self.allocators[kind].free:
+                raise CacheFullError(f"fork: the {kind} pool needs 1 more block (the partial last block), 0 are free")
+        # Every check passed.
+        slot = self.free_slots.pop()
+        self.slot_of[child], self.length[child], self.high[child] = slot, length, self.high[parent]
+        for kind, r in self.ratios.items():
+            if self.widths[kind] == 0:
+                continue
+            full = (length // r) // bs
+            src, dst = self.tables[kind][pslot], self.tables[kind][slot]
+            self.allocators[kind].share(src[:full].tolist())
+            dst[:full] = src[:full]
+            if partial[kind]:
+                block = self.allocators[kind].take(1)[0]
+                for cache in list(self._caches):
+                    cache.copy_blocks(kind, [int(src[full])], [block])
+                dst[full] = block
+        for cache in list(self._caches):
+            cache.copy_slot(pslot, slot)
+        self._bump([slot])
+        return slot
+
+    def usage(self) -> dict:
+        """The admitted requests' cache memory as this manager holds it: per pool group the blocks
+        in use (`blocks`, each counted once), the block-table entries listing them (`block_refs`)
+        and the blocks listed by more than one request (`shared_blocks`); `bytes`: the blocks in use
+        over every layer's pools plus each admitted request's slot (window rings, compressor states);
+        `bytes_without_sharing`: the same requests with a block of their own for every reference."""
+        block_bytes, slot_bytes = self._pool_bytes()
+        out = {"blocks": {}, "block_refs": {}, "shared_blocks": {}}
+        used = unshared = len(self.slot_of) * slot_bytes
+        for kind, alloc in self.allocators.items():
+            held = [c for c in alloc.refs if c > 0]
+            out["blocks"][kind], out["block_refs"][kind] = len(held), sum(held)
+            out["shared_blocks"][kind] = sum(c > 1 for c in held)
+            used += len(held) * block_bytes[kind]
+            unshared += sum(held) * block_bytes[kind]
+        out["bytes"], out["bytes_without_sharing"] = used, unshared
+        return out
 
     # ---- the step ------------------------------------------------------------------------------
     @property
@@ -166,10 +366,10 @@ class KVCacheManager:
         return None if self._open is None else self._open.step
 
     @contextlib.contextmanager
-    def step(self, new_tokens: Mapping[object, int]):
+    def step(self, new_tokens: Mapping[object, int], blocks: Mapping[object, int] | None = None):
         """`with manager.step({request: tokens}) as step:` plan a step (prepare_step), commit it when
         the block ends, abort it if the block raises (the exception propagates)."""
-        step = self.prepare_step(new_tokens)
+        step = self.prepare_step(new_tokens, blocks)
         try:
             yield step
         except BaseException:
@@ -177,12 +377,18 @@ class KVCacheManager:
             raise
         self.commit(step)
 
-    def prepare_step(self, new_tokens: Mapping[object, int]) -> StepMeta:
+    def prepare_step(self, new_tokens: Mapping[object, int], blocks: Mapping[object, int] | None = None) -> StepMeta:
         """Plan and open a step. `new_tokens` maps each request of the step to how many tokens it
-        adds (a prefill chunk, a continuation, or 1 for decode), in the order their tokens appear in
-        the step's flat batch. Raises before changing anything if a step is open, a request is
-        unknown, a count is not a positive int, a position would pass max_context, the step passes
-        its capacity, or blocks run out. The step stays open until `commit(step)` or `abort(step)`."""
+        adds (a prefill chunk, a continuation, 1 for decode, or 1 + k for a verify step of k
+        drafts), in the order their tokens appear in the step's flat batch. `blocks` maps requests
+        of the step to a draft-block size b: the request's last b tokens of the step see each other
+        both ways in their window (their window ends at the block's last position, DSpark's draft
+        layers); the others are causal. Raises before changing anything if a step is open, a
+        request is unknown, a count is not a positive int, a block is not 1..its request's tokens,
+        a position would pass max_context, the step passes its capacity, or blocks run out. A step
+        that writes entries into a block its request shares with a fork first gives the request a
+        private copy of it (copy on write). The step stays open until `commit(step)` or
+        `abort(step)`."""
         cfg = self.cfg
         if self._open is not None:
             o = self._open.step.origin
@@ -217,23 +423,47 @@ class KVCacheManager:
         total = sum(p.tokens for p in plan)
         if total > cfg.max_step_tokens:
             raise ValueError(f"new_tokens: {total} tokens pass max_step_tokens {cfg.max_step_tokens}")
+        drafts = self._draft_blocks(blocks, new_tokens)
         need = {k: [] for k in self.tables}
+        cow = {k: [] for k in self.tables}
+        bs = cfg.block_size
         for p in plan:
             for kind, r in self.ratios.items():
                 if self.widths[kind] == 0:
                     continue
-                have = int((self.tables[kind][p.slot] >= 0).sum())
-                want = -(-((p.start + p.tokens) // r) // cfg.block_size)
+                row = self.tables[kind][p.slot]
+                have = int((row >= 0).sum())
+                want = -(-((p.start + p.tokens) // r) // bs)
                 need[kind] += [(p.slot, b) for b in range(have, want)]
-        for kind, blocks in need.items():
-            if len(blocks) > len(self.allocators[kind].free):
-                raise CacheFullError(f"prepare_step: the {kind} pool needs {len(blocks)} more blocks, "
-                                     f"{len(self.allocators[kind].free)} are free")
-        # Every check passed: back up the state rows the step may overwrite, allocate, open the step.
+                # Entries start // r .. (start + tokens) // r - 1 close in this step: a held block
+                # that another request also lists is copied first.
+                first, last = p.start // r, (p.start + p.tokens) // r - 1
+                for b in range(first // bs, min(last // bs, have - 1) + 1):
+                    if self.allocators[kind].refs[int(row[b])] > 1:
+                        cow[kind].append((p.slot, b))
+        for kind in need:
+            want, free = len(need[kind]) + len(cow[kind]), len(self.allocators[kind].free)
+            if want > free:
+                shared = f" ({len(cow[kind])} of them copies of shared blocks)" if cow[kind] else ""
+                raise CacheFullError(f"prepare_step: the {kind} pool needs {want} more blocks{shared}, {free} are free")
+        # Every check passed: back up the state rows the step may overwrite, copy shared blocks it
+        # writes, allocate, open the step.
         backups = self._back_up_states(plan)
+        cows = []
+        for kind, at in cow.items():
+            if not at:
+                continue
+            shared = [int(self.tables[kind][slot, b]) for slot, b in at]
+            private = self.allocators[kind].take(len(at))
+            for cache in list(self._caches):
+                cache.copy_blocks(kind, shared, private)
+            for (slot, b), old, new in zip(at, shared, private):
+                self.tables[kind][slot, b] = new
+                cows.append((kind, slot, b, old, new))
+            self.allocators[kind].drop(shared)
         taken = {k: [] for k in self.tables}
-        for kind, blocks in need.items():
-            for (slot, b), block in zip(blocks, self.allocators[kind].take(len(blocks))):
+        for kind, blocks_ in need.items():
+            for (slot, b), block in zip(blocks_, self.allocators[kind].take(len(blocks_))):
                 self.tables[kind][slot, b] = block
                 taken[kind].append((slot, b, block))
         bucket = min(b for b in cfg.buckets if b >= total)
@@ -246,14 +476,39 @@ class KVCacheManager:
             req[i:i + p.tokens] = p.slot
             gens[i:i + p.tokens] = p.generation
             i += p.tokens
+            self.high[p.request_id] = max(self.high[p.request_id], p.start + p.tokens)
+        ends = pos.clone()
+        i = 0
+        for p in plan:
+            b = drafts.get(p.request_id, 0)
+            ends[i + p.tokens - b:i + p.tokens] = p.start + p.tokens - 1
+            i += p.tokens
         entries = {k: self._entry_slots(k, pos, req) for k in self.tables}
-        planned = self._step_meta(pos, req, entries, gens)
+        planned = self._step_meta(pos, req, entries, gens, ends)
         step = planned.to(self.device)
         on_cpu = self.device.type == "cpu"
         step.origin = StepOrigin(self.id, next(self._steps), tuple(plan),
                                  {k: t.clone() for k, t in planned.tensors().items()} if on_cpu else None)
-        self._open = _OpenStep(step, taken, backups)
+        self._open = _OpenStep(step, taken, cows, backups)
         return step
+
+    @staticmethod
+    def _draft_blocks(blocks, new_tokens: Mapping) -> dict:
+        """`blocks` checked: {request of the step: block size in 1..its tokens}."""
+        if blocks is None:
+            return {}
+        if not isinstance(blocks, Mapping):
+            raise TypeError(f"blocks: expected a mapping {{request_id: draft-block size}}, got {type(blocks).__name__}")
+        out = {}
+        for rid, b in blocks.items():
+            if rid not in new_tokens:
+                raise ValueError(f"blocks: request {rid!r} has no tokens in this step (new_tokens: {list(new_tokens)})")
+            b = _count(f"blocks[{rid!r}]", b, 1)
+            if b > new_tokens[rid]:
+                raise ValueError(f"blocks[{rid!r}]: expected at most the request's {new_tokens[rid]} tokens of the "
+                                 f"step, got {b}")
+            out[rid] = b
+        return out
 
     def _entry_slots(self, kind: str, pos: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
         r, bs = self.ratios[kind], self.cfg.block_size
@@ -321,7 +576,14 @@ class KVCacheManager:
             for slot, b, block in taken:
                 if slot in live:
                     self.tables[kind][slot, b] = -1
-            self.allocators[kind].give(back)
+            self.allocators[kind].drop(back)
+        for kind, slot, b, shared, private in opened.cows:
+            # The shared block again, unless its other holders released it meanwhile (then the
+            # private copy, equal up to the step's own writes past the committed length, stays).
+            if slot in live and self.allocators[kind].refs[shared] > 0:
+                self.allocators[kind].share([shared])
+                self.tables[kind][slot, b] = shared
+                self.allocators[kind].drop([private])
         for cache, name, index, rows in opened.backups:
             keep = torch.tensor([int(s) in live for s in index.tolist()], dtype=torch.bool)
             if keep.any():

@@ -8,7 +8,35 @@ from dsv4ops.cache.config import CacheConfig, layer_pools, topk_workspace_words
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 
 
-class LayerCache(nn.Module):
+class PoolCache(nn.Module):
+    """Base of the cache modules (LayerCache, V41StackCache): what a fork copies per request slot
+    and a copy on write per block. `slot_pools` {buffer: leading rows per request slot} (the window
+    rings: ring_size / block_size pages; compressor states: 1 row of [requests, rows, width]);
+    `block_pools` {buffer: its pool group} (compressed entries and index keys, paged by the
+    manager's block table of that group). Copies are in place on the buffers' device, issued
+    between steps (the buffers keep their addresses: CUDA graphs stay valid)."""
+
+    slot_pools: dict
+    block_pools: dict
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Request slot dst's window rings and compressor states become slot src's."""
+        for name, n in self.slot_pools.items():
+            buf = getattr(self, name)
+            buf[dst * n:(dst + 1) * n] = buf[src * n:(src + 1) * n]
+
+    def copy_blocks(self, group, src: list[int], dst: list[int]) -> None:
+        """Blocks dst[i] of the group's pools become copies of blocks src[i]."""
+        if not src:
+            return
+        for name, g in self.block_pools.items():
+            if g == group:
+                buf = getattr(self, name)
+                at = torch.tensor(src, dtype=torch.long, device=buf.device)
+                buf.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=buf.device), buf.index_select(0, at))
+
+
+class LayerCache(PoolCache):
     """Buffers `window` (ring of every request), and for compressed layers `comp` (paged entries)
     and `state` (fp32 compressor ring), and for CSA layers `index`, `index_state` and
     `topk_workspace` (the indexer's scratch, one tensor shared by every CSA layer of a manager);
@@ -43,3 +71,5 @@ class LayerCache(nn.Module):
             self.state_rings.append(("state", ratio, (2 if kind == CSA else 1) * ratio))
         if kind == CSA:
             self.state_rings.append(("index_state", ratio, 2 * ratio))
+        self.slot_pools = {"window": self.ring_size // cfg.block_size, **{name: 1 for name, *_ in self.state_rings}}
+        self.block_pools = {name: kind for name in ("comp", "index") if name in self.fmt}

@@ -43,8 +43,10 @@ class StepMeta:
     """positions [T], req_slots [T] (-1: padding), entry_slots_csa / entry_slots_hca [T] (pool slot
     of the compressed entry a token closes, else -1), block_table_csa / block_table_hca
     [max_requests, blocks] (physical block of each block of entries; -1 unallocated), req_gens [T]
-    (the generation of each token's request slot when the step was planned). All CSA layers share
-    one block table (their pools fill in step), and so do all HCA layers.
+    (the generation of each token's request slot when the step was planned), window_ends [T] (the
+    last position of each token's window: its own, or its draft block's last, see
+    KVCacheManager.prepare_step). All CSA layers share one block table (their pools fill in step),
+    and so do all HCA layers.
 
     A token runs only while its slot still has that generation (the layer compares req_gens with
     its cache's `generations` on the device): the manager gives a slot a new generation on admit,
@@ -57,6 +59,7 @@ class StepMeta:
     block_table_csa: Tensor
     block_table_hca: Tensor
     req_gens: Tensor
+    window_ends: Tensor
     # The planner's host-side record: a plain attribute, not a dataclass field, so it is neither a
     # pytree leaf nor seen by torch.compile.
     origin: ClassVar[StepOrigin | None] = None
@@ -71,7 +74,6 @@ class StepMeta:
         moved = StepMeta(*(getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)))
         moved.origin = self.origin
         return moved
-
 
     def tensors(self) -> dict[str, Tensor]:
         """The step's tensors by field name."""

@@ -15,10 +15,11 @@ from typing import ClassVar
 
 import torch
 import torch.utils._pytree as pytree
-from torch import Tensor, nn
+from torch import Tensor
 
 from dsv4ops.cache.config import CacheConfig, PoolSpec, blocks_per_request, paged_pool, pool_blocks, row_bytes
 from dsv4ops.cache.manager import KVCacheManager
+from dsv4ops.cache.pools import PoolCache
 from dsv4ops.cache.step import StepOrigin
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.indexer.workspace import workspace_words
@@ -30,14 +31,16 @@ class V41StepMeta:
     """positions [T], req_slots [T] (-1: padding), entries {ratio: [T] pool slot of the entry a token
     closes in that ratio's pools, else -1}, tables {ratio: [max_requests, blocks] physical block of
     each block of a request's entries (-1 unallocated)}, req_gens [T] (the generation of each
-    token's slot at planning: see StepMeta). int32 tensors, a registered pytree; `origin` is the
-    planner's host-side record, never traced."""
+    token's slot at planning: see StepMeta), window_ends [T] (the last position of each token's
+    window: see StepMeta). int32 tensors, a registered pytree; `origin` is the planner's host-side
+    record, never traced."""
 
     positions: Tensor
     req_slots: Tensor
     entries: dict[int, Tensor]
     tables: dict[int, Tensor]
     req_gens: Tensor
+    window_ends: Tensor
     origin: ClassVar[StepOrigin | None] = None
 
     def entry_slots(self, ratio: int) -> Tensor:
@@ -50,13 +53,14 @@ class V41StepMeta:
         moved = V41StepMeta(self.positions.to(device, non_blocking=True), self.req_slots.to(device, non_blocking=True),
                             {k: v.to(device, non_blocking=True) for k, v in self.entries.items()},
                             {k: v.to(device, non_blocking=True) for k, v in self.tables.items()},
-                            self.req_gens.to(device, non_blocking=True))
+                            self.req_gens.to(device, non_blocking=True), self.window_ends.to(device, non_blocking=True))
         moved.origin = self.origin
         return moved
 
     def tensors(self) -> dict[str, Tensor]:
         """The step's tensors by name."""
         return {"positions": self.positions, "req_slots": self.req_slots, "req_gens": self.req_gens,
+                "window_ends": self.window_ends,
                 **{f"entries_{m}": t for m, t in self.entries.items()},
                 **{f"tables_{m}": t for m, t in self.tables.items()}}
 
@@ -66,9 +70,9 @@ pytree.register_dataclass(V41StepMeta)
 
 def stack_pools(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics) -> list[PoolSpec]:
     """Every buffer of a stack's cache: `window_{L}` per backbone layer; per KV source S `comp_{S}`,
-    `state_{S}` (fp32 compressor ring [requests, ratio, 2 d]: the pending rows of an open group; a
-    ratio-1 source's single row is rewritten by every token and never read back) and, for an index
-    source, `keys_{S}`."""
+    `state_{S}` (fp32 compressor ring [requests, rows, 2 d]: ratio 2, the pending rows of an open
+    group, cfg.state_rows(2) rows so a rewind keeps them; a ratio-1 source's single row is rewritten
+    by every token and never read back) and, for an index source, `keys_{S}`."""
     d, di = model.head_dim, model.index_head_dim
     ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
     pools = [paged_pool(f"window_{i}", cfg, numerics.window, d, ring_blocks) for i in range(model.num_layers)]
@@ -76,13 +80,19 @@ def stack_pools(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Nume
         if role.owns_compressor:
             m = role.ratio
             pools.append(paged_pool(f"comp_{role.layer}", cfg, numerics.comp, d, pool_blocks(cfg, m)))
-            pools.append(PoolSpec(f"state_{role.layer}", (cfg.max_requests, m, 2 * d), torch.float32))
+            pools.append(PoolSpec(f"state_{role.layer}", (cfg.max_requests, state_rows(cfg, m), 2 * d), torch.float32))
             if role.owns_index_keys:
                 pools.append(paged_pool(f"keys_{role.layer}", cfg, numerics.index, di, pool_blocks(cfg, m)))
     return pools
 
 
-class V41StackCache(nn.Module):
+def state_rows(cfg: CacheConfig, ratio: int) -> int:
+    """Rows of a KV source's compressor state: ratio 2 pools 2 positions (rewind slack included,
+    CacheConfig.state_rows); ratio 1 pools its own token only, one row never read back."""
+    return cfg.state_rows(ratio) if ratio > 1 else 1
+
+
+class V41StackCache(PoolCache):
     """The stack's pools as non-persistent buffers (allocated once, never reassigned: CUDA graphs keep
     their addresses), poisoned at birth (byte pools 0xFF, float pools NaN) so a read of an entry that
     was never written shows up in the output. `fmt[name]` is each pool's format."""
@@ -104,6 +114,16 @@ class V41StackCache(nn.Module):
         # abort may have to restore (ratio 1 pools its own token only).
         self.state_rings = [(f"state_{r.layer}", r.ratio, r.ratio) for r in model.roles
                             if r.owns_compressor and r.ratio > 1]
+        # Per request slot: every layer's window ring and every source's state (ratio 1's too: a
+        # fork copies it, though no token reads it back); per block of a ratio: its sources' pools.
+        self.slot_pools = {f"window_{i}": self.ring_size // cfg.block_size for i in range(model.num_layers)}
+        self.block_pools = {}
+        for r in model.roles:
+            if r.owns_compressor:
+                self.slot_pools[f"state_{r.layer}"] = 1
+                self.block_pools[f"comp_{r.layer}"] = r.ratio
+                if r.owns_index_keys:
+                    self.block_pools[f"keys_{r.layer}"] = r.ratio
         # The indexer's top-k scratch, shared by every index source (they run one after another).
         self.register_buffer("topk_workspace", torch.empty(topk_workspace_words(model, cfg), dtype=torch.int32,
                                                            device=device), persistent=False)
@@ -134,8 +154,21 @@ class V41CacheManager(KVCacheManager):
         ratios = sorted({r.ratio for r in model.roles if r.owns_compressor}, reverse=True)
         return {m: m for m in ratios}, set(ratios)
 
-    def _step_meta(self, pos: Tensor, req: Tensor, entries: dict, gens: Tensor) -> V41StepMeta:
-        return V41StepMeta(pos, req, dict(entries), {m: t.clone() for m, t in self.tables.items()}, gens)
+    def _state_spans(self, model: DSV41AttentionConfig) -> list[int]:
+        return [r.ratio for r in model.roles if r.owns_compressor and r.ratio > 1]
+
+    def _pool_bytes(self) -> tuple[dict, int]:
+        block, slot = {m: 0 for m in self.ratios}, 0
+        for spec in stack_pools(self.model, self.cfg, self.numerics):
+            kind, layer = spec.name.rsplit("_", 1)
+            if kind in ("comp", "keys"):
+                block[self.model.role(int(layer)).ratio] += spec.nbytes // spec.shape[0]
+            else:  # window rings (max_requests rings of pages), states [requests, rows, width]
+                slot += spec.nbytes // self.cfg.max_requests
+        return block, slot
+
+    def _step_meta(self, pos: Tensor, req: Tensor, entries: dict, gens: Tensor, ends: Tensor) -> V41StepMeta:
+        return V41StepMeta(pos, req, dict(entries), {m: t.clone() for m, t in self.tables.items()}, gens, ends)
 
 
 def memory(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
@@ -148,7 +181,7 @@ def memory(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics 
     for role in model.roles:
         if role.owns_compressor:
             per_token += row_bytes(cfg, numerics.comp, d) / role.ratio
-            fixed += role.ratio * 2 * d * 4
+            fixed += state_rows(cfg, role.ratio) * 2 * d * 4
             if role.owns_index_keys:
                 per_token += row_bytes(cfg, numerics.index, di) / role.ratio
     ring = cfg.ring_size(model.window)

@@ -33,11 +33,13 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     c.index_vector("req_slots", req_slots, t, kv, "kv")
     c.index_vector("entry_slots", entry_slots, t, kv, "kv")
     c.rope_table(inv_freq, d, kv)
-    c.ndim("state", state, 3, "[requests, coff * ratio, 2 * coff * d]")
+    c.ndim("state", state, 3, "[requests, ring rows >= coff * ratio, 2 * coff * d]")
     c.dtype("state", state, (torch.float32,))
     c.contiguous("state", state)
     c.same_device("state", state, kv, "kv")
-    c.size("state", state, 1, (width // d) * ape.shape[0], "coff * ratio ring rows")
+    span = (width // d) * ape.shape[0]
+    torch._check(state.shape[1] >= span, lambda: f"state: expected at least {span} ring rows (coff * ratio, the "
+                 f"positions one entry pools) at dim 1, got {state.shape[1]}")
     c.size("state", state, 2, 2 * width, "kv and score rows")
     c.paged_cache("cache", cache, d, kv, fmt, "fmt")
     if latent_out is not None:

@@ -1,9 +1,10 @@
 """Reference kernel of `dsv4::compressor_update` (spec 3.3 and 3.7, engine form).
 
 For every live token p of a request: its row (a_p, z_p + ape[p % m]) goes to the request's fp32
-state ring at row p % (coff*m). Every token with (p + 1) % m == 0 closes entry w = p // m: it pools
-positions [p - coff*m + 1, p] (the step's own rows when they are in this step, the state ring
-otherwise, -inf before position 0), per channel softmax in fp32 (CSA: the first m slots use the
+state ring at row p % rows (rows = state.shape[1] >= coff*m: rows past coff*m are the slack that
+lets a rewind drop tokens without losing rows). Every token with (p + 1) % m == 0 closes entry
+w = p // m: it pools positions [p - coff*m + 1, p] (the step's own rows when they are in this step,
+the state ring otherwise, -inf before position 0), per channel softmax in fp32 (CSA: the first m slots use the
 a-stream [:d], the last m the b-stream [d:]), casts to the entry dtype (the cache's float dtype; bf16
 for FP8 pools), RMSNorm, RoPE at w*m, and stores the entry at entry_slots[token].
 
@@ -25,7 +26,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
                       latent_out: Tensor | None, eps: float, fmt: str) -> None:
     t, width = kv.shape
     d, m = norm_weight.shape[0], ape.shape[0]
-    rows = (width // d) * m
+    span, rows = (width // d) * m, state.shape[1]
     pos, req = positions.long(), req_slots.long()
     # Padding: request -1, or any slot past the state (kernels never index out of range), or a
     # negative position. A closing token's entry slot past the pool stores nothing (pack_kv).
@@ -38,12 +39,12 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
         latent_out.zero_()
     if close.numel():
         p, r = pos[close, None], req[close, None]
-        q = p - (rows - 1) + torch.arange(rows, device=kv.device)  # [n, rows] positions pooled
-        src = close[:, None] - (rows - 1) + torch.arange(rows, device=kv.device)
+        q = p - (span - 1) + torch.arange(span, device=kv.device)  # [n, span] positions pooled
+        src = close[:, None] - (span - 1) + torch.arange(span, device=kv.device)
         src_ok = src >= 0
         src = src.clamp(min=0)
         in_step = src_ok & (req[src] == r) & (pos[src] == q)
-        held = state[r, q % rows]  # [n, rows, 2 * width]
+        held = state[r, q % rows]  # [n, span, 2 * width]
         rows_a = torch.where(in_step[..., None], a[src], held[..., :width])
         rows_z = torch.where(in_step[..., None], z[src], held[..., width:])
         before_start = (q < 0)[..., None]

@@ -6,7 +6,7 @@ Two launches on the current stream, in this order:
    (the step's own rows where the reference takes them, the state ring otherwise, -inf before 0;
    CSA: slots < m read the a-stream [:d], the others the b-stream [d:]), casts to the entry dtype,
    RMSNorm, RoPE at w*m, and stores the entry (FP8 584-B / 132-B or float row) at entry_slots.
-2. `_save_kernel`: every token's (a, z + ape[p % m]) into its state row p % (coff*m), unless a
+2. `_save_kernel`: every token's (a, z + ape[p % m]) into its state row p % (the state's rows), unless a
    later token of the step maps to the same row. It runs second because a closing token may read
    an older state row that a later token of the same step overwrites.
 """
@@ -32,7 +32,7 @@ from dsv4ops.triton_helpers import (
 
 @triton.jit(do_not_specialize=["n_tokens"])
 def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, state_ptr, cache_ptr,
-                     n_tokens, n_requests, n_slots, s_kv, s_sc, ratio, block_size, eps, D: tl.constexpr,
+                     n_tokens, n_requests, n_slots, s_kv, s_sc, ratio, ring, block_size, eps, D: tl.constexpr,
                      ROPE: tl.constexpr,
                      OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr, FMT: tl.constexpr,
                      SOFT: tl.constexpr):
@@ -48,7 +48,7 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
             width = D
             rows = ratio
         c = tl.arange(0, D)
-        srow0 = state_ptr + req.to(tl.int64) * rows * (2 * width)
+        srow0 = state_ptr + req.to(tl.int64) * ring * (2 * width)  # ring: the state's rows (>= rows)
         m_run = tl.full([D], float("-inf"), tl.float32)
         l_run = tl.zeros([D], tl.float32)
         acc = tl.zeros([D], tl.float32)
@@ -72,7 +72,7 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
             a_s = to_f32(tl.load(kv_ptr + srcc[:, None] * s_kv + col, mask=ms, other=0.0), SOFT)
             z_s = to_f32(tl.load(score_ptr + srcc[:, None] * s_sc + col, mask=ms, other=0.0), SOFT)
             z_s = z_s + tl.load(ape_ptr + (tl.maximum(qpos, 0) % ratio)[:, None] * width + col, mask=ms, other=0.0)
-            srow = srow0 + (tl.maximum(qpos, 0) % rows).to(tl.int64)[:, None] * (2 * width) + col
+            srow = srow0 + (tl.maximum(qpos, 0) % ring).to(tl.int64)[:, None] * (2 * width) + col
             mh = held[:, None]
             a_h = tl.load(srow, mask=mh, other=0.0)
             z_h = tl.load(srow + width, mask=mh, other=0.0)
@@ -131,10 +131,10 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
     overlap = width == 2 * d
     rows = state.shape[1]
     edt = cache.dtype if code == 0 else torch.bfloat16
-    rb = min(8, triton.next_power_of_2(rows))
+    rb = min(8, triton.next_power_of_2((width // d) * ratio))
     launch(_compress_kernel, (t,),
            (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, t, state.shape[0],
-            capacity(cache, fmt), kv.stride(0), score.stride(0), ratio, block_size(cache, fmt), eps),
+            capacity(cache, fmt), kv.stride(0), score.stride(0), ratio, rows, block_size(cache, fmt), eps),
            dict(D=d, ROPE=MAIN_ROPE, OVERLAP=overlap, RB=rb, EDT=TL_DTYPES[edt], FMT=code, SOFT=INTERPRET),
            num_warps=4)
     launch(_save_kernel, (t,), (kv, score, ape, positions, req_slots, state, t, state.shape[0], kv.stride(0),

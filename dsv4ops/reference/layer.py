@@ -107,10 +107,11 @@ class _Layer:
         idx = stable_topk(scores, min(self.cfg.index_topk, scores.shape[-1]))
         return torch.where(idx < ((positions + 1) // self.ratio)[:, None], idx, -1)
 
-    def forward(self, x: Tensor, topk: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, topk: Tensor | None, window_ends: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         p, c = self.p, self.cfg
         s, eps = x.shape[0], c.rms_norm_eps
         positions = torch.arange(s, device=x.device)
+        ends = positions if window_ends is None else window_ends.to(positions)
         cos, sin = rope_angles(positions, self.inv_freq, x.dtype)
 
         qr = rms_norm(F.linear(x, p["q_a_proj.weight"]), p["q_a_norm.weight"], eps)
@@ -120,7 +121,7 @@ class _Layer:
         kv = round_kv(kv, self.numerics.kv, c.rope_head_dim)
 
         j = torch.arange(s, device=x.device)
-        valid = (j[None] <= positions[:, None]) & (j[None] > positions[:, None] - c.window)
+        valid = (j[None] <= ends[:, None]) & (j[None] > ends[:, None] - c.window)
         keys = kv
         if self.kind != SLIDING:
             entries = self.main_entries(x)
@@ -143,14 +144,17 @@ class _Layer:
 
 def attention(
     params: Mapping[str, Tensor], cfg: DSV4AttentionConfig, layer_idx: int, x: Tensor,
-    numerics: Numerics = Numerics(), topk: Tensor | None = None,
+    numerics: Numerics = Numerics(), topk: Tensor | None = None, window_ends: Tensor | None = None,
 ) -> Tensor:
     """y [B, S, hidden] of the layer for x [B, S, hidden] at positions 0..S-1.
 
     `topk` [B, S, k] (entry indices, -1 = none) replaces the indexer's selection in CSA layers, so
-    a test can feed the same selection to two implementations."""
+    a test can feed the same selection to two implementations. `window_ends` [B, S] (default: the
+    positions) is the last position of each token's window: its window is the `window` positions
+    ending there (a draft block's tokens, ending at the block's last, see each other both ways)."""
     layer = _Layer(params, cfg, layer_idx, numerics)
-    return torch.stack([layer.forward(x[b], None if topk is None else topk[b])[0] for b in range(x.shape[0])])
+    return torch.stack([layer.forward(x[b], None if topk is None else topk[b],
+                                      None if window_ends is None else window_ends[b])[0] for b in range(x.shape[0])])
 
 
 def _indexer(params: Mapping[str, Tensor], cfg: DSV4AttentionConfig, layer_idx: int, x: Tensor,

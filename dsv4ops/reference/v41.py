@@ -121,12 +121,13 @@ class _Layer:
 
 
 def _sequence(layers: list[_Layer], cfg: DSV41AttentionConfig, xs: Tensor, numerics: V41Numerics,
-              topk_in: dict, pools_in: dict):
+              topk_in: dict, pools_in: dict, window_ends: Tensor | None = None):
     """One sequence (xs [L, S, hidden]) through every layer: (ys [L, S, hidden], topk, scores, pools)."""
     s = xs.shape[1]
     eps, md = cfg.rms_norm_eps, xs.dtype
     acc = acc_dtype(md)
     pos = torch.arange(s, device=xs.device)
+    ends = pos if window_ends is None else window_ends.to(pos)
     entries, keys, topk, scores, pools, ys = {}, {}, {}, {}, {}, []
     for layer in layers:
         p, role = layer.p, layer.role
@@ -178,7 +179,7 @@ def _sequence(layers: list[_Layer], cfg: DSV41AttentionConfig, xs: Tensor, numer
                 topk[role.layer] = best.where(sc.gather(1, best) > float("-inf"), -1)
         # Spec 2.10-2.11: window (own rows) + the group's entries picked by the index source.
         j = torch.arange(s, device=xs.device)
-        valid = (j[None] <= pos[:, None]) & (j[None] > pos[:, None] - cfg.window)
+        valid = (j[None] <= ends[:, None]) & (j[None] > ends[:, None] - cfg.window)
         kset = kv
         if not role.sliding:
             ent = entries[role.kv_source]
@@ -202,19 +203,22 @@ def _pool_mask(pool: Tensor, n: int, cfg: DSV41AttentionConfig) -> Tensor:
 
 def stack_attention(params: Mapping[str, Tensor], cfg: DSV41AttentionConfig, xs: Tensor,
                     numerics: V41Numerics = V41Numerics(), topk: Mapping[int, Tensor] | None = None,
-                    pools: Mapping[int, Tensor] | None = None) -> StackTrace:
+                    pools: Mapping[int, Tensor] | None = None, window_ends: Tensor | None = None) -> StackTrace:
     """Every backbone layer of the stack over xs [num_layers, B, S, hidden] (layer L's attention
     input at positions 0..S-1) -> StackTrace (y [num_layers, B, S, hidden], top-k, scores, pools).
 
     `topk` {index source: [B, S, k] entry indices} and `pools` {candidate source: [B, S, blocks]}
     replace what those layers would select, so a test can feed one implementation's selections to
-    another: top-k of FP4 scores with ReLU has exact ties at the cut-off (spec pitfall 18)."""
+    another: top-k of FP4 scores with ReLU has exact ties at the cut-off (spec pitfall 18).
+    `window_ends` [B, S] (default: the positions): the last position of each token's window (see
+    reference.attention)."""
     if xs.shape[0] != cfg.num_layers:
         raise ValueError(f"xs: expected one input per backbone layer ({cfg.num_layers}) at dim 0, got {xs.shape[0]}")
     layers = [_Layer(params, cfg, cfg.role(i)) for i in range(cfg.num_layers)]
     topk, pools = dict(topk or {}), dict(pools or {})
     out = [_sequence(layers, cfg, xs[:, b], numerics, {k: v[b] for k, v in topk.items()},
-                     {k: v[b] for k, v in pools.items()}) for b in range(xs.shape[1])]
+                     {k: v[b] for k, v in pools.items()}, None if window_ends is None else window_ends[b])
+           for b in range(xs.shape[1])]
     return StackTrace(
         y=torch.stack([o[0] for o in out], 1),
         topk={k: torch.stack([o[1][k] for o in out]) for k in out[0][1]},

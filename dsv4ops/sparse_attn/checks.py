@@ -7,8 +7,8 @@ from dsv4ops import _checks as c
 
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, window: int, ring_size: int,
-                window_fmt: str, comp_fmt: str):
+                comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
+                window: int, ring_size: int, window_fmt: str, comp_fmt: str):
     c.ndim("q", q, 3, "[tokens, heads, head_dim]")
     c.dtype("q", q, c.FLOATS)
     c.last_dim_contiguous("q", q)
@@ -22,6 +22,8 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
     c.size("comp_idx", comp_idx, 0, t, "tokens of q")
     c.same_device("comp_idx", comp_idx, q, "q")
     c.index_vector("comp_lens", comp_lens, t, q, "q")
+    if window_ends is not None:
+        c.index_vector("window_ends", window_ends, t, q, "q")
     c.ndim("sinks", sinks, 1, "[heads]")
     c.dtype("sinks", sinks, (torch.float32,))
     c.size("sinks", sinks, 0, h, "heads of q")

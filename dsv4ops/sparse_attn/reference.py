@@ -1,9 +1,11 @@
 """Reference kernel of `dsv4::sparse_attn`: each query attends to its window (positions
-max(0, t - window + 1) .. t of its request's ring, itself included) and to the compressed entries
-listed in comp_idx (global pool slots, -1 = none), with the per-head sink in the denominator
-(spec 3.5); only the first comp_lens[t] columns of a row are listed. Padding tokens (request -1,
-or a slot past the pool) get a zero row. Keys are read back in their pool's format (V4: fp8_584 or
-exact; V4.1: fp8_528 window rows and fp4_288 compressed rows)."""
+max(0, e - window + 1) .. e of its request's ring, e = window_ends[t], by default its own position t,
+itself included) and to the compressed entries listed in comp_idx (global pool slots, -1 = none),
+with the per-head sink in the denominator (spec 3.5); only the first comp_lens[t] columns of a row
+are listed. A window end past the query's position lets the tokens of a draft block see each other
+both ways (DSpark, V4.1 spec 6.6). Padding tokens (request -1, or a slot past the pool) get a zero
+row. Keys are read back in their pool's format (V4: fp8_584 or exact; V4.1: fp8_528 window rows and
+fp4_288 compressed rows)."""
 
 import torch
 from torch import Tensor
@@ -17,19 +19,20 @@ _CHUNK = 64
 
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
-                comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, out: Tensor, scale: float, window: int,
-                ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+                comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     d = q.shape[-1]
+    ends = positions if window_ends is None else window_ends
     listed = torch.arange(comp_idx.shape[1], device=q.device)[None] < comp_lens.long()[:, None]
     comp_idx = comp_idx.where(listed, -1)
     # A request slot past the window pool is a padding token; a listed entry past the compressed
     # pool is no entry (kernels never index out of range).
     for s in range(0, q.shape[0], _CHUNK):
-        qs, pos, req, idx = q[s:s + _CHUNK], positions[s:s + _CHUNK].long(), req_slots[s:s + _CHUNK], comp_idx[s:s + _CHUNK]
+        qs, end, req, idx = q[s:s + _CHUNK], ends[s:s + _CHUNK].long(), req_slots[s:s + _CHUNK], comp_idx[s:s + _CHUNK]
         n = qs.shape[0]
         live = (req >= 0) & valid_slots(req.long() * ring_size, window_cache, window_fmt)
         back = torch.arange(window - 1, -1, -1, device=q.device)
-        wpos = pos[:, None] - back  # oldest first
+        wpos = end[:, None] - back  # oldest first
         wvalid = (wpos >= 0) & live[:, None]
         wslots = window_slots(wpos.clamp(min=0), req[:, None].expand(-1, window), ring_size).where(wvalid, -1)
         wkeys = torch.empty(n * window, d, dtype=q.dtype, device=q.device)

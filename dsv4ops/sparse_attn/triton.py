@@ -226,11 +226,13 @@ def splits(programs: int, keys: int, bk: int) -> int:
     return max(1, min(max(_SMS // max(programs, 1), -(-keys // 1024)), keys // (2 * bk)))
 
 
-def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, scale: float,
-                window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
-    _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, window,
-                        ring_size, window_fmt, comp_fmt)
+    _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
+                        window, ring_size, window_fmt, comp_fmt)
+    # The kernel reads a token's position only where its window ends: window_ends, when given.
+    positions = positions if window_ends is None else window_ends
     w_fmt, c_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt), fmt_code("sparse_attn", "comp_fmt", comp_fmt)
     t, h, d = q.shape
     require(d == MAIN_DIM, "sparse_attn", "q", f"head_dim {MAIN_DIM} (V4 layout)", d)
