@@ -25,18 +25,19 @@ LENGTHS = {"a": 260, "b": 131, "c": 9}
 PREFILL = {"a": 100, "b": 40}
 
 
-def _setup(kind, mode, **capacity):
+def _setup(kind, mode, device="cpu", dtype=torch.float32, **capacity):
     layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], numerics=MODES[mode]), seed=LAYER[kind])
+    layer = layer.to(device, dtype)
     base = dict(max_requests=4, max_context=280, max_step_tokens=160, kv_cache=mode, indexer_cache=mode,
                 exact_dtype=torch.float32, max_draft_tokens=DRAFTS)
-    manager = KVCacheManager(CFG, CacheConfig(**(base | capacity)))
+    manager = KVCacheManager(CFG, CacheConfig(**(base | capacity)), device=device)
     layer.attach_cache(manager)
     return layer, manager
 
 
-def _inputs(lengths: dict, seed: int) -> dict:
+def _inputs(lengths: dict, seed: int, device="cpu", dtype=torch.float32) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {r: torch.randn(n, CFG.hidden_size, generator=g) for r, n in lengths.items()}
+    return {r: torch.randn(n, CFG.hidden_size, generator=g).to(device, dtype) for r, n in lengths.items()}
 
 
 def _check(layer, mode, seqs: dict, outs: dict, starts: dict | None = None, window_ends: dict | None = None):
@@ -76,11 +77,15 @@ def _same(a, b, generations: bool = True):
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
 def test_verify_steps_with_rewinds_equal_the_accepted_tokens_alone(kind, mode):
+    verify_run(kind, mode)
+
+
+def verify_run(kind, mode, device="cpu", dtype=torch.float32):
     """A random schedule: prefill chunks, then steps mixing verify steps of 1 + k tokens (k = 0..5,
     per request and step), rejected drafts fed random rows and rewound after the step, and chunks:
     every kept token's output equals the fp64 oracle run on the kept tokens only."""
-    layer, manager = _setup(kind, mode)
-    inputs = _inputs(LENGTHS, 0)
+    layer, manager = _setup(kind, mode, device, dtype)
+    inputs = _inputs(LENGTHS, 0, device, dtype)
     schedule = testing.speculative_schedule(LENGTHS, DRAFTS, seed=LAYER[kind], prefill=PREFILL)
     rejected = sum(n - kept for step in schedule for n, kept in step.values())
     assert rejected > 50 and any(len(step) == 3 for step in schedule)
@@ -167,15 +172,19 @@ TAIL = (6, 1, 1, 1, 7)  # each child's own tokens after its fork, step by step
 
 @pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
 def test_forks_at_every_boundary_continue_like_fresh_requests(kind):
+    fork_run(kind)
+
+
+def fork_run(kind, device="cpu", dtype=torch.float32):
     """One parent forks 12 children at lengths around every ratio, window and block boundary;
     the parent and the children then run together (the parent is released midway), one child
     rewound into its shared blocks (copy on write). Each continues exactly like a fresh request
     fed its whole sequence; no write touches a block while it is shared; releasing everyone
     frees every block."""
-    layer, manager = _setup(kind, "fp8", max_requests=13, max_context=300, max_step_tokens=300, block_size=2,
-                            max_draft_tokens=4)
-    x = _inputs({"p": 266}, 5)["p"]
-    tails = _inputs({f"f{n}": sum(TAIL) for n in FORKS}, 6)
+    layer, manager = _setup(kind, "fp8", device, dtype, max_requests=13, max_context=300, max_step_tokens=300,
+                            block_size=2, max_draft_tokens=4)
+    x = _inputs({"p": 266}, 5, device, dtype)["p"]
+    tails = _inputs({f"f{n}": sum(TAIL) for n in FORKS}, 6, device, dtype)
     parent = []
     done = 0
     with torch.no_grad():
@@ -236,7 +245,7 @@ def _shared_pages(layer, manager) -> dict:
     out = {}
     for name, kind in layer.cache.block_pools.items():
         refs = torch.tensor(manager.allocators[kind].refs)
-        pages = (refs > 1).nonzero().flatten()
+        pages = (refs > 1).nonzero().flatten().to(getattr(layer.cache, name).device)
         out[name] = (pages, getattr(layer.cache, name)[pages].clone())
     return out
 
