@@ -604,8 +604,9 @@ def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAUL
                 window_cache=fill_pool(page_pool(requests * ring // block_size, block_size, dim, fmt), dim, fmt),
                 comp_cache=fill_pool(page_pool(comp_blocks, block_size, dim, comp_fmt), dim, comp_fmt),
                 positions=positions, req_slots=req_slots, comp_idx=comp_idx, comp_lens=comp_lens,
-                window_ends=window_ends, sinks=torch.randn(heads), out=torch.empty(t, heads, dim, dtype=dtype), scale=dim**-0.5,
-                window=window, ring_size=ring, window_fmt=format_name(fmt, dim), comp_fmt=format_name(comp_fmt, dim))
+                window_ends=window_ends, sinks=torch.randn(heads), out=torch.empty(t, heads, dim, dtype=dtype),
+                scale=dim**-0.5, window=window, ring_size=ring, window_fmt=format_name(fmt, dim),
+                comp_fmt=format_name(comp_fmt, dim))
 
 
 def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=False) -> dict:

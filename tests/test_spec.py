@@ -216,8 +216,8 @@ def fork_run(kind, device="cpu", dtype=torch.float32):
             if i < 4:
                 new["p"] = n
             with manager.step(new) as step:
-                rows = [tails[c][sum(TAIL[:i]):sum(TAIL[:i]) + n] for c in tails] + ([x[done:done + n]] if i < 4 else [])
-                rows = torch.cat(rows)
+                at = sum(TAIL[:i])
+                rows = torch.cat([tails[c][at:at + n] for c in tails] + ([x[done:done + n]] if i < 4 else []))
                 y = layer(torch.cat([rows, rows.new_zeros(step.positions.shape[0] - rows.shape[0], rows.shape[1])]),
                           step)
             for j, c in enumerate(tails):

@@ -224,8 +224,9 @@ class KVCacheManager:
     def _no_open_step(self, what: str):
         if self._open is not None:
             o = self._open.step.origin
-            raise RuntimeError(f"{what}: step {o.step_id} is still open (requests {[r.request_id for r in o.requests]}); "
-                               f"commit(step) or abort(step) it first")
+            requests = [r.request_id for r in o.requests]
+            raise RuntimeError(f"{what}: step {o.step_id} is still open (requests {requests}); commit(step) or "
+                               f"abort(step) it first")
 
     # ---- speculative decoding and prefix sharing -----------------------------------------------
     @property

@@ -5,7 +5,8 @@ owns a compressed pool (and, with ratio 2, an fp32 compressor state) and, when i
 source, an index-key pool; the layers of its group read them. Pools of the sources of one ratio
 fill in step, so they share one block table per ratio (the manager's pool groups are the ratios),
 and a source's key pool shares its compressed pool's slots. Admission, release, slot reuse, block
-allocation and the step planner are KVCacheManager's, unchanged.
+allocation, the step planner, rewind, fork (copy on write) and usage are KVCacheManager's,
+unchanged.
 """
 
 from __future__ import annotations

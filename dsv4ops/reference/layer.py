@@ -107,7 +107,8 @@ class _Layer:
         idx = stable_topk(scores, min(self.cfg.index_topk, scores.shape[-1]))
         return torch.where(idx < ((positions + 1) // self.ratio)[:, None], idx, -1)
 
-    def forward(self, x: Tensor, topk: Tensor | None, window_ends: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, topk: Tensor | None,
+                window_ends: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         p, c = self.p, self.cfg
         s, eps = x.shape[0], c.rms_norm_eps
         positions = torch.arange(s, device=x.device)
