@@ -35,8 +35,9 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsv4ops bench", description=__doc__)
-    ap.add_argument("--only", default="attention,flashmla,router,memory",
-                    help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), router, memory")
+    ap.add_argument("--only", default="attention,flashmla,v41,router,memory",
+                    help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), v41 (V4.1-Flash ops and "
+                         "stack beside V4-Flash's), router, memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--json", help="write every row here")
     args = ap.parse_args(argv)
@@ -46,7 +47,7 @@ def main(argv=None):
     if "memory" in parts:
         out["memory"] = memory.rows()
         print(memory.markdown(out["memory"]))
-    if parts & {"attention", "flashmla", "router"}:
+    if parts & {"attention", "flashmla", "v41", "router"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
     if "attention" in parts:
@@ -64,6 +65,12 @@ def main(argv=None):
             out["flashmla"] = attention.side_by_side(progress=lambda r: print("row", json.dumps(r), flush=True))
             print(table(out["flashmla"], ["case", "us", "flashmla_us", "vs_flashmla", "GB/s", "TFLOP/s", "ceiling",
                                           "pct_ceiling", "rel_diff"]))
+    if "v41" in parts:
+        from dsv4ops.bench import v41
+
+        out["v41"] = v41.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True))
+        print(table(out["v41"], ["batch", "context", "tokens", "op", "us", "per_token_us", "GB/s", "pct_ceiling",
+                                 "bytes_per_token", "v4_us", "v4_per_token_us", "v4_bytes_per_token"]))
     if "router" in parts:
         from dsv4ops.bench import router
 
