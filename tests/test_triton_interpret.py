@@ -182,6 +182,20 @@ STEPS = {
 }
 
 
+def _compressor_step(step, lens: list, ratio: int, nblk: int):
+    """(positions, req_slots, closing, entry slots) of a step of (request, tokens) runs continuing
+    at `lens` (advanced here), plus one padding token; entries of request r at r * 32 + w."""
+    pos, req = [], []
+    for r, n in step:
+        pos += range(lens[r], lens[r] + n)
+        req += [r] * n
+        lens[r] += n
+    pos, req = torch.tensor(pos + [0], dtype=torch.int32), torch.tensor(req + [-1], dtype=torch.int32)
+    closes = (req >= 0) & ((pos + 1) % ratio == 0)
+    entry = torch.where(closes, (req * 32 + pos // ratio) % (nblk * BS), -1).to(torch.int32)
+    return pos, req, closes, entry
+
+
 @pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("case", sorted(STEPS))
 def test_compressor_update(case, pool):
@@ -194,14 +208,7 @@ def test_compressor_update(case, pool):
             for name, p in (("kernel", pool), ("ref", pool), ("ref64", torch.float32))}
     lens = [0, 0]
     for step in steps:
-        pos, req = [], []
-        for r, n in step:
-            pos += range(lens[r], lens[r] + n)
-            req += [r] * n
-            lens[r] += n
-        pos, req = torch.tensor(pos + [0], dtype=torch.int32), torch.tensor(req + [-1], dtype=torch.int32)
-        closes = (req >= 0) & ((pos + 1) % ratio == 0)
-        entry = torch.where(closes, (req * 32 + pos // ratio) % (nblk * BS), -1).to(torch.int32)
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
         kv, score = torch.randn(len(pos), width).to(adt), torch.randn(len(pos), width).to(adt)
         for name, (state, cache) in runs.items():
             fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
@@ -226,14 +233,7 @@ def test_compressor_update_v41_with_latent(ratio, pool):
             for name, p in (("kernel", pool), ("ref", pool), ("ref64", torch.float32))}
     lens = [0, 0]
     for step in steps:
-        pos, req = [], []
-        for r, n in step:
-            pos += range(lens[r], lens[r] + n)
-            req += [r] * n
-            lens[r] += n
-        pos, req = torch.tensor(pos + [0], dtype=torch.int32), torch.tensor(req + [-1], dtype=torch.int32)
-        closes = (req >= 0) & ((pos + 1) % ratio == 0)
-        entry = torch.where(closes, (req * 32 + pos // ratio) % (nblk * BS), -1).to(torch.int32)
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
         kv = torch.randn(len(pos), d).to(adt)
         score = torch.randn(len(pos), d).to(adt) if ratio > 1 else kv.new_zeros(1, d).expand_as(kv)
         latents = {}
