@@ -29,9 +29,9 @@ EXACT = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512, kv_cac
 FP8 = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512)
 
 
-def _model(mlp: str = "hash_moe", seed: int = 0) -> DeepseekV4ForCausalLM:
+def _model(mlp: tuple[str, ...] = ("hash_moe",) * CFG.num_layers, seed: int = 0) -> DeepseekV4ForCausalLM:
     hc = testing.hf_config(CFG, moe_intermediate_size=32, pad_token_id=0, eos_token_id=None,
-                           mlp_layer_types=[mlp] * CFG.num_layers)
+                           mlp_layer_types=list(mlp))
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(hc).eval()
     g = torch.Generator().manual_seed(seed)
@@ -199,12 +199,7 @@ def test_routers_swapped_too(base):
     every token's k-th and (k+1)-th expert scores differ by far more than fp32 noise."""
     from dsv4ops.router.modules import DeepseekV4HashRouter, DeepseekV4Router
 
-    model = _model()
-    hc = model.config
-    hc.mlp_layer_types = ["hash_moe"] * 3 + ["moe"]
-    model = DeepseekV4ForCausalLM(hc).eval()
-    model.load_state_dict({k: v for k, v in _model().state_dict().items() if "layers.3.mlp.gate" not in k},
-                          strict=False)
+    model = _model(("hash_moe",) * 3 + ("moe",))
     testing.randomize_(model.model.layers[3].mlp.gate)
     patched = _patched(model, routers=True)
     kinds = [type(layer.mlp.gate) for layer in patched.model.layers]
