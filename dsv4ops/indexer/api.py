@@ -102,12 +102,13 @@ def _check_candidates(cand: Tensor, n_blocks: int):
 
 def _workspace_words(q: Tensor, cache: Tensor, block_table: Tensor, k: int, fmt: str, cand: Tensor | None,
                      pool_blocks: int, cand_block: int) -> int:
-    """Words of the kernel's scratch for this call; 0 for arguments the checks below reject (an
-    unknown format, a pool its format cannot page), so the caller gets their error, not this one's."""
+    """Words of the kernel's scratch for this call (at least one token's row, which the op requires
+    even of an empty step); 0 for arguments the checks below reject (an unknown format, a pool its
+    format cannot page), so the caller gets their error, not this one's."""
     try:
         cols = cand.shape[-1] * cand_block if cand is not None else 0
-        return workspace_words(q.shape[0], block_table.shape[-1] * block_size(cache, fmt), k, cols, pool_blocks,
-                               max(cand_block, 1))
+        return workspace_words(max(q.shape[0], 1), block_table.shape[-1] * block_size(cache, fmt), k, cols,
+                               pool_blocks, max(cand_block, 1))
     except (ValueError, IndexError):
         return 0
 

@@ -111,7 +111,7 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     keys = torch.empty(t * e, cache.shape[-1] if fmt == formats.EXACT else formats.get(fmt).dim,
                        dtype=torch.float32, device=q.device)
     unpack_kv(cache, slots.reshape(-1), keys, fmt)
-    scores = torch.einsum("thd,ted->the", query_values(q), keys.view(t, e, -1)).relu()
+    scores = torch.einsum("thd,ted->the", query_values(q), keys.view(t, e, keys.shape[-1])).relu()
     scores = (scores * weights.float()[..., None]).sum(1).masked_fill(~visible, float("-inf"))
     kk = min(k, e)
     best = stable_topk(scores, kk)
