@@ -84,14 +84,15 @@ def _teacher_forced(model, rows: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([model(seq[None], use_cache=False).logits[0, -NEW - 1:-1] for seq in rows])
 
 
-def _check_steps(tokens, logits, ref64, lowp, what):
+def _check_steps(tokens, logits, ref64, lowp, what, decisive=0.5):
     """Per-step logits within the budget of the reference, and greedy tokens equal to its argmax
-    where its margin exceeds twice the budget (which must be most steps, or nothing was checked)."""
+    where its margin exceeds twice the budget (at least a `decisive` share of the steps, or the
+    token check saw nothing)."""
     err, budget = testing.assert_close_to_ref(logits, ref64, lowp, what=f"{what}: logits")
     bound = 2 * budget + torch.finfo(logits.dtype).eps * ref64.abs().max().item()
     top2 = ref64.topk(2, dim=-1).values
     sure = (top2[..., 0] - top2[..., 1]) > 2 * bound
-    assert sure.float().mean() >= 0.5, f"{what}: margins above {2 * bound:.2e} at only {sure.sum()} steps"
+    assert sure.float().mean() >= decisive, f"{what}: margins above {2 * bound:.2e} at only {sure.sum()} steps"
     assert torch.equal(tokens[sure], ref64.argmax(-1)[sure]), f"{what}: {tokens.tolist()} vs {ref64.argmax(-1)}"
 
 

@@ -1,5 +1,10 @@
 """GPU tier 1: patch_model on CUDA (bf16 model, FP8 paged cache, Triton kernels) under
-torch.compile, generate() against the oracle model (tests/test_transformers.py's checks)."""
+torch.compile, generate() against the oracle model (tests/test_transformers.py's checks).
+
+The bf16 model's budget (its bf16 oracle run: 2 x bound = 9e-2 on the logits, H100) is wider than
+the tiny random model's top-2 logit margins at every one of the 15 steps, so here the logits
+check carries the test and the token check covers only the steps that happen to be decisive
+(the fp32 CPU tests require half of them to be)."""
 
 import copy
 
@@ -29,4 +34,4 @@ def test_patched_generate_on_cuda(compile):
     ref64 = _teacher_forced(oracle64, rows)
     lowp = [_teacher_forced(_oracle_model(base, numerics), rows)]
     lowp += testing.rounding_twins(lambda: _teacher_forced(oracle64, rows))
-    _check_steps(tokens, logits, ref64, lowp, f"cuda, compile={compile}")
+    _check_steps(tokens, logits, ref64, lowp, f"cuda, compile={compile}", decisive=0.0)
