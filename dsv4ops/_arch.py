@@ -16,6 +16,7 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     "qkv_prep": {9: ("triton",), 10: ("triton",)},
     "compressor_update": {9: ("triton",), 10: ("triton",)},
     "indexer_q_prep": {9: ("triton",), 10: ("triton",)},
+    "indexer_k_prep": {9: ("triton",), 10: ("triton",)},
     "indexer_topk": {9: ("triton",), 10: ("triton",)},
     "sparse_attn": {9: ("triton",), 10: ("triton",)},
     "inv_rope": {9: ("triton",), 10: ("triton",)},

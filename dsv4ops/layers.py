@@ -1,5 +1,6 @@
 """Drop-in layers. Parameter names equal transformers' `DeepseekV4Attention`, so
-`layer.load_state_dict(hf_layer.state_dict(), strict=True)` works."""
+`layer.load_state_dict(hf_layer.state_dict(), strict=True)` works; `load_deepseek_state_dict` reads
+DeepSeek's checkpoint names (DEEPSEEK_NAMES) and block-FP8 weights."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dsv4ops import checkpoint
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
@@ -20,6 +22,29 @@ from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
 
 _KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "inv_freq", "state")
+
+# DeepSeek's checkpoint names (inference/model.py) -> this module's (transformers'), under
+# `layers.{i}.`: the renames transformers' conversion mapping applies to DeepSeek-V4 checkpoints.
+DEEPSEEK_NAMES = {
+    "attn.wq_a.weight": "q_a_proj.weight",
+    "attn.q_norm.weight": "q_a_norm.weight",
+    "attn.wq_b.weight": "q_b_proj.weight",
+    "attn.wkv.weight": "kv_proj.weight",
+    "attn.kv_norm.weight": "kv_norm.weight",
+    "attn.wo_a.weight": "o_a_proj.weight",
+    "attn.wo_b.weight": "o_b_proj.weight",
+    "attn.attn_sink": "sinks",
+    "attn.compressor.wkv.weight": "compressor.kv_proj.weight",
+    "attn.compressor.wgate.weight": "compressor.gate_proj.weight",
+    "attn.compressor.ape": "compressor.position_bias",
+    "attn.compressor.norm.weight": "compressor.kv_norm.weight",
+    "attn.indexer.wq_b.weight": "compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "compressor.indexer.scorer.weights_proj.weight",
+    "attn.indexer.compressor.wkv.weight": "compressor.indexer.kv_proj.weight",
+    "attn.indexer.compressor.wgate.weight": "compressor.indexer.gate_proj.weight",
+    "attn.indexer.compressor.ape": "compressor.indexer.position_bias",
+    "attn.indexer.compressor.norm.weight": "compressor.indexer.kv_norm.weight",
+}
 
 
 class RMSNorm(nn.Module):
@@ -110,10 +135,27 @@ class DeepseekV4Attention(nn.Module):
         """`.to(dtype)` keeps the tensors transformers keeps in fp32 (sinks, position biases, norm
         weights) and the fp32 RoPE table and compressor states in fp32."""
         super()._apply(fn, recurse)
+        self._keep_fp32()
+        return self
+
+    def _keep_fp32(self) -> None:
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
             if name.endswith(_KEEP_FP32) and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
-        return self
+
+    def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK):
+        """Load this layer's weights from a DeepSeek-V4 checkpoint dict (DEEPSEEK_NAMES under
+        `layers.{layer_idx}.`; other layers' and non-attention keys are skipped). Block-FP8 weights
+        (e4m3 + `.scale` / `.weight_scale_inv` per `block` x `block` tile, UE8M0 or fp32) are
+        dequantized on load, in fp32 (where e4m3 x scale is exact); the parameters keep their dtypes."""
+        prefix = f"layers.{self.layer_idx}."
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix + "attn.")}
+        mine = checkpoint.dequantize_state_dict(mine, block, torch.float32)
+        unknown = sorted(set(mine) - set(DEEPSEEK_NAMES))
+        if unknown:
+            raise ValueError(f"state_dict: {prefix}{unknown[0]} is not a V4 attention parameter (known: "
+                             f"{sorted(DEEPSEEK_NAMES)})")
+        return self.load_state_dict({DEEPSEEK_NAMES[k]: v for k, v in mine.items()}, strict=strict)
 
     def attach_cache(self, manager: KVCacheManager) -> None:
         """Give the layer its pools (sized by the manager's CacheConfig, on the layer's device) and

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dsv4ops import checkpoint
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.step import live_tokens
@@ -314,19 +315,21 @@ class DeepseekV41AttentionStack(nn.Module):
             published["step"] = step
         return ys
 
-    def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True):
+    def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V41_BLOCK):
         """Load DeepSeek's checkpoint names (DEEPSEEK_NAMES under `layers.{i}.`; other keys, e.g. the
-        MoE's or `attn_norm`, are not the attention's and are skipped). Weights must be dequantized
-        first: a `.scale` tensor of a block-FP8 attention weight raises."""
-        mapped = {}
+        MoE's or `attn_norm`, are not the attention's and are skipped). Block-FP8 weights (e4m3 +
+        `.scale` / `.weight_scale_inv` per `block` x `block` tile, UE8M0 or fp32) are dequantized on
+        load, in fp32 (where e4m3 x scale is exact); the parameters keep their dtypes."""
+        attn = {}
         for key, value in state_dict.items():
             head, _, rest = key.partition(".")
             layer, _, name = rest.partition(".")
-            if head != "layers" or not layer.isdigit() or not name.startswith("attn."):
-                continue
-            if name.endswith(".scale"):
-                raise ValueError(f"state_dict: {key} is a block-FP8 scale; dequantize the attention weights to bf16 "
-                                 f"or fp32 before loading")
+            if head == "layers" and layer.isdigit() and name.startswith("attn."):
+                attn[key] = value
+        attn = checkpoint.dequantize_state_dict(attn, block, torch.float32)
+        mapped = {}
+        for key, value in attn.items():
+            _, layer, name = key.split(".", 2)
             if name not in DEEPSEEK_NAMES:
                 raise ValueError(f"state_dict: {key} is not a V4.1 attention parameter (known: {sorted(DEEPSEEK_NAMES)})")
             if int(layer) < self.config.num_layers:

@@ -572,11 +572,14 @@ def indexer_topk_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAU
                 cand_block=cand_block if cand_blocks or pool_blocks else 0, fmt=format_name(fmt, dim))
 
 
-def topk_workspace(tokens: int, n_entries: int, k: int, device=None) -> Tensor:
-    """A poisoned indexer_topk workspace for launches of `tokens` tokens (int32 0x7FFFFFFF)."""
+def topk_workspace(tokens: int, n_entries: int, k: int, device=None, cand_cols: int = 0, keep: int = 0,
+                   cand_block: int = 1) -> Tensor:
+    """A poisoned indexer_topk workspace for launches of `tokens` tokens (int32 0x7FFFFFFF); the
+    candidate options as indexer.workspace.layout."""
     from dsv4ops.indexer.workspace import workspace_words
 
-    return torch.full((workspace_words(tokens, n_entries, k),), 2**31 - 1, dtype=torch.int32, device=device)
+    words = workspace_words(tokens, n_entries, k, cand_cols, keep, cand_block)
+    return torch.full((words,), 2**31 - 1, dtype=torch.int32, device=device)
 
 
 def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAULT_RUNS, pad=1, window=4, ring=8,

@@ -84,9 +84,10 @@ def check_selection(picked: Tensor, scores64: Tensor, scores_lowp: Tensor, what:
 
 
 def check_pool(pool: Tensor, scores64: Tensor, scores_lowp: Tensor, cfg: DSV41AttentionConfig, what: str):
-    """Tie-aware check of candidate pools [S, blocks] against the source's fp64 score rows: the
-    newest visible block first, as many blocks as have a visible entry (up to the pool width),
-    no repeats, every block's max score within a band of the oracle's block at the cut-off."""
+    """Tie-aware check of candidate pools [S, blocks] against the source's fp64 score rows: blocks
+    in ascending order, the newest visible block among them, as many blocks as have a visible
+    entry (up to the pool width), no repeats, every other block's max score within a band of the
+    oracle's block at the cut-off."""
     cb, keep = cfg.candidate_block_size, pool.shape[1]
     band = 2 * (scores_lowp.double() - scores64).nan_to_num(posinf=0, neginf=0).abs().max().item()
     band += 1e-12 * scores64.nan_to_num(posinf=0, neginf=0).abs().max().item()
@@ -99,10 +100,14 @@ def check_pool(pool: Tensor, scores64: Tensor, scores_lowp: Tensor, cfg: DSV41At
         if n_vis == 0:
             assert not picked, f"{what} token {t}: a pool without visible entries"
             continue
-        assert picked[0] == (n_vis - 1) // cb, f"{what} token {t}: the newest block is not forced first"
+        newest = (n_vis - 1) // cb
+        assert newest in picked, f"{what} token {t}: the newest block {newest} is not in the pool"
+        assert picked == sorted(picked), f"{what} token {t}: blocks not in ascending order: {picked}"
+        assert pool[t, len(picked):].eq(-1).all(), f"{what} token {t}: -1 fill not after the blocks"
         want = min(keep, sum(v > float("-inf") for v in blocks))
         assert len(picked) == want == len(set(picked)), f"{what} token {t}: {len(picked)} blocks, expected {want}"
-        rest = sorted((v for b, v in enumerate(blocks) if b != picked[0]), reverse=True)
+        rest = sorted((v for b, v in enumerate(blocks) if b != newest), reverse=True)
         if want > 1:
             cut = rest[want - 2]
-            assert min(blocks[b] for b in picked[1:]) >= cut - band, f"{what} token {t}: a block below the cut-off"
+            assert min(blocks[b] for b in picked if b != newest) >= cut - band, \
+                f"{what} token {t}: a block below the cut-off"

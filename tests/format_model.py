@@ -51,6 +51,11 @@ def e4m3_value(code: int) -> float:
     return -mag if code & 0x80 else mag
 
 
+def ue8m0_value(code: int) -> float:
+    """A UE8M0 scale byte: 2^(code - 127); 0xFF is NaN."""
+    return math.nan if code == 255 else 2.0 ** (code - 127)
+
+
 def e4m3_code(v: float) -> int:
     """Nearest e4m3fn code, ties to the even code; |v| above 464 (the midpoint of 448 and 480, the
     first step past the largest finite value) is the NaN code."""

@@ -1,44 +1,129 @@
-"""GPU tier 3: a tiny run of every CUDA kernel, for
-`compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_run.py`
-(prints one line per kernel family it ran)."""
+"""GPU tier 3: a small run of every CUDA kernel, each launch path included, for
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_run.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_run.py
+
+(prints one line per kernel and path it ran). Paths: the layers' serving steps (qkv_prep,
+compressor_update, indexer_q_prep, indexer_topk, sparse_attn, inv_rope) in FP8 and bf16 pools,
+prefill chunks and padded decode steps; indexer_topk with one chunk, several chunks and one merge
+level, and two merge levels; sparse_attn with one split (many tokens) and split-KV with the combine
+(decode over a long list); pack_kv / unpack_kv in every V4 format with skipped slots; the router's
+gate_topk, hash_route, and router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90,
+cuBLAS + gate_topk above)."""
 
 import torch
 
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.indexer.api import indexer_q_prep, indexer_topk
+from dsv4ops.quant.api import pack_kv, unpack_kv
+from dsv4ops.sparse_attn.api import sparse_attn
+
+CFG = DSV4AttentionConfig.tiny(index_topk=8)
+DEV = "cuda"
+I32 = torch.int32
 
 
-def main():
-    cfg = DSV4AttentionConfig.tiny(index_topk=8)
+def say(text: str):
+    torch.cuda.synchronize()
+    print(f"sanitize: {text}: ok", flush=True)
+
+
+def layers():
     for numerics in (Numerics(kv="fp8", indexer="fp8"), Numerics()):
         for li in range(3):
-            layer = testing.randomize_(DeepseekV4Attention(cfg, li, numerics=numerics), seed=li)
-            layer = layer.to("cuda", torch.bfloat16)
+            layer = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li)
+            layer = layer.to(DEV, torch.bfloat16)
             mode = "fp8" if numerics.kv == "fp8" else "bf16"
-            manager = KVCacheManager(cfg, CacheConfig(max_requests=2, max_context=300, max_step_tokens=160,
-                                                      kv_cache=mode, indexer_cache=mode), device="cuda")
+            manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=300, max_step_tokens=160,
+                                                      kv_cache=mode, indexer_cache=mode), device=DEV)
             layer.attach_cache(manager)
             manager.admit(0)
             manager.admit(1)
             with torch.no_grad():
                 # A prefill chunk that crosses t = 127 (HCA entry 0), then padded decode steps.
                 with manager.step({0: 150, 1: 3}) as step:
-                    layer(torch.randn(160, cfg.hidden_size, device="cuda", dtype=torch.bfloat16), step)
+                    layer(torch.randn(160, CFG.hidden_size, device=DEV, dtype=torch.bfloat16), step)
                 for _ in range(3):
                     with manager.step({0: 1, 1: 1}) as step:
-                        layer(torch.randn(step.positions.shape[0], cfg.hidden_size, device="cuda",
+                        layer(torch.randn(step.positions.shape[0], CFG.hidden_size, device=DEV,
                                           dtype=torch.bfloat16), step)
-            torch.cuda.synchronize()
-            print(f"sanitize: layer {li} ({layer.layer_type}), cache {mode}: ok", flush=True)
-    from dsv4ops.router import modules
+            say(f"layer {li} ({layer.layer_type}), cache {mode}")
 
-    router = testing.randomize_(modules.DeepseekV4Router(cfg)).to("cuda")
+
+def _fp8_pool(blocks: int, dim: int, fmt: str) -> torch.Tensor:
+    return testing.fill_pool(testing.page_pool(blocks, 64, dim, fmt, device=DEV), dim, fmt)
+
+
+def topk():
+    """Visible entries 40 (one chunk), 5000 (5 chunks, one merge level), 40000 with k = 512 (40
+    chunks, merge groups of 8: two merge levels); two tokens, one of them padding."""
+    for visible, k in ((40, 8), (5000, 8), (40000, 512)):
+        blocks = -(-visible // 64)
+        cache = _fp8_pool(blocks, 128, "fp8_132")
+        table = torch.randperm(blocks, device=DEV).to(I32)[None]
+        q, w = torch.randn(2, 4, 128, device=DEV), torch.randn(2, 4, device=DEV)
+        pos = torch.tensor([4 * visible - 1, 0], dtype=I32, device=DEV)
+        q8, w8 = indexer_q_prep(q, w, pos, testing.rope_table(64).to(DEV), fmt="fp8_132")
+        indexer_topk(q8, w8, pos, torch.tensor([0, -1], dtype=I32, device=DEV), cache, table, k, 4, "fp8_132")
+        say(f"indexer_topk, {visible} visible entries, k {k}")
+
+
+def attention():
+    """128 tokens over their window (one split), then 1 token over its window and 2048 listed
+    entries (split-KV and the combine), FP8 pools."""
+    ring, window = 256, 128
+    win = _fp8_pool(ring // 64, 512, "fp8_584")
+    comp = _fp8_pool(64, 512, "fp8_584")
+    sinks = torch.randn(4, device=DEV)
+    for t, entries in ((128, 0), (1, 2048)):
+        pos = torch.arange(1000, 1000 + t, dtype=I32, device=DEV) if t > 1 else torch.tensor([5000], dtype=I32,
+                                                                                            device=DEV)
+        comp_idx = torch.randint(0, 64 * 64, (t, entries), dtype=I32, device=DEV)
+        if entries:
+            comp_idx[:, -7:] = -1
+        q = torch.randn(t, 4, 512, device=DEV, dtype=torch.bfloat16)
+        sparse_attn(q, win, comp, pos, torch.zeros(t, dtype=I32, device=DEV), comp_idx, sinks, 512**-0.5, window,
+                    ring, "fp8_584", "fp8_584")
+        say(f"sparse_attn, {t} tokens x ({window} window + {entries} entries)")
+
+
+def pack_unpack():
+    for fmt, dim in (("fp8_584", 512), ("fp8_132", 128)):
+        pool = testing.page_pool(2, 64, dim, fmt, device=DEV)
+        slots = torch.tensor([3, -1, 70, 127, -1, 0], dtype=I32, device=DEV)
+        pack_kv(torch.randn(6, dim, device=DEV, dtype=torch.bfloat16), slots, pool, fmt)
+        unpack_kv(pool, slots, dim, torch.bfloat16, fmt)
+        say(f"pack_kv / unpack_kv {fmt}")
+    pool = testing.page_pool(2, 64, 512, torch.bfloat16, device=DEV)
+    slots = torch.tensor([3, -1, 70], dtype=I32, device=DEV)
+    pack_kv(torch.randn(3, 512, device=DEV, dtype=torch.bfloat16), slots, pool, "exact")
+    unpack_kv(pool, slots, 512, torch.bfloat16, "exact")
+    say("pack_kv / unpack_kv exact")
+
+
+def routers():
+    from dsv4ops.router import api, modules
+
+    router = testing.randomize_(modules.DeepseekV4Router(CFG)).to(DEV)
     for tokens in (3, 100):
-        router(torch.randn(tokens, cfg.hidden_size, device="cuda"))
-    hash_router = testing.randomize_(modules.DeepseekV4HashRouter(cfg)).to("cuda")
-    hash_router(torch.randn(5, cfg.hidden_size, device="cuda"), torch.arange(5, device="cuda"))
-    torch.cuda.synchronize()
-    print("sanitize: router kernels: ok", flush=True)
+        router(torch.randn(tokens, CFG.hidden_size, device=DEV))
+        say(f"router_gate, {tokens} tokens")
+    hash_router = testing.randomize_(modules.DeepseekV4HashRouter(CFG)).to(DEV)
+    hash_router(torch.randn(5, CFG.hidden_size, device=DEV), torch.arange(5, device=DEV))
+    say("hash_route")
+    api.gate_topk(torch.randn(33, CFG.n_routed_experts, device=DEV), torch.zeros(CFG.n_routed_experts, device=DEV),
+                  CFG.num_experts_per_tok, 1.5)
+    say("gate_topk")
+
+
+def main():
+    with torch.no_grad():
+        layers()
+        topk()
+        attention()
+        pack_unpack()
+        routers()
 
 
 if __name__ == "__main__":

@@ -28,3 +28,107 @@ def test_attention_case_core_is_the_layer_step(kind, monkeypatch):
     assert len([r for r in rows if "reference_us" in r]) == expect
     assert ops[-3:] == ["attention core (all ops)", "projection GEMMs + norms (layer - core)", "whole layer"]
     assert all(r["pct_ceiling"] > 0 for r in rows if "pct_ceiling" in r)
+
+
+# ---- the CLI: shapes, JSON, the roofline chart ----------------------------------------------------
+
+def test_case_shapes_from_the_command_line():
+    import argparse
+
+    from dsv4ops.bench.cli import parse_case
+
+    assert parse_case("csa:128x4K") == (CSA, 128, 4096, 1)
+    assert parse_case("SWA:1x4096:4K") == (SLIDING, 1, 4096, 4096)
+    assert parse_case("hca:32x1M") == (HCA, 32, 1 << 20, 1)
+    for bad in ("mla:1x4K", "csa:128", "csa:0x4K", "csa:1x4K:8K", "csa:1x4Q"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"expected"):
+            parse_case(bad)
+
+
+def test_run_takes_the_given_cases(monkeypatch):
+    import functools
+
+    monkeypatch.setattr(attention, "graph_time_us", lambda fn, iters=30: (fn(), 4.0)[1])
+    monkeypatch.setattr(attention, "ceilings", lambda: {"copy": 1e12, "gather": 1e12, "bf16": 1e14})
+    monkeypatch.setattr(attention, "Case", functools.partial(attention.Case, device="cpu"))
+    seen = []
+    with torch.no_grad():
+        rows = attention.run(cases=[(HCA, 2, 300, 1), (SLIDING, 1, 40, 40)], model=DSV4AttentionConfig.tiny(),
+                             progress=seen.append)
+    assert rows == seen
+    shapes = {(r["layer"], r["batch"], r["context"], r["tokens"]) for r in rows}
+    assert shapes == {(HCA, 2, 300, 1), (SLIDING, 1, 40, 40)}
+    assert not any("transformers" in r["op"] for r in rows)  # explicit cases: no baselines
+
+
+def _rows():
+    base = {"batch": 128, "context": 4096, "tokens": 1, "timing": "graph", "ceiling": "copy"}
+    return [
+        {**base, "layer": CSA, "op": "qkv_prep", "us": 5.0, "pct_ceiling": 100.0},
+        {**base, "layer": CSA, "op": "sparse_attn", "us": 120.0, "pct_ceiling": 30.0, "flashmla_us": 40.0},
+        {**base, "layer": CSA, "op": "attention core (all ops)", "us": 200.0},  # no ceiling: not drawn
+        {**base, "layer": HCA, "context": 65536, "op": "inv_rope", "us": 4.0, "pct_ceiling": 150.0},
+    ]
+
+
+def _read_png(data: bytes):
+    """Decode an 8-bit RGB, filter-0 PNG (what bench/png.py writes) with zlib and struct only."""
+    import struct
+    import zlib
+
+    from dsv4ops.bench.png import Canvas
+
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, size = 8, b"", None
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(kind + body), kind
+        if kind == b"IHDR":
+            size = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    width, height, depth, color_type = size[:4]
+    assert (depth, color_type) == (8, 2)
+    raw = zlib.decompress(idat)
+    canvas = Canvas(width, height)
+    for y in range(height):
+        line = raw[y * (3 * width + 1):(y + 1) * (3 * width + 1)]
+        assert line[0] == 0
+        canvas.pixels[3 * y * width:3 * (y + 1) * width] = line[1:]
+    return canvas
+
+
+def test_roofline_bars_and_flashmla_point():
+    from dsv4ops.bench import roofline
+
+    groups = roofline.bars(_rows())
+    assert groups == [("CSA 128x4K", [("qkv_prep", 100.0), ("sparse_attn", 30.0), ("FlashMLA", 90.0)]),
+                      ("HCA 128x64K", [("inv_rope", 150.0)])]
+    c = _read_png(roofline.chart(_rows()).png())
+    y0 = roofline.TOP + roofline.PLOT_H  # the 0% line; the axis tops at 150%
+    x = roofline.LEFT + roofline.GAP // 2
+    for i, (name, pct) in enumerate(groups[0][1]):
+        col = x + i * roofline.BAR + roofline.BAR // 2
+        height = round(roofline.PLOT_H * pct / 150)
+        assert c.get(col, y0 - height + 1) == roofline.COLORS[name], name  # the bar reaches its value
+        assert c.get(col, y0 - height - 2) != roofline.COLORS[name], name  # and stops there
+    with pytest.raises(ValueError, match=r"rows: no kernel row with a % of ceiling"):
+        roofline.chart([r for r in _rows() if "pct_ceiling" not in r])
+
+
+def test_cli_plots_and_writes_json_without_a_gpu(tmp_path, capsys):
+    import json
+
+    from dsv4ops.bench import cli
+
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"versions": {"gpu": "NVIDIA H100"}, "attention": _rows()}))
+    png = tmp_path / "roofline.png"
+    cli.main(["--from-json", str(rows), "--plot", str(png)])
+    assert _read_png(png.read_bytes()).width > 100
+    out = tmp_path / "memory.json"
+    cli.main(["--only", "memory", "--json", str(out)])
+    assert json.loads(out.read_text())["memory"][0]["model"] == "V4-Flash"
+    assert "roofline chart:" in capsys.readouterr().out

@@ -18,7 +18,7 @@ from dsv4ops.cache import CacheConfig, KVCacheManager
 pytestmark = pytest.mark.gpu
 
 # Positions of the pool arguments in each op's schema (window / comp / state / index pools, workspace).
-CACHE_ARGS = {"qkv_prep": (6,), "compressor_update": (8, 9), "indexer_topk": (4, 7), "sparse_attn": (1, 2)}
+CACHE_ARGS = {"qkv_prep": (6,), "compressor_update": (8, 9), "indexer_topk": (4, 9), "sparse_attn": (1, 2)}
 
 # V4-Flash dims (64 heads x 512, hidden 4096, q_lora 1024, 64 x 128 indexer, top-512), 3 layers.
 CFG = DSV4AttentionConfig.flash().replace(num_layers=3, compress_ratios=(0, 4, 128))

@@ -1,4 +1,4 @@
-"""`import dsv4ops` is cheap: no triton, no cutlass, no CUDA, no compiled extension."""
+"""`import dsv4ops` is cheap: no triton, no cutlass, no transformers, no CUDA, no compiled extension."""
 
 import subprocess
 import sys
@@ -18,7 +18,7 @@ layer = DeepseekV4Attention(DSV4AttentionConfig.tiny(), 1)
 x = torch.randn(1, 9, 256)
 assert layer(x).shape == (1, 9, 256)
 assert not torch.cuda.is_initialized()
-print("ok", [m for m in sys.modules if m.split(".")[0] in ("triton", "cutlass")])
+print("ok", [m for m in sys.modules if m.split(".")[0] in ("triton", "cutlass", "transformers")])
 """
 
 

@@ -62,7 +62,9 @@ def test_load_deepseek_names():
 def test_load_deepseek_names_rejects_fp8_scales_unknown_and_missing_keys():
     src = DeepseekV41AttentionStack(CFG)
     sd = _deepseek_state_dict(src)
-    with pytest.raises(ValueError, match=r"state_dict: layers.0.attn.wq_a.scale is a block-FP8 scale"):
+    # A scale beside a weight that is not e4m3 (FP8 checkpoints: tests/test_checkpoint.py).
+    with pytest.raises(ValueError, match=r"layers.0.attn.wq_a.weight: expected a 2-D torch.float8_e4m3fn weight, got "
+                                         r"torch.float32"):
         DeepseekV41AttentionStack(CFG).load_deepseek_state_dict({**sd, "layers.0.attn.wq_a.scale": torch.ones(1)})
     with pytest.raises(ValueError, match=r"state_dict: layers.2.attn.indexer.wk.bias is not a V4.1 attention"):
         DeepseekV41AttentionStack(CFG).load_deepseek_state_dict({**sd, "layers.2.attn.indexer.wk.bias": torch.ones(1)})

@@ -64,10 +64,14 @@ CASES = [
     # Token 1 (request 0 at position 3) closes an entry: its slot past the pool stores nothing.
     ("compressor-entry-slot", "compressor_update", partial(T.compressor_update_args, FP32, FP8),
      ("entry_slots", 1, _pool_slots("cache")), _set("entry_slots", 1, -1)),
-    ("indexer_k_prep-entry-slot", "indexer_k_prep", partial(T.indexer_k_prep_args, FP32),
+    ("indexer_k_prep-entry-slot", "indexer_k_prep", partial(T.indexer_k_prep_args, FP32, "mxfp4_68", block_size=7),
      ("entry_slots", 1, _pool_slots("cache")), _set("entry_slots", 1, -1)),
     ("indexer_topk-request", "indexer_topk", partial(T.indexer_topk_args, FP32), ("req_slots", 0, lambda a: 2),
      _set("req_slots", 0, -1)),
+    # A position past the table's width sees the entries the table has, as its last position does.
+    ("indexer_topk-position-past-table", "indexer_topk", partial(T.indexer_topk_args, FP32),
+     ("positions", 0, lambda a: 10**6),
+     lambda a: _set("positions", 0, a["block_table"].shape[1] * 4 * a["ratio"] - 1)(a)),
     ("indexer_topk-block", "indexer_topk", partial(T.indexer_topk_args, FP32), ("block_table", (0, 0), lambda a: 4),
      _set("block_table", (0, 0), -1)),
     ("sparse_attn-request", "sparse_attn", partial(T.sparse_attn_args, FP32), ("req_slots", 3, lambda a: 2),
@@ -111,7 +115,8 @@ def test_out_of_range_index_is_no_entry(case):
 # The Triton kernels that write caches (compiled by the interpreter on CPU; GPU: the same code).
 TRITON = {"pack_kv": ("dsv4ops.quant.triton", "pack_kv"), "unpack_kv": ("dsv4ops.quant.triton", "unpack_kv"),
           "qkv_prep": ("dsv4ops.qkv_prep.triton", "qkv_prep"),
-          "compressor_update": ("dsv4ops.compressor.triton", "compressor_update")}
+          "compressor_update": ("dsv4ops.compressor.triton", "compressor_update"),
+          "indexer_k_prep": ("dsv4ops.indexer.triton", "indexer_k_prep")}
 
 
 def _triton_formats(case) -> bool:

@@ -379,7 +379,7 @@ def test_import_loads_no_backend():
 
 # ---- CuTe decode gate: compile-only on CPU -------------------------------------------------------
 requires_cutlass = pytest.mark.skipif(
-    importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not installed (pip install dsv4ops)"
+    importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not installed (pip install dsv4ops[gpu])"
 )
 
 

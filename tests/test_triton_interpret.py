@@ -58,9 +58,10 @@ def _fmt(pool: torch.Tensor, dim: int) -> str:
     return testing.format_name("fp8" if pool.dtype == torch.uint8 else pool.dtype, dim)
 
 
-def _rows(pool: torch.Tensor, dim: int, dtype=torch.float64) -> torch.Tensor:
-    """Every entry of a pool, dequantized (unwritten FP8 entries read as NaN)."""
-    fmt = _fmt(pool, dim)
+def _rows(pool: torch.Tensor, dim: int, dtype=torch.float64, fmt: str | None = None) -> torch.Tensor:
+    """Every entry of a pool of format `fmt` (default: the V4 format of its dtype and width),
+    dequantized (unwritten byte entries read as NaN)."""
+    fmt = fmt or _fmt(pool, dim)
     n = pool.shape[0] * formats.block_size(pool.shape, fmt)
     out = torch.empty(n, dim, dtype=torch.float32)
     quant_ref.unpack_kv(pool, torch.arange(n, dtype=torch.int32), out, fmt)
@@ -94,6 +95,37 @@ def test_pack_unpack_bit_exact(dim, pool, dtype):
     assert testing.bytes_equal(out, expect)
 
 
+V41_BS = {"fp8_528": 4, "fp4_288": 4, "mxfp4_68": 7}  # mxfp4_68 pages (512-B aligned) need 7 or 128 rows
+
+
+@pytest.mark.parametrize("fmt", sorted(V41_BS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_unpack_v41_formats_bit_exact(fmt, dtype):
+    # Rows over 8 decades; a zero row (the amax floors); a row past fp4_288's scale range (amax / 6
+    # > 464: the NaN scale code); e2m1 tie points (0.25, 0.75, ..., 5 times a power of two: ties to
+    # the even code); signed zeros; subnormal e4m3 scales; a padding slot (-1).
+    dim = formats.FORMATS[fmt].dim
+    x = (torch.randn(9, dim) * torch.logspace(-4, 4, 9)[:, None]).to(dtype)
+    x[0] = 0
+    x[1, :40] = 3000.0
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    x[2] = (ties.repeat(dim // 8) * torch.tensor([1.0, -1.0]).repeat_interleave(4).repeat(dim // 8)).to(dtype)
+    x[3] = -0.0
+    x[4] = x[4] * 1e-3
+    bs = V41_BS[fmt]
+    slots = _i32(0, 11, -1, 5, 3, 2, 7, 9, 1)
+    got, want = testing.page_pool(3, bs, dim, fmt), testing.page_pool(3, bs, dim, fmt)
+    quant_tt.pack_kv(x, slots, got, fmt)
+    quant_ref.pack_kv(x, slots, want, fmt)
+    assert testing.bytes_equal(got, want)
+    out, expect = torch.full((9, dim), 7.0, dtype=dtype), torch.empty(9, dim, dtype=dtype)
+    quant_tt.unpack_kv(want, slots, out, fmt)
+    quant_ref.unpack_kv(want, slots, expect, fmt)
+    # The NaN-scale groups read back NaN on both sides (payloads may differ); the rest bit for bit.
+    nan = expect.isnan()
+    assert torch.equal(out.isnan(), nan) and testing.bytes_equal(out[~nan], expect[~nan])
+
+
 def test_fp8_casts_match_torch_on_every_code():
     # Every e4m3 code decodes as torch does, and values between and around codes encode as torch
     # rounds them (nearest even), through the same helpers the kernels use.
@@ -113,8 +145,9 @@ def test_fp8_casts_match_torch_on_every_code():
 
 
 # ---- qkv_prep ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
-def test_qkv_prep(pool):
+@pytest.mark.parametrize("pool,q_norm", [("fp8", True), (torch.bfloat16, True), ("fp8_528", False)],
+                         ids=["fp8", "bf16", "v41-fp8_528"])
+def test_qkv_prep(pool, q_norm):
     t, h, ring = 5, 3, 8
     q, kv = torch.randn(t, h, 512), torch.randn(t, 512)
     pos, req = _i32(0, 7, 130, 5000, 3), _i32(0, 1, 0, -1, 1)
@@ -122,18 +155,20 @@ def test_qkv_prep(pool):
     def run(fn, dtype, pool_kind):
         cache = _pool(pool_kind, 512, 2 * ring // BS)
         q_out = torch.full((t, h, 512), float("nan"), dtype=dtype)
-        fn(q.to(dtype), kv.to(dtype), pos, req, INV_FREQ, q_out, cache, ring, 1e-6, True, _fmt(cache, 512))
+        fn(q.to(dtype), kv.to(dtype), pos, req, INV_FREQ, q_out, cache, ring, 1e-6, q_norm,
+           testing.format_name(pool_kind, 512))
         return q_out, cache
 
+    fmt = testing.format_name(pool, 512)
     q_k, c_k = run(qkv_prep_tt.qkv_prep, torch.bfloat16, pool)
     q_r, c_r = run(qkv_prep_ref.qkv_prep, torch.bfloat16, pool)
     q_64, c_64 = run(qkv_prep_ref.qkv_prep, torch.float64, torch.float64)
     testing.assert_close_to_ref(q_k, q_64, q_r, what="q_out")
-    rows_k, rows_r, rows_64 = _rows(c_k, 512), _rows(c_r, 512), _rows(c_64, 512)
+    rows_k, rows_r, rows_64 = _rows(c_k, 512, fmt=fmt), _rows(c_r, 512, fmt=fmt), _rows(c_64, 512)
     written = ~rows_64.isnan().any(1)
     assert written.sum() == 4 and torch.equal(written, ~rows_k.isnan().any(1)), "slots written"
     testing.assert_close_to_ref(rows_k[written], rows_64[written], rows_r[written], what="window rows")
-    # The nope dims involve no trig: their quantized entries are bit-exact.
+    # The nope dims involve no trig (and fill whole scale groups): their quantized entries are bit-exact.
     assert torch.equal(rows_k[written, :448], rows_r[written, :448])
 
 
@@ -149,6 +184,20 @@ STEPS = {
 }
 
 
+def _compressor_step(step, lens: list, ratio: int, nblk: int):
+    """(positions, req_slots, closing, entry slots) of a step of (request, tokens) runs continuing
+    at `lens` (advanced here), plus one padding token; entries of request r at r * 32 + w."""
+    pos, req = [], []
+    for r, n in step:
+        pos += range(lens[r], lens[r] + n)
+        req += [r] * n
+        lens[r] += n
+    pos, req = torch.tensor(pos + [0], dtype=torch.int32), torch.tensor(req + [-1], dtype=torch.int32)
+    closes = (req >= 0) & ((pos + 1) % ratio == 0)
+    entry = torch.where(closes, (req * 32 + pos // ratio) % (nblk * BS), -1).to(torch.int32)
+    return pos, req, closes, entry
+
+
 @pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("case", sorted(STEPS))
 def test_compressor_update(case, pool):
@@ -161,20 +210,47 @@ def test_compressor_update(case, pool):
             for name, p in (("kernel", pool), ("ref", pool), ("ref64", torch.float32))}
     lens = [0, 0]
     for step in steps:
-        pos, req = [], []
-        for r, n in step:
-            pos += range(lens[r], lens[r] + n)
-            req += [r] * n
-            lens[r] += n
-        pos, req = torch.tensor(pos + [0], dtype=torch.int32), torch.tensor(req + [-1], dtype=torch.int32)
-        closes = (req >= 0) & ((pos + 1) % ratio == 0)
-        entry = torch.where(closes, (req * 32 + pos // ratio) % (nblk * BS), -1).to(torch.int32)
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
         kv, score = torch.randn(len(pos), width).to(adt), torch.randn(len(pos), width).to(adt)
         for name, (state, cache) in runs.items():
             fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
             fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, None, 1e-6, _fmt(cache, d))
         assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
     got, lowp, ref = (_rows(runs[n][1], d) for n in ("kernel", "ref", "ref64"))
+    written = ~ref.isnan().any(1)
+    assert torch.equal(written, ~got.isnan().any(1)), "entries written"
+    testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
+
+
+@pytest.mark.parametrize("pool", ["fp4_288", torch.bfloat16], ids=["fp4_288", "bf16"])
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_compressor_update_v41_with_latent(ratio, pool):
+    # V4.1's sources: ratio 2 (2 state rows, fp32 a and score) and ratio 1 (no pooling: score 0 as
+    # a stride-0 row); `latent_out` gets the entry before RoPE on closing tokens, zeros elsewhere.
+    d, nblk = 512, 16
+    steps = [[(0, 5), (1, 3)], [(0, 1), (1, 1)], [(0, 7)]]
+    adt = torch.float32 if ratio == 2 else torch.bfloat16  # reference.v41.compressor_dtype
+    ape, w = torch.randn(ratio, d), 1 + 0.1 * torch.randn(d)
+    runs = {name: (torch.full((2, ratio, 2 * d), float("nan")), _pool(p, d, nblk))
+            for name, p in (("kernel", pool), ("ref", pool), ("ref64", torch.float32))}
+    lens = [0, 0]
+    for step in steps:
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
+        kv = torch.randn(len(pos), d).to(adt)
+        score = torch.randn(len(pos), d).to(adt) if ratio > 1 else kv.new_zeros(1, d).expand_as(kv)
+        latents = {}
+        for name, (state, cache) in runs.items():
+            fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
+            fmt = testing.format_name(pool if name != "ref64" else torch.float32, d)
+            lat = torch.full((len(pos), d), float("nan"), dtype=torch.float32 if name == "ref64" else torch.bfloat16)
+            fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, lat, 1e-6, fmt)
+            latents[name] = lat
+        assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
+        assert (latents["kernel"][~closes] == 0).all(), "latent rows of tokens that close nothing"
+        testing.assert_close_to_ref(latents["kernel"], latents["ref64"], latents["ref"], what="latent")
+    fmt = testing.format_name(pool, d)
+    got, lowp = _rows(runs["kernel"][1], d, fmt=fmt), _rows(runs["ref"][1], d, fmt=fmt)
+    ref = _rows(runs["ref64"][1], d)
     written = ~ref.isnan().any(1)
     assert torch.equal(written, ~got.isnan().any(1)), "entries written"
     testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
@@ -290,6 +366,105 @@ def test_indexer_topk_long_rows_with_many_ties(chunks, monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_indexer_q_prep_mx4():
+    # V4.1's packed 68-B query rows: what the scores see (the decoded row times the weight) against
+    # the fp64 rotation, within the reference MX4 run's own error.
+    t, h = 4, 3
+    q, w = 3 * torch.randn(t, h, 128), torch.randn(t, h)
+    pos = _i32(0, 77, 5000, 3)
+
+    def run(fn, dtype, fmt):
+        odt, width = (torch.uint8, 68) if fmt == "mxfp4_68" else (torch.float32, 128)
+        q_out, w_out = torch.empty(t, h, width, dtype=odt), torch.empty(t, h)
+        fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, fmt)
+        return indexer_ref.query_values(q_out).double() * w_out.double()[..., None]
+
+    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, "mxfp4_68")
+    lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, "mxfp4_68")
+    ref = run(indexer_ref.indexer_q_prep, torch.float32, "exact")
+    testing.assert_close_to_ref(got, ref, lowp, what="q x w")
+
+
+@pytest.mark.parametrize("pool", ["mxfp4_68", torch.bfloat16], ids=["mxfp4_68", "bf16"])
+def test_indexer_k_prep(pool):
+    # V4.1's index keys from the compressor's latent: only closing live tokens write their entry.
+    t, ratio, d = 7, 2, 512
+    latent = torch.randn(t, d)
+    pos, req = _i32(1, 2, 3, 9, 5, 0, 7), _i32(0, 0, 0, 1, -1, 1, 1)  # token 4 is padding
+    slots = torch.where((req >= 0) & ((pos + 1) % ratio == 0), req * 8 + pos // ratio, -1).to(torch.int32)
+    wk, kw = torch.randn(128, d) / d**0.5, 1 + 0.1 * torch.randn(128)
+    bs = 7 if pool == "mxfp4_68" else BS
+
+    def run(fn, dtype, kind):
+        cache = testing.page_pool(16 // bs + 2, bs, 128, kind)
+        fn(latent.to(dtype), pos, req, slots, wk, kw, INV_FREQ, cache, ratio, 1e-6, testing.format_name(kind, 128))
+        return _rows(cache, 128, fmt=testing.format_name(kind, 128))
+
+    got = run(indexer_tt.indexer_k_prep, torch.bfloat16, pool)
+    lowp = run(indexer_ref.indexer_k_prep, torch.bfloat16, pool)
+    ref = run(indexer_ref.indexer_k_prep, torch.float64, torch.float64)
+    # Poisoned slots read back NaN (float pools) or -inf (0xFF bytes of mxfp4_68: -6 x 2^128).
+    written = ref.isfinite().all(1)
+    assert written.sum() == 4 and torch.equal(written, got.isfinite().all(1)), "entries written"
+    testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="index keys")
+
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mx4_topk_case(n: int, t: int, bs: int = 7):
+    """A request of n entries (ratio 1) over shuffled pages of bs mxfp4_68 keys, and t tokens at
+    positions spread over it (the last one padding). Keys and queries take e2m1 grid values (exact
+    in MX4) and the weights are signed powers of two, so every score is exact in fp32 and ties are
+    frequent: the selection must equal the reference's, tie-breaks included."""
+    g = torch.Generator().manual_seed(n)
+    pages = -(-n // bs)
+
+    def grid(*shape):
+        v = E2M1_GRID[torch.randint(0, 8, shape, generator=g)]
+        return torch.where(torch.rand(shape, generator=g) < 0.5, -v, v)
+
+    cache = testing.page_pool(pages, bs, 128, "mxfp4_68")
+    quant_ref.pack_kv(grid(pages * bs, 128), torch.arange(pages * bs, dtype=torch.int32), cache, "mxfp4_68")
+    table = torch.randperm(pages, generator=g).int().view(1, -1)
+    q = testing.mx4_query(grid(t, 3, 128))
+    w = torch.tensor([1.0, -0.5, 2.0]).repeat(t, 1)
+    pos = torch.linspace(0, n - 1, t - 1).round().int()
+    pos = torch.cat([pos, _i32(0)])
+    req = torch.cat([torch.zeros(t - 1, dtype=torch.int32), _i32(-1)])
+    return q, w, pos, req, cache, table
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunks-merged"])
+def test_indexer_topk_mx4_candidate_source_and_reindex(chunked, monkeypatch):
+    # The candidate source (cand_out: block max, newest block forced, ascending) and a reindex
+    # layer scoring only the pool's columns (cand = the source's cand_out), both bit-exact against
+    # the reference. Chunked: 8-key chunks and 2-list merges for the entries and for the blocks.
+    if chunked:
+        monkeypatch.setattr(indexer_tt._ws, "CHUNK", 8)
+        monkeypatch.setattr(indexer_tt._ws, "MERGE_BLOCK", 8)
+    n, t, k, cb, keep = 60, 7, 4, 4, 5
+    q, w, pos, req, cache, table = _mx4_topk_case(n, t)
+    n_entries = table.shape[1] * 7
+    out = {}
+    for name, fn in (("kernel", indexer_tt.indexer_topk), ("ref", indexer_ref.indexer_topk)):
+        idx, cand_out = torch.full((t, k), 99, dtype=torch.int32), torch.full((t, keep), 99, dtype=torch.int32)
+        args = (q, w, pos, req, cache, table, None, idx, cand_out)
+        if name == "kernel":
+            args += (testing.topk_workspace(t, n_entries, k, keep=keep, cand_block=cb),)
+        fn(*args, 1, cb, "mxfp4_68")
+        out[name] = idx, cand_out
+    assert torch.equal(out["kernel"][1], out["ref"][1]), "cand_out"
+    assert torch.equal(out["kernel"][0], out["ref"][0]), "source top-k"
+    cand = out["ref"][1]
+    q2 = testing.mx4_query(torch.randn(t, 3, 128, generator=torch.Generator().manual_seed(5)).round())
+    got, want = torch.full((t, k), 99, dtype=torch.int32), torch.empty(t, k, dtype=torch.int32)
+    indexer_tt.indexer_topk(q2, w, pos, req, cache, table, cand, got, None,
+                            testing.topk_workspace(t, n_entries, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
+    indexer_ref.indexer_topk(q2, w, pos, req, cache, table, cand, want, None, 1, cb, "mxfp4_68")
+    assert torch.equal(got, want), "reindex top-k"
+
+
 def test_indexer_score_keys_order_like_scores():
     # The uint32 keys of the radix select: ordered like the scores, -0.0 equal to +0.0 (a ReLU'd
     # score can be either), and never 0 (which marks "no entry").
@@ -310,8 +485,9 @@ def test_indexer_score_keys_order_like_scores():
 # ---- sparse_attn -------------------------------------------------------------------------------
 @pytest.mark.parametrize("stages,n_split,blocks", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)],
                          ids=["skip-empty-tiles", "pipelined", "2-splits", "2-splits-draft-block"])
-@pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), (torch.bfloat16, torch.bfloat16), ("fp8", torch.float32)],
-                         ids=["fp8", "bf16", "fp8-window-fp32-comp"])
+@pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), (torch.bfloat16, torch.bfloat16), ("fp8", torch.float32),
+                                            ("fp8_528", "fp4_288"), ("fp8_528", torch.float32)],
+                         ids=["fp8", "bf16", "fp8-window-fp32-comp", "v41", "v41-window-fp32-comp"])
 def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
     # 16-key tiles: the 8-key window is one tile, the 40 listed columns three more; two splits cut
     # the entries between programs, merged with the sink by the combine kernel. Draft block: tokens
@@ -323,12 +499,12 @@ def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
     pos, req = _i32(3, 4, 20, 9, 0), _i32(0, 0, 1, -1, 1)
     ends = _i32(4, 4, 20, 9, 0) if blocks else None
     wc, cc = _pool(w_pool, 512, 2 * ring // BS), _pool(c_pool, 512, 4)
+    w_fmt, c_fmt = testing.format_name(w_pool, 512), testing.format_name(c_pool, 512)
     for p, r in zip((pos if ends is None else ends).tolist(), req.tolist()):  # only the windows' ring slots hold keys
         if r >= 0:
             held = torch.arange(max(0, p - window + 1), p + 1)
-            quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc,
-                              _fmt(wc, 512))
-    quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc, _fmt(cc, 512))
+            quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc, w_fmt)
+    quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc, c_fmt)
     idx = torch.randint(0, 16, (t, 40), dtype=torch.int32)
     idx[0, 2:] = -1
     idx[2, 0] = -1
@@ -339,8 +515,7 @@ def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
         as_dtype = (lambda c: c if c.dtype == torch.uint8 else c.to(dtype)) if dtype == torch.float64 else (lambda c: c)
         out = torch.full((t, h, 512), float("nan"), dtype=dtype)
         w_, c_ = as_dtype(wc), as_dtype(cc)
-        fn(q.to(dtype), w_, c_, pos, req, idx, lens, ends, sinks, out, 512**-0.5, window, ring, _fmt(w_, 512),
-           _fmt(c_, 512))
+        fn(q.to(dtype), w_, c_, pos, req, idx, lens, ends, sinks, out, 512**-0.5, window, ring, w_fmt, c_fmt)
         return out
 
     got = run(sparse_attn_tt.sparse_attn, torch.bfloat16)
@@ -393,28 +568,16 @@ def test_kernels_reject_other_layouts_by_name():
                                 testing.topk_workspace(2, 8, 4), 4, 0, "exact")
 
 
-def test_launchers_reject_the_v41_formats_and_options_they_do_not_implement():
-    # V4.1's GPU kernels are a later issue: each launcher names what it lacks instead of guessing.
+def test_launchers_reject_the_combinations_they_do_not_implement():
+    # Each launcher names what it lacks instead of guessing, before writing anything: a float query
+    # over MX4 keys (the reference decodes both), V4's 584-B rows beside a V4.1 format.
     args = {name: make() for name, make in (
-        ("pack_kv", lambda: testing.pack_kv_args(torch.float32, "fp8_528")),
-        ("unpack_kv", lambda: testing.unpack_kv_args(torch.float32, "fp4_288")),
-        ("qkv_prep", lambda: testing.qkv_prep_args(torch.bfloat16, "fp8_528", q_norm=False)),
-        ("compressor_update", lambda: testing.compressor_update_args(torch.float32, "fp4_288", ratio=2,
-                                                                     overlap=False)),
-        ("indexer_q_prep", lambda: testing.indexer_q_prep_args(torch.float32, "mxfp4_68")),
-        ("indexer_topk", lambda: testing.indexer_topk_args(torch.float32, ratio=1, pool_blocks=2)),
-        ("sparse_attn", lambda: testing.sparse_attn_args(torch.bfloat16, "fp8_528", comp_fmt="fp4_288")),
+        ("indexer_topk", lambda: testing.indexer_topk_args(torch.float32, "mxfp4_68", ratio=1, block_size=7)),
+        ("sparse_attn", lambda: testing.sparse_attn_args(torch.bfloat16, "fp8_528", comp_fmt="fp8_584")),
     )}
-    args["qkv_prep_norm"] = dict(testing.qkv_prep_args(torch.bfloat16, torch.bfloat16), q_norm=False)
-    args["compressor_latent"] = testing.compressor_update_args(torch.float32, latent=True)
-    launchers = {"qkv_prep_norm": qkv_prep_tt.qkv_prep, "compressor_latent": compressor_tt.compressor_update,
-                 "pack_kv": quant_tt.pack_kv, "unpack_kv": quant_tt.unpack_kv, "qkv_prep": qkv_prep_tt.qkv_prep,
-                 "compressor_update": compressor_tt.compressor_update, "indexer_q_prep": indexer_tt.indexer_q_prep,
-                 "indexer_topk": indexer_tt.indexer_topk, "sparse_attn": sparse_attn_tt.sparse_attn}
-    expect = {"pack_kv": "fmt='fp8_528'", "unpack_kv": "fmt='fp4_288'", "qkv_prep": "window_fmt='fp8_528'",
-              "qkv_prep_norm": "q_norm=False", "compressor_update": "fmt='fp4_288'",
-              "compressor_latent": "latent_out", "indexer_q_prep": "fmt='mxfp4_68'",
-              "indexer_topk": "candidate blocks", "sparse_attn": "window_fmt='fp8_528'"}
+    launchers = {"indexer_topk": indexer_tt.indexer_topk, "sparse_attn": sparse_attn_tt.sparse_attn}
+    expect = {"indexer_topk": "q of dtype torch.float32 with fmt='mxfp4_68'",
+              "sparse_attn": "window_fmt='fp8_528' with comp_fmt='fp8_584'"}
     for name, a in args.items():
         before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
         with pytest.raises(NotImplementedError, match=f"the Triton kernel does not implement {expect[name]}"):
@@ -443,7 +606,8 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
     cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, kv_cache=mode, indexer_cache=mode)
     calls = dsv4ops.warmup(CFG, cache_cfg, "cpu")
     assert calls == len(seen)
-    assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS)
+    # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations).
+    assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS) - {"indexer_k_prep"}
     assert {t for _, t in seen} == set(cache_cfg.buckets)
 
 
@@ -505,8 +669,8 @@ def signature(kernel, args, constexprs):
 
 def record_launches():
     """Every launch variant the V4 configurations use (bf16 model with FP8 or bf16 pools, fp32 exact
-    model with fp32 pools), recorded from the launchers on tiny CPU tensors."""
-    launches, seen = [], set()
+    model with fp32 pools) and V4.1's QAT formats, recorded from the launchers on tiny CPU tensors."""
+    launches, seen, recorded = [], set(), []
     t = 3
     pos, req = torch.zeros(t, dtype=torch.int32), torch.zeros(t, dtype=torch.int32)
     for dtype, mode in ((torch.bfloat16, "fp8"), (torch.bfloat16, "bf16"), (torch.float32, "fp32")):
@@ -541,6 +705,9 @@ def record_launches():
                 rows = torch.zeros(t, d, dtype=dtype)
                 quant_tt.pack_kv(rows, pos, _pool(pool, d, 1), f512 if d == 512 else f128)
                 quant_tt.unpack_kv(_pool(pool, d, 1), pos, rows, f512 if d == 512 else f128)
+        recorded.append(rec)
+    recorded.append(_record_v41_launches(t, pos, req))
+    for rec in recorded:
         for kernel, args, constexprs, warps in rec:
             sig, consts, attrs = signature(kernel, args, constexprs)
             key = (kernel.__name__, str(sig), str(consts), str(attrs), warps)
@@ -548,6 +715,45 @@ def record_launches():
                 seen.add(key)
                 launches.append((kernel, sig, consts, attrs, warps))
     return launches
+
+
+def _record_v41_launches(t, pos, req) -> list:
+    """The launch variants of a bf16 V4.1 model with its QAT formats (fp8_528 window, fp4_288
+    compressed, mxfp4_68 index keys)."""
+    with th.recording() as rec:
+        q, kv = torch.zeros(t, 64, 512, dtype=torch.bfloat16), torch.zeros(t, 512, dtype=torch.bfloat16)
+        window, comp = testing.page_pool(4, BS, 512, "fp8_528"), testing.page_pool(2, BS, 512, "fp4_288")
+        qkv_prep_tt.qkv_prep(q, kv, pos, req, INV_FREQ, q, window, 8, 1e-6, False, "fp8_528")
+        for ratio, adt in ((2, torch.float32), (1, torch.bfloat16)):
+            a = torch.zeros(t, 512, dtype=adt)
+            compressor_tt.compressor_update(a, a, torch.zeros(ratio, 512), pos, req, pos, torch.ones(512), INV_FREQ,
+                                            torch.zeros(1, ratio, 1024), comp, torch.zeros(t, 512, dtype=torch.bfloat16),
+                                            1e-6, "fp4_288")
+        idx = torch.zeros(t, 512, dtype=torch.int32)
+        lens = torch.full((t,), idx.shape[1], dtype=torch.int32)
+        sparse_attn_tt.sparse_attn(q, window, comp, pos, req, idx, lens, None, torch.zeros(64), q, 0.04, 8, 8,
+                                   "fp8_528", "fp4_288")
+        qi = torch.zeros(t, 64, 128, dtype=torch.bfloat16)
+        q4 = torch.zeros(t, 64, 68, dtype=torch.uint8)
+        indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68")
+        keys = testing.page_pool(2, 128, 128, "mxfp4_68")
+        indexer_tt.indexer_k_prep(torch.zeros(t, 512, dtype=torch.bfloat16), pos, req, pos, torch.zeros(128, 512),
+                                  torch.ones(128), INV_FREQ, keys, 2, 1e-6, "mxfp4_68")
+        cb, keep, k = 8, 2048, 512
+        for blocks in (2, 8192):  # one chunk; rows of several chunks (entries and blocks), merged
+            table = torch.zeros(1, blocks, dtype=torch.int32)
+            n = blocks * 128
+            idx, cand = torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, keep, dtype=torch.int32)
+            indexer_tt.indexer_topk(q4, torch.zeros(t, 64), pos, req, keys, table, None, idx, cand,
+                                    testing.topk_workspace(t, n, k, keep=keep, cand_block=cb), 1, cb, "mxfp4_68")
+            indexer_tt.indexer_topk(q4, torch.zeros(t, 64), pos, req, keys, table, cand, idx, None,
+                                    testing.topk_workspace(t, n, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
+        for fmt, bs in (("fp8_528", BS), ("fp4_288", BS), ("mxfp4_68", 7)):
+            d = formats.FORMATS[fmt].dim
+            rows, pool = torch.zeros(t, d, dtype=torch.bfloat16), testing.page_pool(1, bs, d, fmt)
+            quant_tt.pack_kv(rows, pos, pool, fmt)
+            quant_tt.unpack_kv(pool, pos, rows, fmt)
+    return rec
 
 
 def _aot_compile(arch: int):
@@ -570,9 +776,10 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
     env["DSV4OPS_TRITON_AOT"] = "1"
     procs = {arch: subprocess.Popen([sys.executable, __file__, str(arch)], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env) for arch in (90, 100)}
-    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_score_kernel",
-                "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel", "_inv_rope_kernel",
-                "_pack_kernel", "_unpack_kernel"}
+    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_k_prep_kernel",
+                "_score_kernel",
+                "_block_keys_kernel", "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel",
+                "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

@@ -312,8 +312,10 @@ def hf_baselines(kind: str, batch: int, context: int, device="cuda", model: DSV4
     return rows
 
 
-def run(quick: bool = False, progress=print) -> list[dict]:
-    """Every case; each finished row also goes to `progress` (a long run leaves a partial log)."""
+def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, int]] | None = None,
+        model: DSV4AttentionConfig = FLASH) -> list[dict]:
+    """Every case (or only `cases`: (layer kind, batch, context, new tokens per request), without
+    the baselines); each finished row also goes to `progress` (a long run leaves a partial log)."""
     rows = []
     decode = [(1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536)]
     if quick:
@@ -324,11 +326,16 @@ def run(quick: bool = False, progress=print) -> list[dict]:
             progress(r)
         rows.extend(new)
 
+    if cases:
+        for kind, batch, context, new in cases:
+            add(bench_case(Case(kind, batch, context, new, model=model), with_reference=False))
+            torch.cuda.empty_cache()
+        return rows
     for kind in (SLIDING, CSA, HCA):
         for batch, context in decode:
-            add(bench_case(Case(kind, batch, context, 1), with_reference=(batch, context) == (128, 4096)))
+            add(bench_case(Case(kind, batch, context, 1, model=model), with_reference=(batch, context) == (128, 4096)))
             torch.cuda.empty_cache()
-        add(bench_case(Case(kind, 1, 4096, 4096), with_reference=False))
-        add(hf_baselines(kind, 1, 4096))
+        add(bench_case(Case(kind, 1, 4096, 4096, model=model), with_reference=False))
+        add(hf_baselines(kind, 1, 4096, model=model))
         torch.cuda.empty_cache()
     return rows

@@ -1,14 +1,41 @@
 """`python -m dsv4ops bench`: attention (per op, core vs GEMMs, baselines), router and cache memory
-tables, as markdown, with the GPU and versions; `--json PATH` writes the rows too."""
+tables, as markdown, with the GPU and versions; `--case` picks the attention shapes, `--json PATH`
+writes the rows, `--plot PATH.png` draws each kernel's fraction of its ceiling (FlashMLA beside
+sparse_attn), also from the rows of an earlier run (`--from-json`, no GPU needed)."""
 
 import argparse
 import importlib.metadata as md
 import json
 import math
+import re
 
 import torch
 
 from dsv4ops.bench import memory
+from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
+
+KINDS = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "hca": HCA}
+MODELS = {"flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
+
+
+def parse_case(text: str) -> tuple[str, int, int, int]:
+    """`KIND:BATCHxCONTEXT[:NEW]` -> (layer kind, batch, context, new tokens per request); KIND is
+    swa / sliding / csa / hca, numbers take a K (x1024) or M (x1048576) suffix, NEW defaults to 1
+    (decode; NEW = CONTEXT with batch 1 is a prefill from position 0). E.g. csa:128x4K, hca:1x64K,
+    csa:1x4K:4K."""
+    m = re.fullmatch(r"(\w+):(\d+[KM]?)x(\d+[KM]?)(?::(\d+[KM]?))?", text.strip(), flags=re.IGNORECASE)
+    if not m or m.group(1).lower() not in KINDS:
+        raise argparse.ArgumentTypeError(f"expected KIND:BATCHxCONTEXT[:NEW] with KIND in {sorted(KINDS)} "
+                                         f"(e.g. csa:128x4K, csa:1x4K:4K), got {text!r}")
+    batch, context, new = (_count(g) for g in (m.group(2), m.group(3), m.group(4) or "1"))
+    if min(batch, context, new) < 1 or new > context:
+        raise argparse.ArgumentTypeError(f"expected batch, context >= 1 and 1 <= new tokens <= context, got {text!r}")
+    return KINDS[m.group(1).lower()], batch, context, new
+
+
+def _count(text: str) -> int:
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1].upper(), 1)
+    return int(text.rstrip("KMkm")) * scale
 
 
 def versions() -> dict:
@@ -35,24 +62,37 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsv4ops bench", description=__doc__)
-    ap.add_argument("--only", default="attention,flashmla,router,memory",
-                    help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), router, memory")
+    ap.add_argument("--only", default="attention,flashmla,v41,router,memory",
+                    help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), v41 (V4.1-Flash ops and "
+                         "stack beside V4-Flash's), router, memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
+    ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW]",
+                    help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
+                         "csa:1x4K:4K (a 4K prefill)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="flash", help="layer dims of the attention cases")
     ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--plot", metavar="PATH.png", help="roofline chart of the attention rows")
+    ap.add_argument("--from-json", metavar="PATH", help="plot / print the rows of an earlier --json (runs nothing)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            out = json.load(f)
+        _plot(args, out)
+        return out
     parts = set(args.only.split(","))
     out = {"versions": versions()}
     print("versions:", out["versions"])
     if "memory" in parts:
         out["memory"] = memory.rows()
         print(memory.markdown(out["memory"]))
-    if parts & {"attention", "flashmla", "router"}:
+    if parts & {"attention", "flashmla", "v41", "router"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
     if "attention" in parts:
         from dsv4ops.bench import attention
 
-        out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True))
+        out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
+                                         cases=args.case, model=MODELS[args.model]())
         print(table(out["attention"], ["layer", "batch", "context", "tokens", "op", "us", "GB/s", "TFLOP/s",
                                        "ceiling", "pct_ceiling", "reference_us", "flashmla_us"]))
     if "flashmla" in parts:
@@ -64,6 +104,12 @@ def main(argv=None):
             out["flashmla"] = attention.side_by_side(progress=lambda r: print("row", json.dumps(r), flush=True))
             print(table(out["flashmla"], ["case", "us", "flashmla_us", "vs_flashmla", "GB/s", "TFLOP/s", "ceiling",
                                           "pct_ceiling", "rel_diff"]))
+    if "v41" in parts:
+        from dsv4ops.bench import v41
+
+        out["v41"] = v41.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True))
+        print(table(out["v41"], ["batch", "context", "tokens", "op", "us", "per_token_us", "GB/s", "pct_ceiling",
+                                 "bytes_per_token", "v4_us", "v4_per_token_us", "v4_bytes_per_token"]))
     if "router" in parts:
         from dsv4ops.bench import router
 
@@ -72,3 +118,16 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
+    _plot(args, out)
+    return out
+
+
+def _plot(args, out: dict) -> None:
+    if not args.plot:
+        return
+    from dsv4ops.bench import roofline
+
+    rows = out.get("attention") or []
+    gpu = (out.get("versions") or {}).get("gpu") or "no GPU recorded"
+    roofline.write_png(rows, args.plot, title=f"% of ceiling per kernel (copy, gather: bytes; bf16: flops) - {gpu}")
+    print(f"roofline chart: {args.plot}")

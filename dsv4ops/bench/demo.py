@@ -1,38 +1,231 @@
-"""A small demo of the layer: random weights, every layer type, shape, time and the max difference
-against the fp64 reference."""
+"""`python -m dsv4ops`: the library doing its job. A stack of V4 attention layers (random weights,
+residual between layers) serves several requests through the paged FP8 cache: continuous batching,
+each step the decode tokens of the requests that finished their prompt plus prefill chunks of the
+others up to the step's token budget, compiled (CUDA graphs on a GPU). Then the summary: the
+backend that ran, tokens/s, cache memory, and each request's deviation from the float64 oracle run
+on its whole sequence, against the error budget of the oracle's own low-precision run."""
+
+from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
+from torch import nn
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, reference, testing
+from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
+from dsv4ops._arch import backends
+from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.cache.config import memory
+from dsv4ops.config import CSA, HCA, SLIDING
+
+PRESETS = {"tiny": DSV4AttentionConfig.tiny, "flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
+COMPILE = ("none", "aot_eager", "inductor", "cudagraphs")
+NUMERICS = Numerics(kv="fp8", indexer="fp8")
+SHORT = {SLIDING: "sliding", CSA: "CSA", HCA: "HCA"}
+ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "sparse_attn", "inv_rope")
+
+
+class Stack(nn.Module):
+    """The first `n` attention layers of a preset with a residual between them: h += layer(h)."""
+
+    def __init__(self, cfg: DSV4AttentionConfig, n: int, seed: int):
+        super().__init__()
+        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(cfg, i, numerics=NUMERICS), seed=seed + i)
+                                    for i in range(n))
+
+    def forward(self, x: torch.Tensor, step) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x, step)
+        return x
+
+
+def schedule(lengths: list[int], prompts: list[int], budget: int) -> list[dict]:
+    """Continuous batching: each step, one token for every request past its prompt (until it has
+    all its tokens), then prefill chunks of the others in order, up to `budget` tokens."""
+    done, steps = [0] * len(lengths), []
+    while any(d < n for d, n in zip(done, lengths)):
+        step = {r: 1 for r, (d, p, n) in enumerate(zip(done, prompts, lengths)) if p <= d < n}
+        room = budget - len(step)
+        for r, (d, p) in enumerate(zip(done, prompts)):
+            if d < p and room > 0:
+                step[r] = min(p - d, room)
+                room -= step[r]
+        for r, n in step.items():
+            done[r] += n
+        steps.append(step)
+    return steps
+
+
+class Progress:
+    """One status line: rewritten in place on a terminal, printed every tenth of the run otherwise."""
+
+    def __init__(self, total: int, out=None):
+        out = out or sys.stdout
+        self.total, self.out, self.tty, self.shown = total, out, out.isatty(), -1
+
+    def update(self, i: int, text: str):
+        frac = (i + 1) / self.total
+        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
+        line = f"  [{bar}] step {i + 1}/{self.total} {text}"
+        if self.tty:
+            self.out.write("\r" + line + ("\n" if i + 1 == self.total else ""))
+            self.out.flush()
+        elif int(10 * frac) > self.shown:
+            self.shown = int(10 * frac)
+            print(line, file=self.out, flush=True)
+
+
+def backend_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "reference kernels (pure PyTorch, dsv4ops/<family>/reference.py): no GPU"
+    chosen = sorted({backends(op)[0] for op in ATTN_OPS})
+    return f"{'/'.join(chosen)} kernels on {torch.cuda.get_device_name(device)}"
+
+
+def oracle_check(stack: Stack, x: torch.Tensor, out: torch.Tensor) -> dict:
+    """The fp64 oracle stack on one request's whole sequence x [L, hidden] vs the served `out`; the
+    budget is 2x the distance of the oracle's model-dtype run and its FP8 rounding twins (values
+    within 2^-17 of a rounding boundary moved once) to the fp64 run (testing.assert_close_to_ref).
+    Tokens past the budget are counted and their largest error reported."""
+    cfg = stack.layers[0].config
+    params = [{k: v.detach() for k, v in layer.named_parameters()} for layer in stack.layers]
+
+    def run(dtype):
+        h = x.detach().to(dtype)[None]
+        for i, p in enumerate(params):
+            h = h + reference.attention({k: v.to(dtype) for k, v in p.items()}, cfg, i, h, NUMERICS)
+        return h[0]
+
+    with torch.no_grad():
+        ref = run(torch.float64)
+        lowp = (run(x.dtype).double() - ref).abs().max().item()
+        twins = max((t - ref).abs().max().item() for t in testing.rounding_twins(lambda: run(torch.float64)))
+    bound = 2 * max(lowp, twins) + torch.finfo(out.dtype).eps * ref.abs().max().item()
+    per_token = (out.double() - ref).abs().amax(-1)
+    return {"err": per_token.max().item(), "lowp": lowp, "twins": twins, "bound": bound,
+            "scale": ref.abs().max().item(), "beyond": int((per_token > bound).sum()), "tokens": x.shape[0]}
 
 
 def main(argv=None):
+    gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(prog="python -m dsv4ops", description=__doc__)
-    ap.add_argument("--seq", type=int, default=300, help="tokens per sequence (crosses the 128 boundary)")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="flash" if gpu else "tiny",
+                    help="model dims (tiny: V4 layout dims, 4 heads, hidden 256)")
+    ap.add_argument("--layers", type=int, default=4 if gpu else 3,
+                    help="the first N layers of the preset (tiny: sliding, CSA, HCA, CSA; flash: 2 sliding, then "
+                         "CSA / HCA alternating)")
+    ap.add_argument("--requests", type=int, default=4)
+    # GPU default 2048: the fp64 oracle's dense [tokens, heads, keys] scores of a Flash layer take
+    # ~3 GB there, four times that at 4096.
+    ap.add_argument("--context", type=int, default=2048 if gpu else 300, help="tokens of the longest request")
+    ap.add_argument("--step-tokens", type=int, default=1024 if gpu else 128, help="token budget of one step")
+    ap.add_argument("--compile", choices=COMPILE, default="cudagraphs" if gpu else "aot_eager",
+                    help="torch.compile of the step: cudagraphs = Inductor + CUDA graphs (mode='reduce-overhead'); "
+                         "aot_eager = one Dynamo graph per bucket running the ops eagerly (CPU default: Inductor's "
+                         "CPU compile alone takes minutes)")
+    ap.add_argument("--device", default="cuda" if gpu else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    cfg = DSV4AttentionConfig.tiny()
-    print(f"dsv4ops demo on {args.device}: tiny config (heads {cfg.num_heads}, head_dim {cfg.head_dim}, "
-          f"window {cfg.window}, ratios {cfg.csa_ratio}/{cfg.hca_ratio}), x [{args.batch}, {args.seq}, {cfg.hidden_size}]")
-    for layer_idx in range(3):
-        layer = testing.randomize_(DeepseekV4Attention(cfg, layer_idx), seed=layer_idx).to(args.device)
-        x = torch.randn(args.batch, args.seq, cfg.hidden_size, device=args.device)
-        with torch.no_grad():
-            layer(x)  # warm-up
+    if args.requests < 1 or args.layers < 1 or args.context < 2 or args.step_tokens < args.requests:
+        ap.error("expected --requests >= 1, --layers >= 1, --context >= 2 and --step-tokens >= --requests")
+    return run(args)
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    cfg = PRESETS[args.preset]()
+    if args.layers > cfg.num_layers:
+        raise SystemExit(f"--layers: the {args.preset} preset has {cfg.num_layers} layers, got {args.layers}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed)
+    stack = Stack(cfg, args.layers, args.seed).to(device, dtype)
+    n = args.requests
+    lengths = [max(2, args.context - r * args.context // (2 * n)) for r in range(n)]
+    prompts = [max(1, L - max(1, min(16, L // 4))) for L in lengths]
+    steps = schedule(lengths, prompts, args.step_tokens)
+    buckets = tuple(sorted({min(n, args.step_tokens), args.step_tokens}))
+    cache_cfg = CacheConfig(max_requests=n, max_context=max(lengths), max_step_tokens=args.step_tokens,
+                            buckets=buckets)
+    manager = KVCacheManager(cfg, cache_cfg, device=device)
+    for layer in stack.layers:
+        layer.attach_cache(manager)
+    kinds = ", ".join(SHORT[layer.layer_type] for layer in stack.layers)
+    print(f"dsv4ops demo: {args.preset} preset, {args.layers} layers ({kinds}), {dtype}, {device}; "
+          f"{n} requests of {min(lengths)}..{max(lengths)} tokens ({sum(lengths) - sum(prompts)} decode tokens), "
+          f"{len(steps)} steps of <= {args.step_tokens} tokens (buckets {buckets}); FP8 paged cache; "
+          f"compile: {args.compile}")
+    step_fn = _compiled(stack, args.compile)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    inputs = [torch.randn(L, cfg.hidden_size, generator=g).to(device, dtype) for L in lengths]
+    outs, done = [[] for _ in range(n)], [0] * n
+    for r in range(n):
+        manager.admit(r)
+    progress = Progress(len(steps))
+    calls: dict[int, int] = {}  # bucket -> steps run in it
+    warm_time, warm_tokens, t_start = 0.0, 0, time.perf_counter()
+    with torch.no_grad():
+        for i, new in enumerate(steps):
             t0 = time.perf_counter()
-            y = layer(x)
-            if args.device.startswith("cuda"):
+            with manager.step(new) as step:
+                rows = [inputs[r][done[r]:done[r] + k] for r, k in new.items()]
+                x = torch.cat(rows)
+                x = torch.cat([x, x.new_zeros(step.positions.shape[0] - x.shape[0], x.shape[1])])
+                if args.compile == "cudagraphs":
+                    torch.compiler.cudagraph_mark_step_begin()
+                y = step_fn(x, step)
+                j = 0
+                for r, k in new.items():
+                    outs[r].append(y[j:j + k].clone())
+                    done[r] += k
+                    j += k
+            if device.type == "cuda":
                 torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1e3
-            params = {k: v.double() for k, v in layer.named_parameters()}
-            ref = reference.attention(params, cfg, layer_idx, x.double())
-        err = (y.double() - ref).abs().max().item()
-        print(f"  layer {layer_idx} {layer.layer_type:<30} out {tuple(y.shape)}  {ms:8.2f} ms  "
-              f"max|out - ref64| {err:.2e} (|ref| max {ref.abs().max().item():.2f})")
+            dt = time.perf_counter() - t0
+            bucket = step.positions.shape[0]
+            # A bucket's first two steps compile (and, with CUDA graphs, warm up and record): not
+            # steady state.
+            calls[bucket] = calls.get(bucket, 0) + 1
+            if calls[bucket] > 2:
+                warm_time, warm_tokens = warm_time + dt, warm_tokens + sum(new.values())
+            prefill = sum(k for r, k in new.items() if done[r] <= prompts[r])
+            progress.update(i, f"| {sum(new.values())} tokens ({prefill} prefill) | bucket {bucket} | "
+                               f"{dt * 1e3:.0f} ms")
+    total = time.perf_counter() - t_start
+    mem = memory(cfg.replace(num_layers=args.layers, compress_ratios=cfg.compress_ratios[:args.layers]), cache_cfg)
+    pools = sum(b.numel() * b.element_size() for layer in stack.layers for b in layer.cache.buffers())
+    tokens = sum(lengths)
+    print(f"backend: {backend_name(device)}")
+    steady = (f"{warm_tokens / warm_time:.0f} tokens/s over the steps after each bucket's first two"
+              if warm_time else "no step ran after its bucket's first two (compile, record)")
+    print(f"throughput: {tokens} tokens in {total:.1f} s = {tokens / total:.0f} tokens/s including compilation; "
+          f"{steady}")
+    print(f"cache: {pools / 2**20:.1f} MiB of pools for {n} requests x {max(lengths)} positions "
+          f"({mem['bytes_per_token']:.0f} B per context token over {args.layers} layers, "
+          f"{mem['fixed_bytes_per_request'] / 2**20:.2f} MiB fixed per request: window rings and compressor states)")
+    print(f"deviation from the float64 oracle on each request's whole sequence; budget = 2 x the larger of the "
+          f"oracle's own {str(dtype)[6:]} run and its FP8 rounding twins (every value within 2^-17 of an FP8 / bf16 "
+          f"rounding boundary moved across it):")
+    results = []
+    for r in range(n):
+        res = oracle_check(stack, inputs[r], torch.cat(outs[r]))
+        results.append(res)
+        verdict = "within budget" if res["beyond"] == 0 else f"{res['beyond']} of {res['tokens']} tokens past it"
+        print(f"  request {r}: {res['tokens']:5d} tokens | max |out - oracle| {res['err']:.1e} "
+              f"(|oracle| <= {res['scale']:.1f}) | {str(dtype)[6:]} run {res['lowp']:.1e}, twins {res['twins']:.1e} "
+              f"-> budget {res['bound']:.1e}: {verdict}")
+    return {"results": results, "tokens": tokens, "seconds": total}
+
+
+def _compiled(stack: Stack, mode: str):
+    if mode == "none":
+        return stack
+    if mode == "aot_eager":
+        return torch.compile(stack, backend="aot_eager", fullgraph=True)
+    if mode == "inductor":
+        return torch.compile(stack, fullgraph=True)
+    return torch.compile(stack, mode="reduce-overhead", fullgraph=True)
 
 
 if __name__ == "__main__":

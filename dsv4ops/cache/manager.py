@@ -108,6 +108,8 @@ class KVCacheManager:
         if not isinstance(cfg, CacheConfig):
             raise TypeError(f"cfg: expected a CacheConfig, got {type(cfg).__name__}")
         self.model, self.cfg, self.device = model, cfg, torch.device(device or "cpu")
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device: name it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.id = next(_MANAGER_IDS)
         self.ratios, kinds = self._compressed_pools(model)
         self.widths = {k: (blocks_per_request(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}

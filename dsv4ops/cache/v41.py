@@ -131,12 +131,19 @@ class V41StackCache(PoolCache):
 
 
 def topk_workspace_words(model: DSV41AttentionConfig, cfg: CacheConfig) -> int:
-    """int32 words of the top-k workspace of the stack's index sources (the longest rows: ratio 1)."""
-    ratios = [r.ratio for r in model.roles if r.indexer]
-    if not ratios:
-        return 0
-    n_entries = max(blocks_per_request(cfg, m) for m in ratios) * cfg.block_size
-    return workspace_words(cfg.topk_launch_tokens, n_entries, model.index_topk)
+    """int32 words of the top-k workspace the stack's index sources share: the largest row among
+    them (a source over its ratio's entries; the candidate source adds its block selection; a
+    reindex layer scores the pool's columns)."""
+    rows = [0]
+    for r in model.roles:
+        if not r.indexer:
+            continue
+        n_entries = blocks_per_request(cfg, r.ratio) * cfg.block_size
+        cols = model.candidate_topk_blocks * model.candidate_block_size if r.uses_candidates else 0
+        keep = model.candidate_topk_blocks if r.candidate_source else 0
+        rows.append(workspace_words(cfg.topk_launch_tokens, n_entries, model.index_topk, cols, keep,
+                                    model.candidate_block_size))
+    return max(rows)
 
 
 class V41CacheManager(KVCacheManager):

@@ -4,8 +4,10 @@ Two launches on the current stream, in this order:
 1. `_compress_kernel`, one program per token (programs of tokens that do not close a block exit at
    once): pools positions [p - coff*m + 1, p] per channel with an online softmax over slot chunks
    (the step's own rows where the reference takes them, the state ring otherwise, -inf before 0;
-   CSA: slots < m read the a-stream [:d], the others the b-stream [d:]), casts to the entry dtype,
-   RMSNorm, RoPE at w*m, and stores the entry (FP8 584-B / 132-B or float row) at entry_slots.
+   CSA: slots < m read the a-stream [:d], the others the b-stream [d:]; V4.1 ratio 2 / 1: 2 / 1
+   slots, no overlap), casts to the entry dtype, RMSNorm, RoPE at w*m, and stores the entry (in the
+   pool's format) at entry_slots; with `latent_out`, every token writes its row of it (the entry
+   before RoPE for closing tokens, zeros for the others: the reference's zero fill).
 2. `_save_kernel`: every token's (a, z + ape[p % m]) into its state row p % (the state's rows), unless a
    later token of the step maps to the same row. It runs second because a closing token may read
    an older state row that a later token of the same step overwrites.
@@ -17,7 +19,7 @@ import triton.language as tl
 
 from dsv4ops.compressor import checks as _checks
 from dsv4ops.quant.reference import INDEXER_DIM, MAIN_DIM, MAIN_ROPE, capacity
-from dsv4ops.quant.triton import block_size, fmt_code, not_yet, store_rows
+from dsv4ops.quant.triton import block_size, fmt_code, store_rows
 from dsv4ops.triton_helpers import (
     INTERPRET,
     TL_DTYPES,
@@ -30,17 +32,22 @@ from dsv4ops.triton_helpers import (
 )
 
 
-@triton.jit(do_not_specialize=["n_tokens"])
+# Pool sizes are not specialized on: warmup runs on one-request pools (n_requests == 1 would compile
+# another variant than a serving cache).
+@triton.jit(do_not_specialize=["n_tokens", "n_requests"])
 def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, state_ptr, cache_ptr,
-                     n_tokens, n_requests, n_slots, s_kv, s_sc, ratio, ring, block_size, eps, D: tl.constexpr,
-                     ROPE: tl.constexpr,
-                     OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr, FMT: tl.constexpr,
-                     SOFT: tl.constexpr):
+                     latent_ptr, n_tokens, n_requests, n_slots, s_kv, s_sc, s_lat, ratio, ring, block_size, eps,
+                     D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr,
+                     FMT: tl.constexpr, LATENT: tl.constexpr, SOFT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + i)
     req = tl.load(req_ptr + i)
     # A request slot past the state or a negative position: padding (kernels never index out of range).
-    if (req >= 0) & (req < n_requests) & (pos >= 0) & ((pos + 1) % ratio == 0):
+    closes = (req >= 0) & (req < n_requests) & (pos >= 0) & ((pos + 1) % ratio == 0)
+    if LATENT:
+        if closes == 0:
+            tl.store(latent_ptr + i * s_lat + tl.arange(0, D), tl.zeros([D], latent_ptr.dtype.element_ty))
+    if closes:
         if OVERLAP:
             width = 2 * D
             rows = 2 * ratio
@@ -89,6 +96,8 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
         r = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)
         w = to_f32(tl.load(w_ptr + c), SOFT)
         y = round_via(w * (x * r), EDT, SOFT)
+        if LATENT:
+            tl.store(latent_ptr + i * s_lat + c, y.to(latent_ptr.dtype.element_ty))
         cos, sin, rot = rope_coeffs(freq_ptr, (pos // ratio) * ratio, D, ROPE)
         y = round_via(apply_rope(y[None, :], cos, sin, rot, 1, D, False), EDT, SOFT)
         slot = tl.full([1], 0, tl.int64) + tl.load(eslot_ptr + i)
@@ -96,7 +105,7 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
         store_rows(cache_ptr, tl.where(ok, slot, 0), ok, y, block_size, 1, D, FMT, SOFT)
 
 
-@triton.jit(do_not_specialize=["n_tokens"])
+@triton.jit(do_not_specialize=["n_tokens", "n_requests"])
 def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_tokens, n_requests, s_kv, s_sc, ratio,
                  rows, W: tl.constexpr, SOFT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
@@ -121,8 +130,6 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
     _checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
                               latent_out, fmt)
     code = fmt_code("compressor_update", "fmt", fmt)
-    if latent_out is not None:
-        not_yet("compressor_update", "latent_out (V4.1's index-key latent)")
     t, width = kv.shape
     d, ratio = norm_weight.shape[0], ape.shape[0]
     require_layout("compressor_update", d, inv_freq.shape[0], dims=(MAIN_DIM, INDEXER_DIM))
@@ -133,9 +140,12 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
     edt = cache.dtype if code == 0 else torch.bfloat16
     rb = min(8, triton.next_power_of_2((width // d) * ratio))
     launch(_compress_kernel, (t,),
-           (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, t, state.shape[0],
-            capacity(cache, fmt), kv.stride(0), score.stride(0), ratio, rows, block_size(cache, fmt), eps),
-           dict(D=d, ROPE=MAIN_ROPE, OVERLAP=overlap, RB=rb, EDT=TL_DTYPES[edt], FMT=code, SOFT=INTERPRET),
+           (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
+            cache if latent_out is None else latent_out, t, state.shape[0], capacity(cache, fmt), kv.stride(0),
+            score.stride(0), 0 if latent_out is None else latent_out.stride(0), ratio, rows, block_size(cache, fmt),
+            eps),
+           dict(D=d, ROPE=MAIN_ROPE, OVERLAP=overlap, RB=rb, EDT=TL_DTYPES[edt], FMT=code,
+                LATENT=latent_out is not None, SOFT=INTERPRET),
            num_warps=4)
     launch(_save_kernel, (t,), (kv, score, ape, positions, req_slots, state, t, state.shape[0], kv.stride(0),
                                 score.stride(0), ratio, rows), dict(W=width, SOFT=INTERPRET))

@@ -89,22 +89,27 @@ def _check_visible_blocks(positions: Tensor, req_slots: Tensor, block_table: Ten
 
 
 def _check_candidates(cand: Tensor, n_blocks: int):
-    """Candidate block ids in [-1, n_blocks), each at most once per row."""
+    """Candidate block ids in [-1, n_blocks), strictly ascending per row with the -1 fill after them
+    (the order cand_out is written in: the kernels break score ties by column)."""
     _values.in_range("cand", cand, -1, n_blocks, f"-1 or one of the {n_blocks} candidate blocks of the table")
-    s = cand.sort(dim=1).values
-    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-    if bool(dup.any()):
-        i, j = dup.nonzero()[0].tolist()
-        raise ValueError(f"cand: expected distinct candidate blocks per token, got block {s[i, j].item()} twice "
-                         f"for token {i}")
+    listed = cand >= 0
+    bad = (listed[:, 1:] & ~listed[:, :-1]) | (listed[:, 1:] & (cand[:, 1:] <= cand[:, :-1]))
+    if bool(bad.any()):
+        i, j = bad.nonzero()[0].tolist()
+        raise ValueError(f"cand: expected distinct candidate blocks in ascending order, -1 after them (as cand_out "
+                         f"is written), got {cand[i, j].item()} then {cand[i, j + 1].item()} for token {i}")
 
 
-def _workspace_words(q: Tensor, cache: Tensor, block_table: Tensor, k: int, fmt: str) -> int:
-    """Words of the kernel's scratch for this call; 0 for arguments the checks below reject (an
-    unknown format, a pool its format cannot page), so the caller gets their error, not this one's."""
+def _workspace_words(q: Tensor, cache: Tensor, block_table: Tensor, k: int, fmt: str, cand: Tensor | None,
+                     pool_blocks: int, cand_block: int) -> int:
+    """Words of the kernel's scratch for this call (at least one token's row, which the op requires
+    even of an empty step); 0 for arguments the checks below reject (an unknown format, a pool its
+    format cannot page), so the caller gets their error, not this one's."""
     try:
-        return workspace_words(q.shape[0], block_table.shape[-1] * block_size(cache, fmt), k)
-    except ValueError:
+        cols = cand.shape[-1] * cand_block if cand is not None else 0
+        return workspace_words(max(q.shape[0], 1), block_table.shape[-1] * block_size(cache, fmt), k, cols,
+                               pool_blocks, max(cand_block, 1))
+    except (ValueError, IndexError):
         return 0
 
 
@@ -123,15 +128,17 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     serving layers hold one, sized by the cache config.
 
     cand [T, n] int32 (V4.1 reindex layers): only the entries of these candidate blocks (entries
-    b * cand_block .. b * cand_block + cand_block - 1 of block b; -1 none) are scored.
+    b * cand_block .. b * cand_block + cand_block - 1 of block b), ascending, -1 after them (as
+    cand_out is written), are scored.
     pool_blocks > 0 (V4.1 candidate source): also returns cand_out [T, pool_blocks] int32, the
     candidate blocks of the same (unrestricted) scores: block score = max over its entries, the
-    block of the newest visible entry forced first, then the best blocks (ties to the lower block),
-    blocks with no visible entry dropped (-1); returns (idx, cand_out).
+    block of the newest visible entry forced in, then the best blocks (ties to the lower block),
+    blocks with no visible entry dropped; in ascending block order, -1 after them; returns
+    (idx, cand_out).
 
     Checked in eager mode: k >= 1; positions >= 0; req_slots in [-1, requests); block_table values
     in [-1, pool blocks), and allocated for every visible entry of a live token; cand values in
-    [-1, blocks of the table) and distinct per token."""
+    [-1, blocks of the table), ascending, -1 after them."""
     if not torch.compiler.is_compiling():
         if k < 1:
             raise ValueError(f"k: expected >= 1 entries per token, got {k}")
@@ -141,7 +148,8 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     cand_out = None
     if pool_blocks:
         cand_out = torch.empty((q.shape[0], pool_blocks), dtype=torch.int32, device=q.device)
-    workspace = torch.empty(_workspace_words(q, cache, block_table, k, fmt), dtype=torch.int32, device=q.device)
+    workspace = torch.empty(_workspace_words(q, cache, block_table, k, fmt, cand, pool_blocks, cand_block),
+                            dtype=torch.int32, device=q.device)
     if _values.has_data(q, weights, positions, req_slots, cache, block_table):
         checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx, cand_out, workspace,
                             ratio, cand_block, fmt)

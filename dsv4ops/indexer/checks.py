@@ -96,10 +96,6 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     c.dtype("workspace", workspace, c.INDEX)
     c.contiguous("workspace", workspace)
     c.same_device("workspace", workspace, q, "q")
-    n_entries = block_table.shape[1] * bs
-    need = workspace_words(1, n_entries, idx_out.shape[1])
-    torch._check(workspace.shape[0] >= need, lambda: f"workspace: expected >= {need} int32 words (one token's row: "
-                 f"indexer.workspace.workspace_words(1, {n_entries}, {idx_out.shape[1]})), got {workspace.shape[0]}")
     torch._check(ratio > 0, lambda: f"ratio: expected > 0, got {ratio}")
     torch._check(cand is None or cand_out is None,
                  lambda: "cand, cand_out: expected at most one (a pool is published from unrestricted scores)")
@@ -111,3 +107,10 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
             c.same_device(name, blocks, q, "q")
             torch._check(cand_block > 0,
                          lambda: f"cand_block: expected > 0 entries per candidate block with {name}, got {cand_block}")
+    n_entries = block_table.shape[1] * bs
+    cols = cand.shape[1] * cand_block if cand is not None else 0
+    keep = cand_out.shape[1] if cand_out is not None else 0
+    need = workspace_words(1, n_entries, idx_out.shape[1], cols, keep, max(cand_block, 1))
+    torch._check(workspace.shape[0] >= need, lambda: f"workspace: expected >= {need} int32 words (one token's row: "
+                 f"indexer.workspace.workspace_words(1, {n_entries}, {idx_out.shape[1]}, {cols}, {keep}, "
+                 f"{max(cand_block, 1)})), got {workspace.shape[0]}")

@@ -56,8 +56,10 @@ def query_values(q: Tensor) -> Tensor:
 
 
 def closing_tokens(positions: Tensor, req_slots: Tensor, ratio: int) -> Tensor:
-    """Indices of the live tokens that close an entry ((p + 1) % ratio == 0)."""
-    return ((req_slots >= 0) & ((positions.long() + 1) % ratio == 0)).nonzero().flatten()
+    """Indices of the live tokens (request >= 0, position >= 0) that close an entry
+    ((p + 1) % ratio == 0)."""
+    pos = positions.long()
+    return ((req_slots >= 0) & (pos >= 0) & ((pos + 1) % ratio == 0)).nonzero().flatten()
 
 
 def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_slots: Tensor, wk: Tensor,
@@ -92,7 +94,8 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     bs = formats.block_size(cache.shape, fmt)
     n_max = block_table.shape[1] * bs
     live = (req_slots >= 0) & (req_slots < block_table.shape[0])  # other slots: padding
-    n_visible = torch.where(live, (positions.long() + 1) // ratio, 0)
+    # Entries past the table's width do not exist (the kernels clamp alike).
+    n_visible = torch.where(live, (positions.long() + 1) // ratio, 0).clamp(max=n_max)
     if cand is None:
         entries = torch.arange(n_max, device=q.device)[None].expand(t, -1)
     else:
@@ -108,7 +111,7 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
     keys = torch.empty(t * e, cache.shape[-1] if fmt == formats.EXACT else formats.get(fmt).dim,
                        dtype=torch.float32, device=q.device)
     unpack_kv(cache, slots.reshape(-1), keys, fmt)
-    scores = torch.einsum("thd,ted->the", query_values(q), keys.view(t, e, -1)).relu()
+    scores = torch.einsum("thd,ted->the", query_values(q), keys.view(t, e, keys.shape[-1])).relu()
     scores = (scores * weights.float()[..., None]).sum(1).masked_fill(~visible, float("-inf"))
     kk = min(k, e)
     best = stable_topk(scores, kk)

@@ -26,8 +26,19 @@ import triton.language as tl
 
 from dsv4ops.indexer import checks as _checks
 from dsv4ops.indexer import workspace as _ws
-from dsv4ops.quant.reference import INDEXER_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import FMT_INDEXER, block_size, fmt_code, load_rows, not_yet
+from dsv4ops.quant import formats
+from dsv4ops.quant.reference import INDEXER_DIM, MAIN_ROPE, capacity
+from dsv4ops.quant.triton import (
+    FMT_INDEXER,
+    block_size,
+    e2m1_to_f32,
+    fmt_code,
+    load_rows,
+    mx4_encode,
+    not_yet,
+    page_offsets,
+    store_rows,
+)
 from dsv4ops.triton_helpers import (
     INTERPRET,
     apply_rope,
@@ -48,8 +59,9 @@ from dsv4ops.triton_helpers import (
 
 @triton.jit(do_not_specialize=["n_heads"])
 def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, sw_t, so_t, so_h, swo_t, n_heads,
-                   w_scale, D: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, FP8_OUT: tl.constexpr,
+                   w_scale, D: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr,
                    SOFT: tl.constexpr):
+    """OUT: 0 = float q_out, 1 = e4m3 (scale folded into the weights), 2 = packed MX4 rows."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hm = heads < n_heads
@@ -59,23 +71,28 @@ def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, 
     x = to_f32(tl.load(q_ptr + t * sq_t + h64[:, None] * sq_h + cols[None, :], mask=hm[:, None], other=0.0), SOFT)
     y = round_via(apply_rope(x, cos, sin, rot, HB, D, False), q_ptr.dtype.element_ty, SOFT)
     w = to_f32(tl.load(w_ptr + t * sw_t + heads, mask=hm, other=0.0), SOFT) * w_scale
-    out = qo_ptr + t * so_t + h64[:, None] * so_h + cols[None, :]
-    if FP8_OUT:
+    row = qo_ptr + t * so_t + h64[:, None] * so_h
+    if OUT == 1:
         v = round_via(y, tl.bfloat16, SOFT)
         e = ue8m0_exponent(tl.max(tl.abs(v), axis=1))
         codes = f32_to_e4m3_bits(v * pow2(-e)[:, None], SOFT)
-        tl.store(out, codes.to(tl.float8e4nv, bitcast=True), mask=hm[:, None])
+        tl.store(row + cols[None, :], codes.to(tl.float8e4nv, bitcast=True), mask=hm[:, None])
         w = w * pow2(e)
+    elif OUT == 2:
+        data, scales = mx4_encode(y, HB, D, SOFT)
+        tl.store(row + tl.arange(0, D // 2)[None, :], data, mask=hm[:, None])
+        tl.store(row + D // 2 + tl.arange(0, D // 32)[None, :], scales, mask=hm[:, None])
     else:
-        tl.store(out, round_to(y, qo_ptr.dtype.element_ty, SOFT), mask=hm[:, None])
+        tl.store(row + cols[None, :], round_to(y, qo_ptr.dtype.element_ty, SOFT), mask=hm[:, None])
     tl.store(wo_ptr + t * swo_t + heads, w, mask=hm)
 
 
 def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> None:
     """Launcher of `dsv4::indexer_q_prep` (same arguments)."""
     _checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
-    if fmt not in ("exact", "fp8_132"):
-        not_yet("indexer_q_prep", f"fmt={fmt!r} (V4.1's MX4 query)")
+    out = {"exact": 0, "fp8_132": 1, "mxfp4_68": 2}
+    if fmt not in out:
+        not_yet("indexer_q_prep", f"fmt={fmt!r} (it writes queries of {sorted(out)})")
     t, h, d = q.shape
     require_layout("indexer_q_prep", d, inv_freq.shape[0], dims=(INDEXER_DIM,))
     if t == 0 or h == 0:
@@ -84,7 +101,45 @@ def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> N
     launch(_q_prep_kernel, (t, triton.cdiv(h, hb)),
            (q, weights, positions, inv_freq, q_out, w_out, q.stride(0), q.stride(1), weights.stride(0),
             q_out.stride(0), q_out.stride(1), w_out.stride(0), h, d**-0.5 * h**-0.5),
-           dict(D=d, ROPE=MAIN_ROPE, HB=hb, FP8_OUT=q_out.dtype == torch.float8_e4m3fn, SOFT=INTERPRET))
+           dict(D=d, ROPE=MAIN_ROPE, HB=hb, OUT=out[fmt], SOFT=INTERPRET))
+
+
+@triton.jit
+def _k_prep_kernel(k_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_ptr, s_k, n_slots, ratio, block_size,
+                   eps, D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, SOFT: tl.constexpr):
+    """Token t closing an entry: RoPE_{w*m}(RMSNorm(k[t])) (fp32 norm, the weight in fp32, one cast
+    to k's dtype; RoPE in fp32, rounded to k's dtype) stored at its entry slot."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.full([1], 0, tl.int64) + tl.load(eslot_ptr + t)
+    ok = (slot >= 0) & (slot < n_slots)  # -1 or out of range: no entry
+    if (tl.load(req_ptr + t) >= 0) & (pos >= 0) & ((pos + 1) % ratio == 0):
+        cols = tl.arange(0, D)
+        kdt: tl.constexpr = k_ptr.dtype.element_ty
+        x = to_f32(tl.load(k_ptr + t * s_k + cols), SOFT)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)
+        y = round_via(to_f32(tl.load(w_ptr + cols), SOFT) * (x * r), kdt, SOFT)
+        cos, sin, rot = rope_coeffs(freq_ptr, (pos // ratio) * ratio, D, ROPE)
+        y = round_via(apply_rope(y[None, :], cos, sin, rot, 1, D, False), kdt, SOFT)
+        store_rows(cache_ptr, tl.where(ok, slot, 0), ok, y, block_size, 1, D, FMT, SOFT)
+
+
+def indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio: int,
+                   eps: float, fmt: str) -> None:
+    """Launcher of `dsv4::indexer_k_prep` (same arguments): the key projection of every token as
+    one GEMM in latent's dtype (fp32 accumulation, as the reference's F.linear; tokens that close no
+    entry are a few wasted rows), then one program per token for the norm, RoPE and the store."""
+    _checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, fmt)
+    code = fmt_code("indexer_k_prep", "fmt", fmt)
+    t = latent.shape[0]
+    require_layout("indexer_k_prep", wk.shape[0], inv_freq.shape[0], dims=(INDEXER_DIM,))
+    if t == 0:
+        return
+    k = torch.nn.functional.linear(latent, wk.to(latent.dtype))
+    launch(_k_prep_kernel, (t,),
+           (k, positions, req_slots, entry_slots, k_norm_weight, inv_freq, cache, k.stride(0), capacity(cache, fmt),
+            ratio, block_size(cache, fmt), eps),
+           dict(D=wk.shape[0], ROPE=MAIN_ROPE, FMT=code, SOFT=INTERPRET))
 
 
 @triton.jit
@@ -96,14 +151,48 @@ def _key_of(score):
 
 
 @triton.jit
-def _scores(q, w, cache_ptr, bt_ptr, req, e0, hi, s_bt, block_size, D: tl.constexpr, BN: tl.constexpr,
-            FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, SOFT: tl.constexpr):
-    """Keys [BN] of entries e0 .. e0 + BN - 1 (< hi) of the token's request, for its query q [HP, D]
-    and head weights w [HP]: score = sum_h w_h relu(q_h . k_e); key 0 where the entry is past hi or
-    its block is unallocated (-1). Entries are the dot's rows and heads its columns, so the sum over
-    heads stays inside each warp (heads as rows would reduce across warps through shared memory)."""
-    e = e0 + tl.arange(0, BN)
-    vis = e < hi
+def _mx4_halves(data, sc, R: tl.constexpr, D: tl.constexpr, SOFT: tl.constexpr):
+    """Packed MX4 rows (data [R, D // 2] bytes, UE8M0 bytes [R, D // 32]) as their even and odd
+    elements, each [R, D // 2] fp32 (exact: an e2m1 value times a power of two)."""
+    b = data.to(tl.int32)
+    scale = pow2(sc.to(tl.int32) - 127)[:, :, None]  # element 2i and 2i + 1 are in group i // 16
+    even = tl.reshape(tl.reshape(e2m1_to_f32(b & 0xF), [R, D // 32, 16]) * scale, [R, D // 2])
+    odd = tl.reshape(tl.reshape(e2m1_to_f32(b >> 4), [R, D // 32, 16]) * scale, [R, D // 2])
+    return even, odd
+
+
+@triton.jit
+def _mx4_keys_64th(data, sc, R: tl.constexpr, D: tl.constexpr):
+    """bf16 even and odd elements of packed MX4 key rows, each 2^-6 of its value: a nibble s.ee.m
+    is the e4m3 code s.00ee.m00 of value / 64 (subnormals included), an exact cvt, then one
+    multiply by the power-of-two scale; the 64 goes into the scores (see _scores)."""
+    b = data.to(tl.int32)
+    lo = (((b & 8) << 4) | ((b & 7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    hi = ((b & 0x80) | ((b & 0x70) >> 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    scale = (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)[:, :, None]  # UE8M0 byte -> bf16 2^(e - 127)
+    even = tl.reshape(tl.reshape(lo, [R, D // 32, 16]) * scale, [R, D // 2])
+    odd = tl.reshape(tl.reshape(hi, [R, D // 32, 16]) * scale, [R, D // 2])
+    return even, odd
+
+
+@triton.jit
+def _scores(q, q_odd, w, cache_ptr, bt_ptr, cand_row, req, c0, hi, n_vis, s_bt, block_size, cb, D: tl.constexpr,
+            BN: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, CAND: tl.constexpr,
+            SOFT: tl.constexpr):
+    """Keys [BN] of columns c0 .. c0 + BN - 1 (< hi) of the token's row, for its query q [HP, D]
+    (MX4: its even elements, q_odd the odd ones) and head weights w [HP]: score = sum_h w_h
+    relu(q_h . k_e) of the column's entry e (CAND: entry cand[c // cb] * cb + c % cb, visible if
+    < n_vis); key 0 where the column has no visible entry or its block is unallocated (-1).
+    Entries are the dot's rows and heads its columns, so the sum over heads stays inside each warp
+    (heads as rows would reduce across warps through shared memory)."""
+    c = c0 + tl.arange(0, BN)
+    vis = c < hi
+    if CAND:
+        cblk = tl.load(cand_row + c // cb, mask=vis, other=-1)
+        e = cblk * cb + c % cb
+        vis = vis & (cblk >= 0) & (e < n_vis)
+    else:
+        e = c
     blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + e // block_size, mask=vis, other=-1)
     vis = vis & (blk >= 0)
     slots = blk.to(tl.int64) * block_size + e % block_size
@@ -122,6 +211,18 @@ def _scores(q, w, cache_ptr, bt_ptr, req, e0, hi, s_bt, block_size, D: tl.conste
     elif DOT == 1:  # same 16-bit float dtype on both sides
         k = tl.load(cache_ptr + slots[:, None] * D + cols[None, :], mask=vis[:, None], other=0.0)
         s = tl.dot(k, tl.trans(q))
+    elif DOT == 3:  # MX4 query x mxfp4_68 keys, as even / odd halves (the two nibbles of a byte)
+        data_at, scale_at = page_offsets(slots, block_size, 64, 4, 512)
+        data = tl.load(cache_ptr + data_at[:, None] + tl.arange(0, D // 2)[None, :], mask=vis[:, None], other=0)
+        sc = tl.load(cache_ptr + scale_at[:, None] + tl.arange(0, D // 32)[None, :], mask=vis[:, None], other=127)
+        if SOFT:
+            k_even, k_odd = _mx4_halves(data, sc, BN, D, SOFT)
+            s = tl.dot(k_even, tl.trans(q), input_precision="ieee")
+            s = tl.dot(k_odd, tl.trans(q_odd), s, input_precision="ieee")
+        else:
+            k_even, k_odd = _mx4_keys_64th(data, sc, BN, D)
+            s = tl.dot(k_even, tl.trans(q))
+            s = tl.dot(k_odd, tl.trans(q_odd), s) * 64.0  # exact: products of <= 2-bit mantissas, pow2 factor
     else:  # fp32 (exact products, as the reference's fp32 einsum)
         k = load_rows(cache_ptr, slots, vis, block_size, BN, D, FMT, SOFT)
         if Q_FP8:
@@ -130,36 +231,84 @@ def _scores(q, w, cache_ptr, bt_ptr, req, e0, hi, s_bt, block_size, D: tl.conste
             qf = to_f32(q, SOFT)
         s = tl.dot(k, tl.trans(qf), input_precision="ieee")
     s = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1)
-    return tl.where(vis, _key_of(s), 0), e
+    return tl.where(vis, _key_of(s), 0)
 
 
 @triton.jit
-def _visible(pos_ptr, req_ptr, t, ratio, n_entries):
-    """(request, visible entries) of token t: (t + 1) // ratio, 0 for padding."""
+def _row_len(pos_ptr, req_ptr, cand_ptr, t, s_cand, n_cand, ratio, n_entries, cb, MODE: tl.constexpr,
+             NC: tl.constexpr):
+    """(request, visible entries, columns of the token's row): MODE 0 the entries w < (t + 1) //
+    ratio, 1 the candidate columns (listed blocks x cb; blocks ascending, -1 after them), 2 the
+    candidate blocks over the visible entries; 0 for padding."""
     req = tl.load(req_ptr + t)
-    return req, tl.where(req >= 0, tl.minimum((tl.load(pos_ptr + t) + 1) // ratio, n_entries), 0)
+    n_vis = tl.where(req >= 0, tl.minimum((tl.load(pos_ptr + t) + 1) // ratio, n_entries), 0)
+    if MODE == 1:
+        j = tl.arange(0, NC)
+        listed = tl.load(cand_ptr + t * s_cand + j, mask=j < n_cand, other=-1) >= 0
+        n = tl.where(req >= 0, tl.sum(listed.to(tl.int32), axis=0) * cb, 0)
+    elif MODE == 2:
+        n = tl.cdiv(n_vis, cb)
+    else:
+        n = n_vis
+    return req, n_vis, n
 
 
 @triton.jit(do_not_specialize=["t0", "n_entries"])
-def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, ws_ptr, t0, sq_t, sq_h, sw_t, s_bt, n_heads,
-                  n_entries, ratio, block_size, row_words, D: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr,
-                  G: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr, DOT: tl.constexpr, SOFT: tl.constexpr):
-    """Program (token, g) scores the token's visible entries in tiles g, g + G, ... (the grid follows
-    the batch, the loop the token's real context) into its workspace row as uint32 keys."""
+def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, cand_ptr, ws_ptr, t0, sq_t, sq_h, sw_t, s_bt,
+                  s_cand, n_cand, cb, n_heads, n_entries, ratio, block_size, row_words, D: tl.constexpr,
+                  HP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr,
+                  DOT: tl.constexpr, CAND: tl.constexpr, NC: tl.constexpr, SOFT: tl.constexpr):
+    """Program (token, g) scores the token's columns in tiles g, g + G, ... (the grid follows the
+    batch, the loop the token's real context, or its candidates) into its workspace row as uint32
+    keys."""
     tc = tl.program_id(0).to(tl.int64)
     t = t0 + tc
-    req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
-    e_first = tl.program_id(1) * BN
-    if e_first < n_vis:
+    req, n_vis, n = _row_len(pos_ptr, req_ptr, cand_ptr, t, s_cand, n_cand, ratio, n_entries, cb, CAND, NC)
+    c_first = tl.program_id(1) * BN
+    if c_first < n:
         heads = tl.arange(0, HP)
         hm = heads < n_heads
-        q = tl.load(q_ptr + t * sq_t + heads.to(tl.int64)[:, None] * sq_h + tl.arange(0, D)[None, :],
-                    mask=hm[:, None], other=0)
+        q_row = q_ptr + t * sq_t + heads.to(tl.int64)[:, None] * sq_h
+        if DOT == 3:  # the packed MX4 query, decoded once: its even and odd elements
+            data = tl.load(q_row + tl.arange(0, D // 2)[None, :], mask=hm[:, None], other=0)
+            sc = tl.load(q_row + D // 2 + tl.arange(0, D // 32)[None, :], mask=hm[:, None], other=127)
+            q, q_odd = _mx4_halves(data, sc, HP, D, SOFT)
+            if not SOFT:
+                q = q.to(tl.bfloat16)
+                q_odd = q_odd.to(tl.bfloat16)
+        else:
+            q = tl.load(q_row + tl.arange(0, D)[None, :], mask=hm[:, None], other=0)
+            q_odd = q
         w = tl.load(w_ptr + t * sw_t + heads, mask=hm, other=0.0)
         row = ws_ptr + tc * row_words
-        for e0 in range(e_first, n_vis, G * BN):
-            key, e = _scores(q, w, cache_ptr, bt_ptr, req, e0, n_vis, s_bt, block_size, D, BN, FMT, Q_FP8, DOT, SOFT)
-            tl.store(row + e, key.to(tl.int32, bitcast=True), mask=e < n_vis)
+        cand_row = cand_ptr + t * s_cand
+        for c0 in range(c_first, n, G * BN):
+            key = _scores(q, q_odd, w, cache_ptr, bt_ptr, cand_row, req, c0, n, n_vis, s_bt, block_size, cb, D, BN,
+                          FMT, Q_FP8, DOT, CAND, SOFT)
+            c = c0 + tl.arange(0, BN)
+            tl.store(row + c, key.to(tl.int32, bitcast=True), mask=c < n)
+
+
+@triton.jit(do_not_specialize=["t0", "n_entries"])
+def _block_keys_kernel(pos_ptr, req_ptr, ws_ptr, t0, n_entries, ratio, cb, row_words, block_at, CB: tl.constexpr,
+                       BB: tl.constexpr, G: tl.constexpr):
+    """V4.1 candidate source, program (token, g): the key of candidate block b is the max of its
+    entries' keys (the keys order like the scores; 0 = no visible entry), the newest visible
+    entry's block gets the largest key (forced in); written after the entry row at block_at."""
+    tc = tl.program_id(0).to(tl.int64)
+    t = t0 + tc
+    req = tl.load(req_ptr + t)
+    n_vis = tl.where(req >= 0, tl.minimum((tl.load(pos_ptr + t) + 1) // ratio, n_entries), 0)
+    n_blk = tl.cdiv(n_vis, cb)
+    row = ws_ptr + tc * row_words
+    for b0 in range(tl.program_id(1) * BB, n_blk, G * BB):
+        b = b0 + tl.arange(0, BB)
+        j = tl.arange(0, CB)
+        e = b[:, None] * cb + j[None, :]
+        keys = tl.load(row + e, mask=(j[None, :] < cb) & (e < n_vis), other=0).to(tl.uint32, bitcast=True)
+        bkey = tl.max(keys, axis=1)
+        bkey = tl.where(b == (n_vis - 1) // cb, tl.full([BB], 0xFFFFFFFF, tl.uint32), bkey)
+        tl.store(row + block_at + b, bkey.to(tl.int32, bitcast=True), mask=b < n_blk)
 
 
 @triton.jit
@@ -176,11 +325,12 @@ def _kth_key(key, want):
 
 
 @triton.jit
-def _select_block(key, entry, k, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_size, N: tl.constexpr,
-                  SLOTS: tl.constexpr):
-    """Write the top min(k, nonzero keys) of key [N] (entries `entry`, ascending), ties to the lower
-    entry, in ascending entry order: SLOTS as global pool slots through the block table, else entries
-    to out_ptr and keys to out_key_ptr. Returns how many."""
+def _select_block(key, col, k, out_ptr, out_key_ptr, bt_ptr, cand_row, req, s_bt, block_size, cb, N: tl.constexpr,
+                  OUT: tl.constexpr):
+    """Write the top min(k, nonzero keys) of key [N] (columns `col`, ascending), ties to the lower
+    column, in ascending column order. OUT: -1 a candidate list (columns to out_ptr, keys to
+    out_key_ptr); 0 global pool slots of entries = columns; 1 of entries cand[c // cb] * cb +
+    c % cb; 2 the columns themselves (candidate blocks). Returns how many."""
     valid = tl.sum((key != 0).to(tl.int32), axis=0)
     want = tl.minimum(valid, k)
     T = tl.zeros([], tl.uint32)  # want == valid: every nonzero key is selected
@@ -190,12 +340,17 @@ def _select_block(key, entry, k, out_ptr, out_key_ptr, bt_ptr, req, s_bt, block_
     take = want - tl.sum((key > T).to(tl.int32), axis=0)
     sel = ((key > T) | ((eq != 0) & (tl.cumsum(eq, axis=0) - eq < take))).to(tl.int32)
     at = tl.cumsum(sel, axis=0) - sel
-    if SLOTS:
+    if OUT == -1:
+        tl.store(out_ptr + at, col, mask=sel != 0)
+        tl.store(out_key_ptr + at, key.to(tl.int32, bitcast=True), mask=sel != 0)
+    elif OUT == 2:
+        tl.store(out_ptr + at, col, mask=sel != 0)
+    else:
+        entry = col
+        if OUT == 1:
+            entry = tl.load(cand_row + col // cb, mask=sel != 0, other=0) * cb + col % cb
         blk = tl.load(bt_ptr + req.to(tl.int64) * s_bt + entry // block_size, mask=sel != 0, other=-1)
         tl.store(out_ptr + at, blk * block_size + entry % block_size, mask=sel != 0)
-    else:
-        tl.store(out_ptr + at, entry, mask=sel != 0)
-        tl.store(out_key_ptr + at, key.to(tl.int32, bitcast=True), mask=sel != 0)
     return want
 
 
@@ -207,40 +362,45 @@ def _fill(ptr, lo, hi, value, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["t0", "n_entries"])
-def _select_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n_entries, ratio, block_size, k,
-                   row_words, cand_at, CH: tl.constexpr, GC: tl.constexpr):
-    """Program (token, g) selects the top k of chunks g, g + GC, ... of CH keys each, held in
-    registers. A token with one chunk gets its final row; otherwise each chunk leaves its candidate
-    list [count, k entries (ascending), k keys] for _merge_kernel."""
+def _select_kernel(pos_ptr, req_ptr, bt_ptr, cand_ptr, out_ptr, ws_ptr, t0, s_bt, s_cand, n_cand, cb, s_out, n_entries,
+                   ratio, block_size, k, row_words, keys_at, cand_at, CH: tl.constexpr, GC: tl.constexpr,
+                   MODE: tl.constexpr, NC: tl.constexpr):
+    """Program (token, g) selects the top k of chunks g, g + GC, ... of CH keys each (the row's
+    keys start at keys_at), held in registers. A token with one chunk gets its final row (MODE:
+    see _row_len; the output as _select_block's OUT = MODE); otherwise each chunk leaves its
+    candidate list [count, k columns (ascending), k keys] at cand_at for _merge_kernel."""
     tc = tl.program_id(0).to(tl.int64)
     t = t0 + tc
-    req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
-    chunks = tl.maximum(tl.cdiv(n_vis, CH), 1)
+    req, n_vis, n = _row_len(pos_ptr, req_ptr, cand_ptr, t, s_cand, n_cand, ratio, n_entries, cb, MODE, NC)
+    chunks = tl.maximum(tl.cdiv(n, CH), 1)
     row = ws_ptr + tc * row_words
     for c in range(tl.program_id(1), chunks, GC):
-        e = c * CH + tl.arange(0, CH)
-        key = tl.load(row + e, mask=e < n_vis, other=0).to(tl.uint32, bitcast=True)
+        col = c * CH + tl.arange(0, CH)
+        key = tl.load(row + keys_at + col, mask=col < n, other=0).to(tl.uint32, bitcast=True)
         if chunks == 1:
-            out = idx_ptr + t * s_idx
-            n = _select_block(key, e, k, out, out, bt_ptr, req, s_bt, block_size, CH, True)
-            _fill(out, n, k, -1, 1024)
+            out = out_ptr + t * s_out
+            got = _select_block(key, col, k, out, out, bt_ptr, cand_ptr + t * s_cand, req, s_bt, block_size, cb, CH,
+                                MODE)
+            _fill(out, got, k, -1, 1024)
         else:
             lst = row + cand_at + c * (2 * k + 1)
-            tl.store(lst, _select_block(key, e, k, lst + 1, lst + 1 + k, bt_ptr, req, s_bt, block_size, CH, False))
+            tl.store(lst, _select_block(key, col, k, lst + 1, lst + 1 + k, bt_ptr, cand_ptr, req, s_bt, block_size,
+                                        cb, CH, -1))
 
 
 @triton.jit(do_not_specialize=["t0", "n_entries"])
-def _merge_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n_entries, ratio, block_size, k,
-                  row_words, in_at, out_at, level, CH: tl.constexpr, GS: tl.constexpr, MCH: tl.constexpr):
+def _merge_kernel(pos_ptr, req_ptr, bt_ptr, cand_ptr, out_ptr, ws_ptr, t0, s_bt, s_cand, n_cand, cb, s_out, n_entries,
+                  ratio, block_size, k, row_words, in_at, out_at, level, CH: tl.constexpr, GS: tl.constexpr,
+                  MCH: tl.constexpr, MODE: tl.constexpr, NC: tl.constexpr):
     """One level of a tree of merges: program (token, g) loads the candidate lists g * GS ..
     (g + 1) * GS - 1 of the level's input into one register block (list j at positions j * k ..,
     unused positions key 0) and selects their top k: the token's final row when this level leaves it
-    one list, else list g of the next level. Lists stay in chunk order, so entries stay ascending."""
+    one list, else list g of the next level. Lists stay in chunk order, so columns stay ascending."""
     tc = tl.program_id(0).to(tl.int64)
     t = t0 + tc
     g = tl.program_id(1)
-    req, n_vis = _visible(pos_ptr, req_ptr, t, ratio, n_entries)
-    lists = tl.cdiv(n_vis, CH)
+    req, n_vis, n = _row_len(pos_ptr, req_ptr, cand_ptr, t, s_cand, n_cand, ratio, n_entries, cb, MODE, NC)
+    lists = tl.cdiv(n, CH)
     for _ in range(level):
         lists = tl.cdiv(lists, GS)
     if (lists > 1) & (g * GS < lists):
@@ -251,18 +411,21 @@ def _merge_kernel(pos_ptr, req_ptr, bt_ptr, idx_ptr, ws_ptr, t0, s_bt, s_idx, n_
         count = tl.load(lst, mask=(p < GS * k) & (j < lists), other=0)
         ok = (p % k < count) & (p < GS * k)
         key = tl.load(lst + 1 + k + p % k, mask=ok, other=0).to(tl.uint32, bitcast=True)
-        entry = tl.load(lst + 1 + p % k, mask=ok, other=0)
+        col = tl.load(lst + 1 + p % k, mask=ok, other=0)
         if lists <= GS:
-            out = idx_ptr + t * s_idx
-            n = _select_block(key, entry, k, out, out, bt_ptr, req, s_bt, block_size, MCH, True)
-            _fill(out, n, k, -1, 1024)
+            out = out_ptr + t * s_out
+            got = _select_block(key, col, k, out, out, bt_ptr, cand_ptr + t * s_cand, req, s_bt, block_size, cb, MCH,
+                                MODE)
+            _fill(out, got, k, -1, 1024)
         else:
             nxt = row + out_at + g * (2 * k + 1)
-            tl.store(nxt, _select_block(key, entry, k, nxt + 1, nxt + 1 + k, bt_ptr, req, s_bt, block_size, MCH,
-                                        False))
+            tl.store(nxt, _select_block(key, col, k, nxt + 1, nxt + 1 + k, bt_ptr, cand_ptr, req, s_bt, block_size,
+                                        cb, MCH, -1))
 
 
 def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
+    if q.dtype == torch.uint8:
+        return 3
     if INTERPRET and fmt != FMT_INDEXER:
         return 2
     if fmt == FMT_INDEXER and q.dtype == torch.float8_e4m3fn:
@@ -299,9 +462,11 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
     _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
                          ratio, cand_block, fmt)
     code = fmt_code("indexer_topk", "fmt", fmt)
-    if cand is not None or cand_out is not None or q.dtype == torch.uint8:
-        not_yet("indexer_topk", "candidate blocks (cand, cand_out) or MX4 queries (V4.1)")
-    t, h, d = q.shape
+    mx4 = q.dtype == torch.uint8
+    if mx4 != (fmt == "mxfp4_68"):
+        not_yet("indexer_topk", f"q of dtype {q.dtype} with fmt={fmt!r} (MX4 queries go with mxfp4_68 keys)")
+    t, h = q.shape[:2]
+    d = formats.FORMATS[fmt].dim if mx4 else q.shape[2]
     require(d == INDEXER_DIM, "indexer_topk", "q", f"index_head_dim {INDEXER_DIM} (V4 layout)", d)
     require(h <= 128, "indexer_topk", "q", "at most 128 indexer heads", h)
     k = idx_out.shape[1]
@@ -309,32 +474,60 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
         return
     bs = block_size(cache, fmt)
     n_entries = block_table.shape[1] * bs
-    row_words = _ws.row_words(n_entries, k)
+    cb = max(cand_block, 1)
+    n_cand = cand.shape[1] if cand is not None else 0
+    keep = cand_out.shape[1] if cand_out is not None else 0
+    n_row, block_at, n_blocks, row_words = _ws.layout(n_entries, k, n_cand * cb, keep, cb)
     rows = workspace.numel() // row_words  # >= 1: checked with the metadata
-    ch = _ws.chunk(n_entries, k)
     hp = max(16, triton.next_power_of_2(h))
     bn = SCORE_BN if hp <= 64 else SCORE_BN // 2
     dot = _dot_kind(q, cache, code)
     q_fp8 = q.dtype == torch.float8_e4m3fn
     qa = q.view(torch.uint8) if q_fp8 else q  # e4m3 codes load as bytes (masked lanes read 0)
-    chunks = triton.cdiv(n_entries, ch)
-    region_a, region_b, _ = _ws.merge_regions(n_entries, k)
-    gs = _ws.merge_group(k)
-    mch = triton.next_power_of_2(gs * k)
+    cand_t = cand if cand is not None else block_table  # an unused pointer when there is no cand
+    s_cand = cand.stride(0) if cand is not None else 0
+    nc = triton.next_power_of_2(max(n_cand, 1))
+    mode = 1 if cand is not None else 0
     for t0 in range(0, t, rows):
         n = min(rows, t - t0)
-        g = score_programs(n, triton.cdiv(n_entries, bn))
+        g = score_programs(n, triton.cdiv(n_row, bn))
         launch(_score_kernel, (n, g),
-               (qa, weights, positions, req_slots, cache, block_table, workspace, t0, q.stride(0), q.stride(1),
-                weights.stride(0), block_table.stride(0), h, n_entries, ratio, bs, row_words),
-               dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, SOFT=INTERPRET), num_warps=4)
-        common = (positions, req_slots, block_table, idx_out, workspace, t0, block_table.stride(0), idx_out.stride(0),
-                  n_entries, ratio, bs, k, row_words)
-        gc = select_programs(n, chunks)
-        launch(_select_kernel, (n, gc), common + (region_a,), dict(CH=ch, GC=gc), num_warps=_warps(ch))
-        lists, level = chunks, 0
-        while lists > 1:  # a tree of merges: each level divides a token's lists by gs
-            regions = (region_a, region_b) if level % 2 == 0 else (region_b, region_a)
-            launch(_merge_kernel, (n, triton.cdiv(lists, gs)), common + regions + (level,),
-                   dict(CH=ch, GS=gs, MCH=mch), num_warps=_warps(mch))
-            lists, level = triton.cdiv(lists, gs), level + 1
+               (qa, weights, positions, req_slots, cache, block_table, cand_t, workspace, t0, q.stride(0),
+                q.stride(1), weights.stride(0), block_table.stride(0), s_cand, n_cand, cb, h, n_entries, ratio, bs,
+                row_words),
+               dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, CAND=mode, NC=nc, SOFT=INTERPRET),
+               num_warps=4)
+        common = (positions, req_slots, block_table, cand_t, idx_out, workspace, t0, block_table.stride(0), s_cand,
+                  n_cand, cb, idx_out.stride(0), n_entries, ratio, bs, row_words)
+        _select_tree(n, n_row, k, 0, common, mode, nc)
+        if cand_out is not None:
+            bb = 128
+            gb = max(1, min(triton.cdiv(n_blocks, bb), 4 * _ws.SMS // n))
+            launch(_block_keys_kernel, (n, gb), (positions, req_slots, workspace, t0, n_entries, ratio, cb,
+                                                 row_words, block_at),
+                   dict(CB=triton.next_power_of_2(cb), BB=bb, G=gb), num_warps=4)
+            common = (positions, req_slots, block_table, cand_t, cand_out, workspace, t0, block_table.stride(0),
+                      s_cand, n_cand, cb, cand_out.stride(0), n_entries, ratio, bs, row_words)
+            _select_tree(n, n_blocks, keep, block_at, common, 2, nc)
+
+
+def _select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
+    """Launches selecting the top k of each token's row of n_row columns (its keys at keys_at of
+    the workspace row; MODE and the output as _select_kernel): the chunks, then a tree of merges
+    while a token has more than one list."""
+    ch = _ws.chunk(n_row, k)
+    chunks = triton.cdiv(n_row, ch)
+    region_a, region_b, _ = _ws.merge_regions(n_row, k)
+    region_a, region_b = region_a + keys_at, region_b + keys_at
+    gs = _ws.merge_group(k)
+    mch = triton.next_power_of_2(gs * k)
+    head = common[:-1] + (k, common[-1])  # ..., n_entries, ratio, block_size, k, row_words
+    gc = select_programs(n, chunks)
+    launch(_select_kernel, (n, gc), head + (keys_at, region_a), dict(CH=ch, GC=gc, MODE=mode, NC=nc),
+           num_warps=_warps(ch))
+    lists, level = chunks, 0
+    while lists > 1:  # a tree of merges: each level divides a token's lists by gs
+        regions = (region_a, region_b) if level % 2 == 0 else (region_b, region_a)
+        launch(_merge_kernel, (n, triton.cdiv(lists, gs)), head + regions + (level,),
+               dict(CH=ch, GS=gs, MCH=mch, MODE=mode, NC=nc), num_warps=_warps(mch))
+        lists, level = triton.cdiv(lists, gs), level + 1

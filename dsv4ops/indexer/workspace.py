@@ -1,9 +1,12 @@
 """The int32 scratch of `dsv4::indexer_topk`'s CUDA kernel: its layout and size (no triton import,
 so the cache can size and account for it anywhere).
 
-One row per token of a launch: the uint32 key of each of the request's entries (n_entries words);
-when a row is longer than one chunk, then the candidate lists [count, k entries, k keys] of its
-chunks, and of the merge levels (two regions used in turn: see `merge_regions`)."""
+One row per token of a launch: the uint32 key of each scored column (the request's n_entries
+entries; with V4.1's `cand`, the candidate blocks' cand_blocks x cand_block columns); when a row is
+longer than one chunk, then the candidate lists [count, k entries, k keys] of its chunks, and of
+the merge levels (two regions used in turn: see `merge_regions`). With `cand_out` (V4.1's candidate
+source) the row continues with the same layout over block keys (one per cand_block entries, top
+`keep`): see `layout`."""
 
 # SM count of an H100 SXM: the launch sizes aim at a few programs per SM.
 SMS = 132
@@ -43,7 +46,21 @@ def row_words(n_entries: int, k: int) -> int:
     return b + -(-chunks // merge_group(k)) * lst
 
 
-def workspace_words(tokens: int, n_entries: int, k: int) -> int:
+def layout(n_entries: int, k: int, cand_cols: int = 0, keep: int = 0, cand_block: int = 1) -> tuple[int, int, int, int]:
+    """(scored columns, offset of the block keys, blocks, words) of one token's row: columns are
+    the n_entries entries, or the cand_cols candidate columns when > 0; keep > 0 (cand_out) adds
+    the block selection over ceil(n_entries / cand_block) block keys."""
+    n_row = cand_cols if cand_cols else n_entries
+    block_at = row_words(n_row, k)
+    if not keep:
+        return n_row, block_at, 0, block_at
+    n_blocks = -(-n_entries // cand_block)
+    return n_row, block_at, n_blocks, block_at + row_words(n_blocks, keep)
+
+
+def workspace_words(tokens: int, n_entries: int, k: int, cand_cols: int = 0, keep: int = 0,
+                    cand_block: int = 1) -> int:
     """int32 words for launches of `tokens` tokens (a step with more tokens runs in several
-    launches) over `n_entries` entries per request (the block table's width x block size), top-k."""
-    return tokens * row_words(n_entries, k)
+    launches) over `n_entries` entries per request (the block table's width x block size), top-k
+    (and the candidate options of `layout`)."""
+    return tokens * layout(n_entries, k, cand_cols, keep, cand_block)[3]

@@ -1,6 +1,6 @@
 """Triton kernel of `dsv4::qkv_prep` (qkv_prep/reference.py is the specification): one pass per
-token over q (weightless per-head RMSNorm, interleaved RoPE on the trailing 64 dims) and over the new
-kv row (RoPE, then FP8 584-B entry or float row into the request's window ring).
+token over q (V4: weightless per-head RMSNorm; V4.1: none; interleaved RoPE on the trailing 64 dims)
+and over the new kv row (RoPE, then the entry of the pool's format into the request's window ring).
 
 Grid (tokens, head blocks + 1): programs 0..n_hb-1 of a token take HB heads of q each, the last one
 takes its kv row. Padding tokens (request -1) write q_out but no cache entry.
@@ -11,7 +11,8 @@ import triton.language as tl
 
 from dsv4ops.qkv_prep import checks as _checks
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE, capacity
-from dsv4ops.quant.triton import block_size, fmt_code, not_yet, store_rows
+from dsv4ops.quant.formats import EXACT
+from dsv4ops.quant.triton import block_size, fmt_code, store_rows
 from dsv4ops.triton_helpers import (
     INTERPRET,
     apply_rope,
@@ -24,10 +25,12 @@ from dsv4ops.triton_helpers import (
 )
 
 
-@triton.jit(do_not_specialize=["n_heads"])
+# Pool sizes are not specialized on: warmup runs on one-request pools (n_requests == 1 would compile
+# another variant than a serving cache).
+@triton.jit(do_not_specialize=["n_heads", "n_requests"])
 def _qkv_prep_kernel(q_ptr, kv_ptr, pos_ptr, req_ptr, freq_ptr, qo_ptr, cache_ptr, sq_t, sq_h, skv_t, so_t, so_h,
                      n_heads, n_requests, ring_size, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr,
-                     HB: tl.constexpr, FMT: tl.constexpr, SOFT: tl.constexpr):
+                     HB: tl.constexpr, FMT: tl.constexpr, Q_NORM: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -38,9 +41,11 @@ def _qkv_prep_kernel(q_ptr, kv_ptr, pos_ptr, req_ptr, freq_ptr, qo_ptr, cache_pt
         hm = heads < n_heads
         h64 = heads.to(tl.int64)
         x = to_f32(tl.load(q_ptr + t * sq_t + h64[:, None] * sq_h + cols[None, :], mask=hm[:, None], other=0.0), SOFT)
-        # transformers' order: the fp32 rsqrt is cast to q's dtype, the product is rounded to it.
-        r = tl.math.rsqrt(tl.sum(x * x, axis=1) * (1.0 / D) + eps)
-        y = round_via(x * round_via(r, q_ptr.dtype.element_ty, SOFT)[:, None], q_ptr.dtype.element_ty, SOFT)
+        y = x
+        if Q_NORM:
+            # transformers' order: the fp32 rsqrt is cast to q's dtype, the product is rounded to it.
+            r = tl.math.rsqrt(tl.sum(x * x, axis=1) * (1.0 / D) + eps)
+            y = round_via(x * round_via(r, q_ptr.dtype.element_ty, SOFT)[:, None], q_ptr.dtype.element_ty, SOFT)
         y = apply_rope(y, cos, sin, rot, HB, D, False)
         tl.store(qo_ptr + t * so_t + h64[:, None] * so_h + cols[None, :], round_to(y, qo_ptr.dtype.element_ty, SOFT),
                  mask=hm[:, None])
@@ -63,9 +68,7 @@ def qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_si
              window_fmt: str) -> None:
     """Launcher of `dsv4::qkv_prep` (same arguments)."""
     _checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
-    fmt = fmt_code("qkv_prep", "window_fmt", window_fmt)
-    if not q_norm:
-        not_yet("qkv_prep", "q_norm=False (V4.1's query has no per-head norm)")
+    fmt = fmt_code("qkv_prep", "window_fmt", window_fmt, allowed=(EXACT, "fp8_584", "fp8_528"))
     t, h, d = q.shape
     require_layout("qkv_prep", d, inv_freq.shape[0], dims=(MAIN_DIM,))
     if t == 0:
@@ -76,5 +79,5 @@ def qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_si
            (q, kv, positions, req_slots, inv_freq, q_out, window_cache, q.stride(0), q.stride(1), kv.stride(0),
             q_out.stride(0), q_out.stride(1), h, capacity(window_cache, window_fmt) // ring_size, ring_size,
             block_size(window_cache, window_fmt), eps),
-           dict(D=d, ROPE=MAIN_ROPE, HB=hb, FMT=fmt, SOFT=INTERPRET))
+           dict(D=d, ROPE=MAIN_ROPE, HB=hb, FMT=fmt, Q_NORM=bool(q_norm), SOFT=INTERPRET))
 

@@ -92,7 +92,8 @@ def candidate_blocks(scores: Tensor, n_visible: Tensor, cand_block: int, keep: i
     """V4.1's candidate-block pool (spec V4.1 2.6): [T, keep] blocks of score rows [T, N] over entries
     0..N-1 (-inf = invisible). Block b = entries [b * cand_block, (b + 1) * cand_block) scores the max
     of its entries; the block of the newest visible entry (n_visible - 1) scores +inf; the best
-    `keep` blocks, ties to the lower block; blocks scoring -inf dropped (-1)."""
+    `keep` blocks, ties to the lower block, in ascending block order; blocks scoring -inf dropped
+    (-1 after the kept ones)."""
     t, n = scores.shape
     n_blocks = -(-n // cand_block)
     out = torch.full((t, keep), -1, dtype=torch.long, device=scores.device)
@@ -105,5 +106,7 @@ def candidate_blocks(scores: Tensor, n_visible: Tensor, cand_block: int, keep: i
     block_score = block_score.masked_fill(forced, float("inf"))
     kk = min(keep, n_blocks)
     best = stable_topk(block_score, kk)
-    out[:, :kk] = best.where(block_score.gather(1, best) > float("-inf"), -1)
+    # The kept blocks in ascending order, then the -1 fill (the order the kernels write).
+    kept = best.where(block_score.gather(1, best) > float("-inf"), n_blocks).sort(dim=1).values
+    out[:, :kk] = kept.where(kept < n_blocks, -1)
     return out

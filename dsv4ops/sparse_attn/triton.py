@@ -6,10 +6,14 @@ request's ring), then its compressed entries comp_idx[t, :comp_lens[t]] (-1 = no
 shared 512-d head, so a program holds q [HB heads, 512] and streams key tiles [BK, 512] of one
 split of that list: every key is read once for all HB heads. Grid (tokens, head blocks, splits).
 
-- FP8 584-B entries are dequantized in bf16 arithmetic, which is exact: e4m3 -> bf16 is exact and
-  the UE8M0 scale is a power of two (the bf16 with exponent field = the scale byte), so a tile
-  never exists in fp32 registers (an fp32 [64, 512] tile alone is 128 registers per thread at 8
-  warps). Float pools are converted to q's dtype, as the reference's key copy.
+- Byte entries are dequantized in bf16 arithmetic, which is exact: e4m3 and e2m1 -> bf16 are
+  exact, the UE8M0 scales are powers of two (the bf16 with exponent field = the scale byte) and an
+  e4m3 scale times an e2m1 value has <= 5 significant bits, so a tile never exists in fp32
+  registers (an fp32 [64, 512] tile alone is 128 registers per thread at 8 warps). Float pools are
+  converted to q's dtype, as the reference's key copy.
+- V4 (fp8_584) tiles are [512 dims with the rope dims zeroed | 64 bf16 rope dims]; V4.1 (fp8_528
+  window, fp4_288 compressed) tiles are [even dims | odd dims], the split an fp4 byte gives for
+  free (its two nibbles); q, the accumulators and the output follow the tiles' split.
 - S = q k^T and O += P k on the tensor cores in q's dtype, fp32 accumulation, P cast to q's dtype
   (DeepSeek's kernel); online softmax in fp32 (exp2).
 - One split: the sink opens the online softmax (running max s_h, sum e^0 = 1, no value), which is
@@ -27,13 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4ops.quant.formats import EXACT
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
-from dsv4ops.quant.triton import block_size, fmt_code, load_rows, main_offsets
+from dsv4ops.quant.triton import block_size, fmt_code, load_rows, main_offsets, not_yet, page_offsets
 from dsv4ops.sparse_attn import checks as _checks
 from dsv4ops.triton_helpers import INTERPRET, launch, require, round_to, to_f32
 
 # SM count of an H100 SXM: splits are chosen to give about two programs per SM.
 _SMS = 132
+_V41 = ("fp8_528", "fp4_288")  # formats read as even / odd column halves
 
 
 @triton.jit
@@ -70,6 +76,47 @@ def _load_keys(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr, R:
 
 
 @triton.jit
+def _load_keys_eo(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
+                  KDT: tl.constexpr, SOFT: tl.constexpr):
+    """Key tile of `slots` (V4.1 formats, or exact rows beside one) in KDT as its even and odd
+    columns, each [BK, D // 2]: fp4_288 bytes hold elements 2i and 2i + 1 in their low and high
+    nibbles, so the halves come out of a byte without moving data across threads; q, the
+    accumulator and the output use the same split. Rows with valid False are 0."""
+    H: tl.constexpr = D // 2
+    if FMT == 4 and KDT == tl.bfloat16 and not SOFT:
+        data_at, scale_at = page_offsets(slots, bs, 256, 32, 256)
+        cols = tl.arange(0, H)[None, :]
+        b = tl.load(pool_ptr + tl.multiple_of(data_at, 16)[:, None] + cols, mask=valid[:, None], other=0).to(tl.int32)
+        g = tl.arange(0, 32)[None, :]
+        sc = tl.load(pool_ptr + scale_at[:, None] + g, mask=valid[:, None], other=0)
+        # e2m1 s.ee.m as the e4m3 code s.00ee.m00 is the value x 2^-6 (subnormals included): an
+        # exact cvt to bf16, the 2^6 folded into the e4m3 scale (bf16 products of <= 5 significant
+        # bits: exact). A NaN scale (code 0x7F) reads back NaN, as the reference.
+        scale = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 64.0).to(tl.bfloat16)
+        lo = (((b & 8) << 4) | ((b & 7) << 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        hi = (((b & 0x80)) | ((b & 0x70) >> 2)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        k_even = tl.reshape(tl.reshape(lo, [BK, 32, 8]) * scale[:, :, None], [BK, H])
+        k_odd = tl.reshape(tl.reshape(hi, [BK, 32, 8]) * scale[:, :, None], [BK, H])
+    elif FMT == 3 and KDT == tl.bfloat16 and not SOFT:
+        data_at, scale_at = page_offsets(slots, bs, 512, 16, 512)
+        cols = tl.arange(0, D)[None, :]
+        codes = tl.load(pool_ptr + tl.multiple_of(data_at, 16)[:, None] + cols, mask=valid[:, None], other=0)
+        g = tl.arange(0, 16)[None, :]
+        sc = tl.load(pool_ptr + scale_at[:, None] + g, mask=valid[:, None], other=127)
+        scale = (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # UE8M0 byte -> bf16 2^(e - 127)
+        c_even, c_odd = tl.split(tl.reshape(codes, [BK, H, 2]))
+        # Elements 2i and 2i + 1 share the scale of group 2i // 32 = i // 16.
+        k_even = tl.reshape(tl.reshape(c_even.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), [BK, 16, 16])
+                            * scale[:, :, None], [BK, H])
+        k_odd = tl.reshape(tl.reshape(c_odd.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), [BK, 16, 16])
+                           * scale[:, :, None], [BK, H])
+    else:
+        rows = round_to(load_rows(pool_ptr, slots, valid, bs, BK, D, FMT, SOFT), KDT, SOFT)
+        k_even, k_odd = tl.split(tl.reshape(rows, [BK, H, 2]))
+    return k_even, k_odd
+
+
+@triton.jit
 def _dot(a, b, acc, SOFT: tl.constexpr):
     """acc + a @ b: fp32 (IEEE) for fp32 operands and in the interpreter, else the operands' dtype
     on the tensor cores with fp32 accumulation."""
@@ -80,11 +127,12 @@ def _dot(a, b, acc, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT: tl.constexpr):
-    """One online-softmax step over a key tile (k [BK, D], rope [BK, R]) for q [HB, D] (whose rope
-    dims meet k's zeros) and q_rope [HB, R]."""
-    s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], k.shape[0]], tl.float32), SOFT)
-    s = _dot(q_rope, tl.trans(rope), s, SOFT)
+def _attend_tile(q_a, q_b, k_a, k_b, valid, m_i, l_i, acc_a, acc_b, qk_scale, SOFT: tl.constexpr):
+    """One online-softmax step over a key tile given as two column parts (k_a [BK, DA], k_b
+    [BK, DB]; see the kernel) for q's parts q_a [HB, DA], q_b [HB, DB]: S = q_a k_a^T + q_b k_b^T,
+    acc_a += P k_a, acc_b += P k_b."""
+    s = _dot(q_a, tl.trans(k_a), tl.zeros([q_a.shape[0], k_a.shape[0]], tl.float32), SOFT)
+    s = _dot(q_b, tl.trans(k_b), s, SOFT)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # m_new is -inf only while no key and no sink has been seen (a split's first empty tiles).
@@ -92,10 +140,10 @@ def _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    p = p.to(k.dtype)  # P in the keys' dtype for P V, as DeepSeek's kernel
-    acc = _dot(p, k, acc * alpha[:, None], SOFT)
-    acc_r = _dot(p, rope, acc_r * alpha[:, None], SOFT)
-    return m_new, l_i, acc, acc_r
+    p = p.to(k_a.dtype)  # P in the keys' dtype for P V, as DeepSeek's kernel
+    acc_a = _dot(p, k_a, acc_a * alpha[:, None], SOFT)
+    acc_b = _dot(p, k_b, acc_b * alpha[:, None], SOFT)
+    return m_new, l_i, acc_a, acc_b
 
 
 @triton.jit(do_not_specialize=["n_heads", "n_idx"])
@@ -103,14 +151,22 @@ def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_pt
                         lse_ptr, sq_t, sq_h, si_t, so_t, so_h, n_heads, n_idx, qk_scale, window, ring_size, w_bs,
                         c_bs, D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
                         SPLIT_KEYS: tl.constexpr, SPLITS: tl.constexpr, WIN: tl.constexpr, STAGES: tl.constexpr,
-                        W_FMT: tl.constexpr, C_FMT: tl.constexpr, SOFT: tl.constexpr):
+                        W_FMT: tl.constexpr, C_FMT: tl.constexpr, EVEN_ODD: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     split = tl.program_id(2)
     hm = heads < n_heads
     h64 = heads.to(tl.int64)
     cols = tl.arange(0, D)
-    rcols = tl.arange(0, R)
+    # The head dim in two parts A and B, the same for q, the key tiles and the accumulators. V4:
+    # A = the 512 dims (k's rope dims zeroed), B = the 64 rope dims (bf16 in the 584-B entry).
+    # V4.1 (EVEN_ODD): A = the even dims, B = the odd dims (the two nibbles of an fp4_288 byte).
+    if EVEN_ODD:
+        DA: tl.constexpr = D // 2
+        DB: tl.constexpr = D // 2
+    else:
+        DA: tl.constexpr = D
+        DB: tl.constexpr = R
     req = tl.load(req_ptr + t)
     kdt: tl.constexpr = q_ptr.dtype.element_ty
     # This split's share of the key list [window (WIN slots) | entries (n_len)].
@@ -124,14 +180,17 @@ def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_pt
     else:
         m_i = tl.full([HB], float("-inf"), tl.float32)
         l_i = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, D], tl.float32)
-    acc_r = tl.zeros([HB, R], tl.float32)
+    acc_a = tl.zeros([HB, DA], tl.float32)
+    acc_b = tl.zeros([HB, DB], tl.float32)
     if req >= 0:
         pos = tl.load(pos_ptr + t)
         n_len = tl.minimum(tl.load(len_ptr + t), n_idx)
         q_at = q_ptr + t * sq_t + h64[:, None] * sq_h
-        q = tl.load(q_at + cols[None, :], mask=hm[:, None], other=0.0)
-        q_rope = tl.load(q_at + (D - R) + rcols[None, :], mask=hm[:, None], other=0.0)
+        if EVEN_ODD:
+            q_a, q_b = tl.split(tl.reshape(tl.load(q_at + cols[None, :], mask=hm[:, None], other=0.0), [HB, DA, 2]))
+        else:
+            q_a = tl.load(q_at + cols[None, :], mask=hm[:, None], other=0.0)
+            q_b = tl.load(q_at + (D - R) + tl.arange(0, R)[None, :], mask=hm[:, None], other=0.0)
         ring0 = req.to(tl.int64) * ring_size
         # The key list: slots [0, WIN) are the window (positions pos - window + 1 + j, j < window),
         # slots [WIN, WIN + n_len) the listed entries. WIN is a multiple of BK, so a tile is one or the
@@ -144,26 +203,45 @@ def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_pt
             valid = tl.where(j < WIN, (j < window) & (wpos >= 0), idx >= 0)
             if STAGES > 1 or tl.max(valid.to(tl.int32), axis=0) > 0:
                 slots = tl.where(j < WIN, ring0 + tl.maximum(wpos, 0) % ring_size, tl.maximum(idx, 0).to(tl.int64))
-                if W_FMT == C_FMT:
-                    k, rope = _load_keys(tl.where(in_win, wc_ptr, cc_ptr), slots, valid, tl.where(in_win, w_bs, c_bs),
-                                         BK, D, R, W_FMT, kdt, SOFT)
-                elif in_win:
-                    k, rope = _load_keys(wc_ptr, slots, valid, w_bs, BK, D, R, W_FMT, kdt, SOFT)
+                if EVEN_ODD:
+                    if W_FMT == C_FMT:
+                        k_a, k_b = _load_keys_eo(tl.where(in_win, wc_ptr, cc_ptr), slots, valid,
+                                                 tl.where(in_win, w_bs, c_bs), BK, D, W_FMT, kdt, SOFT)
+                    elif in_win:
+                        k_a, k_b = _load_keys_eo(wc_ptr, slots, valid, w_bs, BK, D, W_FMT, kdt, SOFT)
+                    else:
+                        k_a, k_b = _load_keys_eo(cc_ptr, slots, valid, c_bs, BK, D, C_FMT, kdt, SOFT)
                 else:
-                    k, rope = _load_keys(cc_ptr, slots, valid, c_bs, BK, D, R, C_FMT, kdt, SOFT)
-                m_i, l_i, acc, acc_r = _attend_tile(q, q_rope, k, rope, valid, m_i, l_i, acc, acc_r, qk_scale, SOFT)
+                    if W_FMT == C_FMT:
+                        k_a, k_b = _load_keys(tl.where(in_win, wc_ptr, cc_ptr), slots, valid,
+                                              tl.where(in_win, w_bs, c_bs), BK, D, R, W_FMT, kdt, SOFT)
+                    elif in_win:
+                        k_a, k_b = _load_keys(wc_ptr, slots, valid, w_bs, BK, D, R, W_FMT, kdt, SOFT)
+                    else:
+                        k_a, k_b = _load_keys(cc_ptr, slots, valid, c_bs, BK, D, R, C_FMT, kdt, SOFT)
+                m_i, l_i, acc_a, acc_b = _attend_tile(q_a, q_b, k_a, k_b, valid, m_i, l_i, acc_a, acc_b, qk_scale,
+                                                      SOFT)
     if SPLITS == 1:
         dst = out_ptr + t * so_t + h64[:, None] * so_h
         odt: tl.constexpr = out_ptr.dtype.element_ty
-        tl.store(dst + cols[None, :], round_to(acc / l_i[:, None], odt, SOFT), mask=hm[:, None] & (cols < D - R))
-        tl.store(dst + (D - R) + rcols[None, :], round_to(acc_r / l_i[:, None], odt, SOFT), mask=hm[:, None])
+        if EVEN_ODD:
+            o = tl.reshape(tl.join(acc_a, acc_b), [HB, D]) / l_i[:, None]
+            tl.store(dst + cols[None, :], round_to(o, odt, SOFT), mask=hm[:, None])
+        else:
+            tl.store(dst + cols[None, :], round_to(acc_a / l_i[:, None], odt, SOFT), mask=hm[:, None] & (cols < D - R))
+            tl.store(dst + (D - R) + tl.arange(0, R)[None, :], round_to(acc_b / l_i[:, None], odt, SOFT),
+                     mask=hm[:, None])
     else:
         # Partial output normalized by its own sum, and the log2 of that sum (-inf: no key).
         row = (t * SPLITS + split) * n_heads + h64
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         dst = part_ptr + row[:, None] * D
-        tl.store(dst + cols[None, :], acc / l_safe[:, None], mask=hm[:, None] & (cols < D - R))
-        tl.store(dst + (D - R) + rcols[None, :], acc_r / l_safe[:, None], mask=hm[:, None])
+        if EVEN_ODD:
+            tl.store(dst + cols[None, :], tl.reshape(tl.join(acc_a, acc_b), [HB, D]) / l_safe[:, None],
+                     mask=hm[:, None])
+        else:
+            tl.store(dst + cols[None, :], acc_a / l_safe[:, None], mask=hm[:, None] & (cols < D - R))
+            tl.store(dst + (D - R) + tl.arange(0, R)[None, :], acc_b / l_safe[:, None], mask=hm[:, None])
         tl.store(lse_ptr + row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=hm)
 
 
@@ -194,7 +272,7 @@ def _combine_kernel(part_ptr, lse_ptr, req_ptr, sink_ptr, out_ptr, so_t, so_h, n
         tl.store(out, round_to(acc / den[:, None], out_ptr.dtype.element_ty, SOFT), mask=hm[:, None])
 
 
-def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int, int, int]:
+def config(num_heads: int, dtype: torch.dtype, pool_dtypes=(), fp4_entries: bool = False) -> tuple[int, int, int, int]:
     """(heads per program, keys per tile, warps, pipeline stages), from static dims only.
 
     bf16 tiles of 64 heads x 64 keys on 8 warps, two pipeline stages: the accumulator [64, 512]
@@ -203,9 +281,14 @@ def config(num_heads: int, dtype: torch.dtype, pool_dtypes=()) -> tuple[int, int
     82 us; one stage 115 us (the tile-skip branch of one stage spills: 816 B a thread, 112 B with
     2 stages, ptxas); 64 x 32 with 2 stages 104 us; 16 heads x 64 keys 253 us (four programs read
     and dequantize every key). tl.dot needs >= 16 rows: fewer heads are padded. fp32 activations or
-    pools (exact mode) take [32, 512] fp32 tiles for 16 heads (shared memory)."""
+    pools (exact mode) take [32, 512] fp32 tiles for 16 heads (shared memory).
+    V4.1's fp4_288 entries beside fp8_528 window rows (two decoders in one loop) spill 440 B a
+    thread at 64 x 64, 40 B at 32 heads x 64 keys: H100, 128 + 512 keys, 32 x 64 vs 64 x 64 is
+    27.9 vs 49.9 us at 1 x 4K, 48.6 vs 75.7 at 32 x 4K, 175.7 vs 205.0 at 128 x 64K."""
     if dtype == torch.float32 or torch.float32 in pool_dtypes:
         return 16, 32, 4, 1
+    if fp4_entries and num_heads > 16:
+        return 32, 64, 8, 2
     if num_heads > 32:
         return 64, 64, 8, 2
     if num_heads > 16:
@@ -233,12 +316,18 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
                         window, ring_size, window_fmt, comp_fmt)
     # The kernel reads a token's position only where its window ends: window_ends, when given.
     positions = positions if window_ends is None else window_ends
-    w_fmt, c_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt), fmt_code("sparse_attn", "comp_fmt", comp_fmt)
+    w_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt, allowed=(EXACT, "fp8_584", "fp8_528"))
+    # A sliding layer passes its window as comp_cache (and no entries): the window's format there too.
+    c_fmt = fmt_code("sparse_attn", "comp_fmt", comp_fmt, allowed=(EXACT, "fp8_584", "fp8_528", "fp4_288"))
+    even_odd = window_fmt in _V41 or comp_fmt in _V41
+    if even_odd and "fp8_584" in (window_fmt, comp_fmt):
+        not_yet("sparse_attn", f"window_fmt={window_fmt!r} with comp_fmt={comp_fmt!r} (V4's 584-B rows beside a "
+                               f"V4.1 format)")
     t, h, d = q.shape
     require(d == MAIN_DIM, "sparse_attn", "q", f"head_dim {MAIN_DIM} (V4 layout)", d)
     if t == 0 or h == 0:
         return
-    hb, bk, warps, stages = config(h, q.dtype, (window_cache.dtype, comp_cache.dtype))
+    hb, bk, warps, stages = config(h, q.dtype, (window_cache.dtype, comp_cache.dtype), comp_fmt == "fp4_288")
     n_idx = comp_idx.shape[1]
     win = triton.cdiv(window, bk) * bk
     n_split = splits(t * triton.cdiv(h, hb), win + n_idx, bk)
@@ -256,7 +345,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
             scale * math.log2(math.e), window, ring_size, block_size(window_cache, window_fmt),
             block_size(comp_cache, comp_fmt)),
            dict(D=d, R=MAIN_ROPE, HB=hb, BK=bk, SPLIT_KEYS=split_keys, SPLITS=n_split, WIN=win, STAGES=stages,
-                W_FMT=w_fmt, C_FMT=c_fmt, SOFT=INTERPRET), num_warps=warps)
+                W_FMT=w_fmt, C_FMT=c_fmt, EVEN_ODD=even_odd, SOFT=INTERPRET), num_warps=warps)
     if n_split > 1:
         chb = 16
         launch(_combine_kernel, (t, triton.cdiv(h, chb)),
