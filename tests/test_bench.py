@@ -132,3 +132,21 @@ def test_cli_plots_and_writes_json_without_a_gpu(tmp_path, capsys):
     cli.main(["--only", "memory", "--json", str(out)])
     assert json.loads(out.read_text())["memory"][0]["model"] == "V4-Flash"
     assert "roofline chart:" in capsys.readouterr().out
+
+
+def test_cli_plots_side_by_side_rows(tmp_path):
+    """`--only flashmla --plot`: its rows (no attention section) are drawn, one case per name, the
+    V4-Pro case apart from Flash's of the same batch x context."""
+    import json
+
+    from dsv4ops.bench import cli, roofline
+
+    base = {"layer": CSA, "batch": 128, "context": 4096, "tokens": 1, "op": "sparse_attn", "ceiling": "gather"}
+    rows = [{**base, "case": "CSA 128 x 4K", "us": 98.0, "pct_ceiling": 33.0, "flashmla_us": 49.0},
+            {**base, "case": "V4-Pro CSA 128 x 4K", "us": 300.0, "pct_ceiling": 20.0, "flashmla_us": 100.0}]
+    assert roofline.bars(rows) == [("CSA 128 x 4K", [("sparse_attn", 33.0), ("FlashMLA", 66.0)]),
+                                   ("V4-Pro CSA 128 x 4K", [("sparse_attn", 20.0), ("FlashMLA", 60.0)])]
+    path = tmp_path / "flashmla.json"
+    path.write_text(json.dumps({"versions": {"gpu": "NVIDIA H100"}, "flashmla": rows}))
+    cli.main(["--from-json", str(path), "--plot", str(tmp_path / "roofline.png")])
+    assert _read_png((tmp_path / "roofline.png").read_bytes()).width > 100

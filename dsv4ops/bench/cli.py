@@ -127,7 +127,8 @@ def _plot(args, out: dict) -> None:
         return
     from dsv4ops.bench import roofline
 
-    rows = out.get("attention") or []
+    # The side-by-side rows (--only flashmla) are cases of their own: bars() keys them by their name.
+    rows = [*(out.get("attention") or []), *(out.get("flashmla") or [])]
     gpu = (out.get("versions") or {}).get("gpu") or "no GPU recorded"
     roofline.write_png(rows, args.plot, title=f"% of ceiling per kernel (copy, gather: bytes; bf16: flops) - {gpu}")
     print(f"roofline chart: {args.plot}")

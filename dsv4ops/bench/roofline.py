@@ -21,6 +21,8 @@ LEGEND_W = GLYPH_W * 32  # one legend column: a swatch and the longest op name
 
 
 def _case_label(r: dict) -> str:
+    if r.get("case"):  # a side-by-side row names its case (V4-Pro dims share Flash's batch x context)
+        return r["case"]
     ctx = f"{r['context'] // 1024}K" if r["context"] % 1024 == 0 else str(r["context"])
     return f"{SHORT.get(r['layer'], r['layer'])} {r['batch']}x{ctx}" + (" P" if r["tokens"] > 1 else "")
 
@@ -34,7 +36,7 @@ def bars(rows: list[dict]) -> list[tuple[str, list[tuple[str, float]]]]:
     for r in rows:
         if r.get("pct_ceiling") is None or r.get("op") not in OPS:
             continue
-        key = (r["layer"], r["batch"], r["context"], r["tokens"])
+        key = (r.get("case"), r["layer"], r["batch"], r["context"], r["tokens"])
         labels[key] = _case_label(r)
         series = cases.setdefault(key, [])
         series.append((r["op"], float(r["pct_ceiling"])))
