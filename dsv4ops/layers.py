@@ -25,7 +25,8 @@ _KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "inv_freq", "state")
 
 # DeepSeek's checkpoint names (inference/model.py) -> this module's (transformers'), under
 # `layers.{i}.`: the renames transformers' conversion mapping applies to DeepSeek-V4 checkpoints.
-DEEPSEEK_NAMES = {
+# The attention core's names, V4's and V4.1's:
+DEEPSEEK_CORE_NAMES = {
     "attn.wq_a.weight": "q_a_proj.weight",
     "attn.q_norm.weight": "q_a_norm.weight",
     "attn.wq_b.weight": "q_b_proj.weight",
@@ -34,6 +35,9 @@ DEEPSEEK_NAMES = {
     "attn.wo_a.weight": "o_a_proj.weight",
     "attn.wo_b.weight": "o_b_proj.weight",
     "attn.attn_sink": "sinks",
+}
+DEEPSEEK_NAMES = {
+    **DEEPSEEK_CORE_NAMES,
     "attn.compressor.wkv.weight": "compressor.kv_proj.weight",
     "attn.compressor.wgate.weight": "compressor.gate_proj.weight",
     "attn.compressor.ape": "compressor.position_bias",

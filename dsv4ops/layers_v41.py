@@ -30,7 +30,7 @@ from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.step import live_tokens
 from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.layers import GroupedLinear, RMSNorm
+from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_output, rms_norm
 from dsv4ops.reference.v41 import V41Numerics, compressor_dtype, entry_dtype
@@ -42,14 +42,7 @@ STATELESS_BLOCK = 128
 
 # DeepSeek's checkpoint names (inference/model.py) -> this module's, under `layers.{i}.`.
 DEEPSEEK_NAMES = {
-    "attn.wq_a.weight": "q_a_proj.weight",
-    "attn.q_norm.weight": "q_a_norm.weight",
-    "attn.wq_b.weight": "q_b_proj.weight",
-    "attn.wkv.weight": "kv_proj.weight",
-    "attn.kv_norm.weight": "kv_norm.weight",
-    "attn.wo_a.weight": "o_a_proj.weight",
-    "attn.wo_b.weight": "o_b_proj.weight",
-    "attn.attn_sink": "sinks",
+    **DEEPSEEK_CORE_NAMES,
     "attn.compressor.wkv.weight": "compressor.wkv.weight",
     "attn.compressor.wgate.weight": "compressor.wgate.weight",
     "attn.compressor.norm.weight": "compressor.norm.weight",
