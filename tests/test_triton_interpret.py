@@ -198,9 +198,18 @@ def _compressor_step(step, lens: list, ratio: int, nblk: int):
     return pos, req, closes, entry
 
 
+def _pool_plan(monkeypatch, split: bool):
+    """split: every pool on (token, channel block) programs of d / 4 channels, 4 slots a loop step,
+    and the norm / store launch (the HCA decode path; the tiny shapes here take it only when forced)."""
+    if split:
+        monkeypatch.setattr(compressor_tt, "pool_plan", lambda span, tokens, d: (d // 4, 4, 4))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])
 @pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
 @pytest.mark.parametrize("case", sorted(STEPS))
-def test_compressor_update(case, pool):
+def test_compressor_update(case, pool, split, monkeypatch):
+    _pool_plan(monkeypatch, split)
     d, ratio, overlap, steps, slack = STEPS[case]
     width, rows = (2 * d, 2 * ratio + slack) if overlap else (d, ratio + slack)
     adt = torch.float32 if pool == "fp8" else torch.bfloat16  # numerics.compressor_dtype
@@ -222,9 +231,11 @@ def test_compressor_update(case, pool):
     testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])
 @pytest.mark.parametrize("pool", ["fp4_288", torch.bfloat16], ids=["fp4_288", "bf16"])
 @pytest.mark.parametrize("ratio", [2, 1])
-def test_compressor_update_v41_with_latent(ratio, pool):
+def test_compressor_update_v41_with_latent(ratio, pool, split, monkeypatch):
+    _pool_plan(monkeypatch, split)
     # V4.1's sources: ratio 2 (2 state rows, fp32 a and score) and ratio 1 (no pooling: score 0 as
     # a stride-0 row); `latent_out` gets the entry before RoPE on closing tokens, zeros elsewhere.
     d, nblk = 512, 16
