@@ -787,8 +787,8 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
     env["DSV4OPS_TRITON_AOT"] = "1"
     procs = {arch: subprocess.Popen([sys.executable, __file__, str(arch)], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env) for arch in (90, 100)}
-    expected = {"_qkv_prep_kernel", "_compress_kernel", "_save_kernel", "_q_prep_kernel", "_k_prep_kernel",
-                "_score_kernel",
+    expected = {"_qkv_prep_kernel", "_compress_kernel", "_pool_split_kernel", "_finish_kernel", "_save_kernel",
+                "_q_prep_kernel", "_k_prep_kernel", "_score_kernel",
                 "_block_keys_kernel", "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel",
                 "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel"}
     for arch, proc in procs.items():

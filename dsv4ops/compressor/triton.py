@@ -35,12 +35,17 @@ from dsv4ops.triton_helpers import (
 
 
 @triton.jit
-def _closes(pos_ptr, req_ptr, i, n_requests, ratio):
-    """(pos, req, closes): a request slot past the state or a negative position is padding (kernels
-    never index out of range)."""
+def _closes(pos_ptr, req_ptr, latent_ptr, i, n_requests, s_lat, ratio, D: tl.constexpr, LATENT: tl.constexpr):
+    """(pos, req, closes) of token i: a request slot past the state or a negative position is
+    padding (kernels never index out of range). With LATENT, a token that closes nothing writes its
+    zero row of latent_out here."""
     pos = tl.load(pos_ptr + i)
     req = tl.load(req_ptr + i)
-    return pos, req, (req >= 0) & (req < n_requests) & (pos >= 0) & ((pos + 1) % ratio == 0)
+    closes = (req >= 0) & (req < n_requests) & (pos >= 0) & ((pos + 1) % ratio == 0)
+    if LATENT:
+        if closes == 0:
+            tl.store(latent_ptr + i * s_lat + tl.arange(0, D), tl.zeros([D], latent_ptr.dtype.element_ty))
+    return pos, req, closes
 
 
 @triton.jit
@@ -120,10 +125,7 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
                      D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr,
                      FMT: tl.constexpr, LATENT: tl.constexpr, SOFT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
-    pos, req, closes = _closes(pos_ptr, req_ptr, i, n_requests, ratio)
-    if LATENT:
-        if closes == 0:
-            tl.store(latent_ptr + i * s_lat + tl.arange(0, D), tl.zeros([D], latent_ptr.dtype.element_ty))
+    pos, req, closes = _closes(pos_ptr, req_ptr, latent_ptr, i, n_requests, s_lat, ratio, D, LATENT)
     if closes:
         x = _pool(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, i, pos, req, n_tokens, s_kv, s_sc, ratio,
                   ring, tl.arange(0, D), D, OVERLAP, RB, EDT, SOFT)
@@ -137,7 +139,7 @@ def _pool_split_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, 
                        EDT: tl.constexpr, SOFT: tl.constexpr):
     """Program (token, b): channels [b * DB, (b + 1) * DB) of the token's pooled row, into x [T, D]."""
     i = tl.program_id(0).to(tl.int64)
-    pos, req, closes = _closes(pos_ptr, req_ptr, i, n_requests, ratio)
+    pos, req, closes = _closes(pos_ptr, req_ptr, pos_ptr, i, n_requests, 0, ratio, D, False)
     if closes:
         c = tl.program_id(1) * DB + tl.arange(0, DB)
         x = _pool(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, i, pos, req, n_tokens, s_kv, s_sc, ratio,
@@ -151,10 +153,7 @@ def _finish_kernel(x_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_pt
                    FMT: tl.constexpr, LATENT: tl.constexpr, SOFT: tl.constexpr):
     """The entries of the rows _pool_split_kernel pooled."""
     i = tl.program_id(0).to(tl.int64)
-    pos, req, closes = _closes(pos_ptr, req_ptr, i, n_requests, ratio)
-    if LATENT:
-        if closes == 0:
-            tl.store(latent_ptr + i * s_lat + tl.arange(0, D), tl.zeros([D], latent_ptr.dtype.element_ty))
+    pos, req, closes = _closes(pos_ptr, req_ptr, latent_ptr, i, n_requests, s_lat, ratio, D, LATENT)
     if closes:
         x = tl.load(x_ptr + i * D + tl.arange(0, D))
         _finish(x, i, pos, eslot_ptr, w_ptr, freq_ptr, cache_ptr, latent_ptr, n_slots, s_lat, ratio, block_size, eps,
