@@ -7,14 +7,19 @@
 compressor_update, indexer_q_prep, indexer_topk, sparse_attn, inv_rope) in FP8 and bf16 pools,
 prefill chunks and padded decode steps; indexer_topk with one chunk, several chunks and one merge
 level, and two merge levels; sparse_attn with one split (many tokens) and split-KV with the combine
-(decode over a long list); pack_kv / unpack_kv in every V4 format with skipped slots; the router's
-gate_topk, hash_route, and router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90,
-cuBLAS + gate_topk above)."""
+(decode over a long list); pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots; the
+V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
+router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90, cuBLAS + gate_topk above)."""
 
 import torch
 
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.cache.v41 import V41CacheManager
+from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.layers_v41 import DeepseekV41AttentionStack
+from dsv4ops.reference.v41 import V41Numerics
+from dsv4ops.testing_v41 import serve_schedule
 from dsv4ops.indexer.api import indexer_q_prep, indexer_topk
 from dsv4ops.quant.api import pack_kv, unpack_kv
 from dsv4ops.sparse_attn.api import sparse_attn
@@ -49,6 +54,23 @@ def layers():
                         layer(torch.randn(step.positions.shape[0], CFG.hidden_size, device=DEV,
                                           dtype=torch.bfloat16), step)
             say(f"layer {li} ({layer.layer_type}), cache {mode}")
+
+
+def layers_v41():
+    """The tiny V4.1 stack (every role: KV / index / candidate sources, reindex and reuse layers)
+    over two prefill chunks and decode steps: qkv_prep into fp8_528 rings, compressor_update with
+    latent_out into fp4_288 pools, indexer_k_prep into mxfp4_68 keys, MX4 indexer_q_prep,
+    indexer_topk (source, candidate pool, reindex in the pool), sparse_attn over fp8_528 + fp4_288."""
+    cfg = DSV41AttentionConfig.tiny()
+    stack = testing.randomize_(DeepseekV41AttentionStack(cfg), seed=0).to(DEV, torch.bfloat16)
+    manager = V41CacheManager(cfg, CacheConfig(max_requests=2, max_context=128, max_step_tokens=128, block_size=7,
+                                               buckets=(2, 128)), V41Numerics(), device=DEV)
+    stack.attach_cache(manager)
+    inputs = {r: torch.randn(cfg.num_layers, n, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+              for r, n in (("a", 84), ("b", 33))}
+    serve_schedule(stack, manager, inputs, [{"a": 40, "b": 17}, {"a": 40, "b": 16}, {"a": 1}, {"a": 1}, {"a": 1},
+                                            {"a": 1}])
+    say("V4.1 stack, 2 prefill chunks and 4 decode steps")
 
 
 def _fp8_pool(blocks: int, dim: int, fmt: str) -> torch.Tensor:
@@ -89,8 +111,9 @@ def attention():
 
 
 def pack_unpack():
-    for fmt, dim in (("fp8_584", 512), ("fp8_132", 128)):
-        pool = testing.page_pool(2, 64, dim, fmt, device=DEV)
+    for fmt, dim in (("fp8_584", 512), ("fp8_132", 128), ("fp8_528", 512), ("fp4_288", 512), ("mxfp4_68", 128)):
+        # mxfp4_68 pages hold 128 rows (17 x 512 B); the others 64.
+        pool = testing.page_pool(2, 128 if fmt == "mxfp4_68" else 64, dim, fmt, device=DEV)
         slots = torch.tensor([3, -1, 70, 127, -1, 0], dtype=I32, device=DEV)
         pack_kv(torch.randn(6, dim, device=DEV, dtype=torch.bfloat16), slots, pool, fmt)
         unpack_kv(pool, slots, dim, torch.bfloat16, fmt)
@@ -120,6 +143,7 @@ def routers():
 def main():
     with torch.no_grad():
         layers()
+        layers_v41()
         topk()
         attention()
         pack_unpack()
