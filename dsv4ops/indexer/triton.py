@@ -355,6 +355,19 @@ def _select_block(key, col, k, out_ptr, out_key_ptr, bt_ptr, cand_row, req, s_bt
 
 
 @triton.jit
+def _emit(key, col, k, final, out, lst, bt_ptr, cand_row, req, s_bt, block_size, cb, N: tl.constexpr,
+          MODE: tl.constexpr):
+    """The top k of key [N]: with `final`, the token's row at out (as _select_block's OUT = MODE, -1
+    filled to k); else a candidate list [count, k columns, k keys] at lst for the next merge."""
+    if final:
+        got = _select_block(key, col, k, out, out, bt_ptr, cand_row, req, s_bt, block_size, cb, N, MODE)
+        _fill(out, got, k, -1, 1024)
+    else:
+        tl.store(lst, _select_block(key, col, k, lst + 1, lst + 1 + k, bt_ptr, cand_row, req, s_bt, block_size, cb,
+                                    N, -1))
+
+
+@triton.jit
 def _fill(ptr, lo, hi, value, BLOCK: tl.constexpr):
     for i0 in range(lo, hi, BLOCK):
         i = i0 + tl.arange(0, BLOCK)
@@ -377,15 +390,8 @@ def _select_kernel(pos_ptr, req_ptr, bt_ptr, cand_ptr, out_ptr, ws_ptr, t0, s_bt
     for c in range(tl.program_id(1), chunks, GC):
         col = c * CH + tl.arange(0, CH)
         key = tl.load(row + keys_at + col, mask=col < n, other=0).to(tl.uint32, bitcast=True)
-        if chunks == 1:
-            out = out_ptr + t * s_out
-            got = _select_block(key, col, k, out, out, bt_ptr, cand_ptr + t * s_cand, req, s_bt, block_size, cb, CH,
-                                MODE)
-            _fill(out, got, k, -1, 1024)
-        else:
-            lst = row + cand_at + c * (2 * k + 1)
-            tl.store(lst, _select_block(key, col, k, lst + 1, lst + 1 + k, bt_ptr, cand_ptr, req, s_bt, block_size,
-                                        cb, CH, -1))
+        _emit(key, col, k, chunks == 1, out_ptr + t * s_out, row + cand_at + c * (2 * k + 1), bt_ptr,
+              cand_ptr + t * s_cand, req, s_bt, block_size, cb, CH, MODE)
 
 
 @triton.jit(do_not_specialize=["t0", "n_entries"])
@@ -412,15 +418,8 @@ def _merge_kernel(pos_ptr, req_ptr, bt_ptr, cand_ptr, out_ptr, ws_ptr, t0, s_bt,
         ok = (p % k < count) & (p < GS * k)
         key = tl.load(lst + 1 + k + p % k, mask=ok, other=0).to(tl.uint32, bitcast=True)
         col = tl.load(lst + 1 + p % k, mask=ok, other=0)
-        if lists <= GS:
-            out = out_ptr + t * s_out
-            got = _select_block(key, col, k, out, out, bt_ptr, cand_ptr + t * s_cand, req, s_bt, block_size, cb, MCH,
-                                MODE)
-            _fill(out, got, k, -1, 1024)
-        else:
-            nxt = row + out_at + g * (2 * k + 1)
-            tl.store(nxt, _select_block(key, col, k, nxt + 1, nxt + 1 + k, bt_ptr, cand_ptr, req, s_bt, block_size,
-                                        cb, MCH, -1))
+        _emit(key, col, k, lists <= GS, out_ptr + t * s_out, row + out_at + g * (2 * k + 1), bt_ptr,
+              cand_ptr + t * s_cand, req, s_bt, block_size, cb, MCH, MODE)
 
 
 def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
