@@ -73,6 +73,21 @@ class GroupedLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
 
+def serving_cache(module: nn.Module, who: str, owner: str, arg: str, x: Tensor, step, ndim: int, dims: str,
+                  tokens: int):
+    """The attached cache of a serving forward(x, step); in eager mode first the checks that keep a
+    bad call from writing anything: a cache is attached, x has the serving shape, the step is this
+    manager's open step for `tokens` rows."""
+    cache = module._modules.get("cache")
+    if not torch.compiler.is_compiling():
+        if cache is None:
+            raise RuntimeError(f"{who}: no cache attached; call {owner}.attach_cache(manager) before a serving forward "
+                               f"(forward({arg}, step))")
+        module._check_input(x, ndim, dims)
+        module.cache_manager.check_step(step, tokens)
+    return cache
+
+
 def _linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False)
 
@@ -206,13 +221,8 @@ class DeepseekV4Attention(nn.Module):
 
     def _forward(self, hidden_states: Tensor, step: StepMeta | None) -> Tensor:
         if step is not None:
-            cache = self._modules.get("cache")
-            if not torch.compiler.is_compiling():
-                if cache is None:
-                    raise RuntimeError(f"{type(self).__name__}(layer {self.layer_idx}): no cache attached; call "
-                                       f"layer.attach_cache(manager) before a serving forward (forward(x, step))")
-                self._check_input(hidden_states, 2, "[tokens, hidden]")
-                self.cache_manager.check_step(step, hidden_states.shape[0])
+            cache = serving_cache(self, f"{type(self).__name__}(layer {self.layer_idx})", "layer", "x", hidden_states,
+                                  step, 2, "[tokens, hidden]", hidden_states.shape[0])
             return _attend(self, hidden_states, step, cache)
         if not torch.compiler.is_compiling():
             self._check_input(hidden_states, 3, "[batch, seq, hidden]")

@@ -30,7 +30,7 @@ from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.step import live_tokens
 from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm
+from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm, serving_cache
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_output, rms_norm
 from dsv4ops.reference.v41 import V41Numerics, compressor_dtype, entry_dtype
@@ -268,13 +268,8 @@ class DeepseekV41AttentionStack(nn.Module):
 
     def _forward(self, xs: Tensor, step: V41StepMeta | None, published: dict | None) -> Tensor:
         if step is not None:
-            cache = self._modules.get("cache")
-            if not torch.compiler.is_compiling():
-                if cache is None:
-                    raise RuntimeError(f"{type(self).__name__}: no cache attached; call stack.attach_cache(manager) "
-                                       f"before a serving forward (forward(xs, step))")
-                self._check_input(xs, 3, "[num_layers, tokens, hidden]")
-                self.cache_manager.check_step(step, xs.shape[1])
+            cache = serving_cache(self, type(self).__name__, "stack", "xs", xs, step, 3, "[num_layers, tokens, hidden]",
+                                  xs.shape[1])
             return self._serve(xs, step, cache, published)
         if not torch.compiler.is_compiling():
             self._check_input(xs, 4, "[num_layers, batch, seq, hidden]")
