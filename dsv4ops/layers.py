@@ -22,6 +22,13 @@ from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
 
 _KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "inv_freq", "state")
+# The compressor projections a, z compute in fp32 outside exact mode (DeepSeek's reference keeps
+# their weights in fp32, spec 1.3 and 3.3): held in fp32 there, so no step converts them (V4-Flash:
+# 42 MB of fp32 weights per CSA layer, 17 MB per HCA layer). By the mode that rounds each:
+_COMPRESSOR_WEIGHTS = {
+    "kv": ("compressor.kv_proj.weight", "compressor.gate_proj.weight"),
+    "indexer": ("compressor.indexer.kv_proj.weight", "compressor.indexer.gate_proj.weight"),
+}
 
 # DeepSeek's checkpoint names (inference/model.py) -> this module's (transformers'), under
 # `layers.{i}.`: the renames transformers' conversion mapping applies to DeepSeek-V4 checkpoints.
@@ -126,6 +133,8 @@ class DeepseekV4Attention(nn.Module):
 
     `config` is a `DSV4AttentionConfig` or a transformers `DeepseekV4Config`. `numerics` picks the
     rounding of the main KV and indexer (see `dsv4ops.reference.numerics`); exact = transformers.
+    Outside exact mode the compressor projection weights of the mode's compressor stay fp32 through
+    `.to(dtype)` (their projections compute in fp32; `_apply`).
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
     from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
@@ -149,17 +158,23 @@ class DeepseekV4Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(h))
         self.compressor = None if self.layer_type == SLIDING else Compressor(cfg, cfg.compress_ratio(layer_idx))
         self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
+        self._keep_fp32()  # also when built under another default dtype
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` keeps the tensors transformers keeps in fp32 (sinks, position biases, norm
-        weights) and the fp32 RoPE table and compressor states in fp32."""
+        weights), the fp32 RoPE table and compressor states, and, outside exact mode, the compressor
+        projection weights (the reference's fp32 weights: `kv` rounds the main compressor's, `indexer`
+        the indexer's) in fp32."""
         super()._apply(fn, recurse)
         self._keep_fp32()
         return self
 
     def _keep_fp32(self) -> None:
+        weights = {name for mode, names in _COMPRESSOR_WEIGHTS.items()
+                   if getattr(self.numerics, mode) != "exact" for name in names}
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            if name.endswith(_KEEP_FP32) and t.is_floating_point() and t.dtype != torch.float32:
+            keep = name.endswith(_KEEP_FP32) or name in weights
+            if keep and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
 
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK):
@@ -303,6 +318,8 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
 
 def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps):
     cdt = compressor_dtype(mode, x.dtype)
+    # The weights are held in cdt (`_keep_fp32`; exact mode: the model dtype, x's): `.to` returns
+    # them as they are (it converts only weights assigned in another dtype since).
     a = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt))
     z = F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
     torch.ops.dsv4.compressor_update(a, z, c.position_bias, pos, req, entry_slots, c.kv_norm.weight, inv_freq, state,

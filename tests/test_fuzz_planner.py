@@ -2,8 +2,9 @@
 (counts from 1 to a quarter of a 1M-token context, zero, negative, bool, float, unknown requests,
 empty steps, steps past the context or the step capacity), each step committed or aborted, against
 a plain model of what every request holds. After every rule: rejected calls changed nothing, a
-planned step lists exactly its requests' next positions, and the block tables own exactly the
-blocks of the committed lengths, with no block owned twice or both owned and free."""
+planned step lists exactly its requests' next positions (and carries the device block tables, equal
+to the planner's), and the block tables own exactly the blocks of the committed lengths, with no
+block owned twice or both owned and free."""
 
 import math
 
@@ -137,6 +138,10 @@ class Planner(RuleBasedStateMachine):
         return math.ceil(length // ratio / CACHE.block_size)
 
     def _check_step(self, step, new):
+        # The step's tables are the device copies, up to date with the planner's after any history.
+        for kind in (CSA, HCA):
+            assert step.block_table(kind) is self.m.device_tables[kind]
+            assert torch.equal(step.block_table(kind), self.m.tables[kind]), kind
         total = sum(new.values())
         bucket = min(b for b in CACHE.buckets if b >= total)
         assert step.positions.shape == (bucket,)

@@ -1,12 +1,16 @@
 """The drop-in layer: transformers' names and state dict, both config kinds, stateless forward."""
 
+import contextlib
 import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention as HFAttention
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, testing
+from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.config import CSA
 
 CFG = DSV4AttentionConfig.tiny(index_topk=128)
 
@@ -87,3 +91,84 @@ def test_layer_index_out_of_range_is_rejected(layer_idx):
 def test_stateless_forward_rejects_bad_inputs(x, match):
     with pytest.raises(ValueError, match=match), torch.no_grad():
         DeepseekV4Attention(CFG, 1)(x)
+
+
+MODES = {"exact": Numerics(), "kv-fp8": Numerics(kv="fp8"), "indexer-fp8": Numerics(indexer="fp8"),
+         "fp8": Numerics(kv="fp8", indexer="fp8")}
+
+
+def _fp32_compressor_weights(numerics: Numerics, layer_idx: int) -> set:
+    """The compressor weights the reference keeps in fp32 (spec 3.3): those of a mode that is not exact."""
+    main = {"compressor.kv_proj.weight", "compressor.gate_proj.weight"} if numerics.kv != "exact" else set()
+    index = {"compressor.indexer.kv_proj.weight", "compressor.indexer.gate_proj.weight"}
+    return main | (index if numerics.indexer != "exact" and CFG.layer_type(layer_idx) == CSA else set())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_to_bf16_keeps_sinks_norms_rope_tables_and_the_quantized_modes_compressors_in_fp32(mode):
+    numerics = MODES[mode]
+    for li in (1, 2):  # CSA, HCA
+        layer = DeepseekV4Attention(CFG, li, numerics=numerics).to(torch.bfloat16)
+        fp32 = _fp32_compressor_weights(numerics, li)
+        for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+            keep = name.endswith(("sinks", "position_bias", "norm.weight", "inv_freq")) or name in fp32
+            assert t.dtype == (torch.float32 if keep else torch.bfloat16), (mode, li, name)
+        with torch.device("meta"), _default_dtype(torch.bfloat16):  # built in bf16: the same dtypes
+            built = DeepseekV4Attention(CFG, li, numerics=numerics)
+        assert {n: t.dtype for n, t in built.named_parameters()} == {n: t.dtype for n, t in layer.named_parameters()}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_bf16_state_dicts_load_into_the_fp32_compressor_weights_and_back():
+    """transformers' bf16 layer -> a bf16 FP8-numerics layer (its compressor weights fp32: load
+    casts) -> transformers' again: every tensor round-trips bit for bit."""
+    hc = testing.hf_config(CFG)
+    hf = testing.randomize_(HFAttention(hc, 1), seed=1).to(torch.bfloat16)
+    ours = DeepseekV4Attention(hc, 1, numerics=MODES["fp8"]).to(torch.bfloat16)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    assert ours.compressor.indexer.gate_proj.weight.dtype == torch.float32
+    back = HFAttention(hc, 1).to(torch.bfloat16)
+    back.load_state_dict(ours.state_dict(), strict=True)
+    for k, v in hf.state_dict().items():
+        assert torch.equal(ours.state_dict()[k].to(v.dtype), v) and torch.equal(back.state_dict()[k], v), k
+
+
+class _WeightConversions(TorchDispatchMode):
+    """Records the parameters of `module` that a dtype conversion (aten._to_copy) reads."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.names = {p.untyped_storage().data_ptr(): n for n, p in module.named_parameters()}
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            name = self.names.get(args[0].untyped_storage().data_ptr())
+            if name is not None:
+                self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["exact", "fp8"])
+@pytest.mark.parametrize("layer_idx", [1, 2], ids=["CSA", "HCA"])
+def test_a_serving_step_of_a_bf16_layer_converts_no_weight(mode, layer_idx):
+    numerics = MODES[mode]
+    layer = testing.randomize_(DeepseekV4Attention(CFG, layer_idx, numerics=numerics), seed=3).to(torch.bfloat16)
+    cache_mode = "bf16" if mode == "exact" else "fp8"
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, kv_cache=cache_mode,
+                                              indexer_cache=cache_mode, exact_dtype=torch.bfloat16))
+    layer.attach_cache(manager)
+    manager.admit("a")
+    x = torch.randn(16, CFG.hidden_size).bfloat16()
+    with torch.no_grad(), manager.step({"a": 16}) as step, _WeightConversions(layer) as conversions:
+        y = layer(x, step)
+    assert conversions.seen == [] and torch.isfinite(y).all()

@@ -5,10 +5,13 @@ compiled; a foreign, stale, closed or hand-edited step writes nothing. Issue 10.
 import pytest
 import torch
 from test_serving import CFG, LENGTHS, _check_against_stateless, _pool_bytes, _setup
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4ops import layers, testing
-from dsv4ops.cache import KVCacheManager
+from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.config_v41 import DSV41AttentionConfig
 
 # Request "a" (260 tokens): a 100-token prefill, then a 150-token chunk that fails once and is
 # retried, then 10 decode steps. The chunk (positions 100..249) wraps every compressor-state ring
@@ -222,3 +225,121 @@ def test_released_request_in_a_compiled_step_is_skipped_and_the_others_run():
     assert (y[:8] == 0).all()
     assert manager.length == {"b": 131}
     _check_against_stateless(layer, {"b": inputs["b"]}, {"b": torch.cat([first, y[8:39]])}, "bf16")
+
+
+# ---- the block tables on the device --------------------------------------------------------------
+class _TableTraffic(TorchDispatchMode):
+    """Counts the block-table elements (int32, 2-D) that copies read: clones, dtype / device copies,
+    copy_ and index_copy_ sources."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        src = {aten.clone.default: 0, aten._to_copy.default: 0, aten.copy_.default: 1,
+               aten.index_copy_.default: 3, aten.index_copy.default: 3}.get(func)
+        if src is not None and args[src].dtype == torch.int32 and args[src].dim() == 2:
+            self.elements += args[src].numel()
+        return func(*args, **(kwargs or {}))
+
+
+def _planned_traffic(manager, new):
+    with _TableTraffic() as traffic:
+        step = manager.prepare_step(new)
+    manager.commit(step)
+    return step, traffic.elements
+
+
+def _manager(kind, device):
+    """A manager of 16 requests and the length after which a request's next token opens a block
+    (V4: CSA entry 64 at token 259, blocks of 16 entries; V4.1: ratio-1 entry 63 at token 63, blocks
+    of 7), no other table changing."""
+    if kind == "v4":
+        cache_cfg = CacheConfig(max_requests=16, max_context=4096, max_step_tokens=512, block_size=16)
+        return KVCacheManager(CFG, cache_cfg, device=device), 259
+    cache_cfg = CacheConfig(max_requests=16, max_context=4096, max_step_tokens=512, block_size=7)
+    return V41CacheManager(DSV41AttentionConfig.tiny(), cache_cfg, device=device), 63
+
+
+@pytest.mark.parametrize("manager_kind", ["v4", "v41"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_step_moves_only_the_block_table_rows_written_since_the_last_step(device, manager_kind):
+    """16 requests; after the first step, a decode step in which one request opens a block moves one
+    row per table that changed (host -> device), and a decode step that opens none moves nothing.
+    Every step carries the same table tensors, equal to the planner's host tables."""
+    manager, long = _manager(manager_kind, device)
+    for r in range(16):
+        manager.admit(r)
+    first, _ = _planned_traffic(manager, {r: (long if r == 0 else 5) for r in range(16)})
+    width = sum(t.shape[1] for t in manager.tables.values())
+    before = {k: t.clone() for k, t in manager.tables.items()}
+    step, moved = _planned_traffic(manager, {r: 1 for r in range(16)})
+    changed = sum(int((before[k] != t).any(1).sum()) for k, t in manager.tables.items())
+    # Before: the whole tables, 16 rows each, cloned (and, on a GPU, copied to it) every step.
+    assert changed == 1 and moved <= 2 * (width + 1), moved
+    step, moved = _planned_traffic(manager, {r: 1 for r in range(16)})
+    assert moved == 0
+    for kind, table in manager.tables.items():
+        assert step.block_table(kind) is first.block_table(kind) is manager.device_tables[kind]
+        assert step.block_table(kind).device.type == device and torch.equal(step.block_table(kind).cpu(), table)
+
+
+def test_eager_forward_rejects_an_edited_or_replaced_block_table_and_the_next_step_restores_it():
+    """The steps share the manager's device tables: an in-place edit of any row (even one the step
+    does not read: the next step would) or a replaced table is rejected on the CPU, and the next
+    planned step brings the edited row back. A row written since planning (a request released while
+    the step is open) is not an edit."""
+    layer, manager, inputs = _setup(CSA, "fp8")
+    for rid in "abc":
+        manager.admit(rid)
+    with torch.no_grad():
+        testing.serve_schedule(layer, manager, {r: inputs[r] for r in "bc"}, [{"b": 100, "c": 9}])
+    x = torch.randn(16, CFG.hidden_size)
+    step = manager.prepare_step({"a": 16})
+    table, b = step.block_table(CSA), manager.slot_of["b"]
+    table[b, 0] += 1
+    _rejected(layer, x, step, r"step: the compressed_sparse_attention block table is not what step \d+ was planned "
+                              r"with \(edited by hand\?\)")
+    manager.abort(step)
+    step = manager.prepare_step({"a": 16})
+    assert step.block_table(CSA) is table and torch.equal(table, manager.tables[CSA])
+    step.block_table_csa = table.clone()
+    _rejected(layer, x, step, r"step: its compressed_sparse_attention block table is not the manager's \(replaced by "
+                              r"hand\?\)")
+    step.block_table_csa = table
+    c = manager.slot_of["c"]
+    manager.release("c")  # its host row is cleared, the device row follows at the next step
+    assert (table[c] >= 0).any() and (manager.tables[CSA][c] == -1).all()
+    with torch.no_grad():
+        layer(x, step)
+    manager.commit(step)
+    step = manager.prepare_step({"a": 1})
+    assert torch.equal(step.block_table(CSA), manager.tables[CSA]) and (table[c] == -1).all()
+    manager.abort(step)
+
+
+def test_every_table_write_reaches_the_device_tables_at_the_next_step():
+    """Fork, rewind, release and abort write host rows of requests that the next step does not run:
+    that step's (device) tables equal the planner's all the same."""
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=4, max_context=1024, max_step_tokens=512, block_size=16,
+                                              max_draft_tokens=5))
+
+    def step_of(new, commit=True):
+        step = manager.prepare_step(new)
+        for kind, table in manager.tables.items():
+            assert torch.equal(step.block_table(kind), table), (new, kind)
+        (manager.commit if commit else manager.abort)(step)
+
+    manager.admit("a")
+    step_of({"a": 260})  # CSA: 65 entries, 5 blocks of 16
+    manager.fork("a", "b", 256)  # shares 4 CSA blocks (no partial one), copies HCA's partial block
+    step_of({"a": 1})
+    manager.rewind("a", 4)  # back to 257: 64 entries, the fifth block dropped
+    step_of({"b": 1})
+    manager.release("b")
+    step_of({"a": 1})
+    manager.admit("c")
+    step_of({"c": 300}, commit=False)
+    step_of({"a": 1})

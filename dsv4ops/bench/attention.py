@@ -35,7 +35,7 @@ def _prefilled(manager: KVCacheManager, rid, length: int):
         if not width:
             continue
         n = -(-(length // ratio) // manager.cfg.block_size)
-        manager.tables[kind][slot, :n] = torch.tensor(manager.allocators[kind].take(n), dtype=torch.int32)
+        manager._set_blocks(kind, slot, slice(0, n), torch.tensor(manager.allocators[kind].take(n), dtype=torch.int32))
     manager.length[rid] = length
 
 

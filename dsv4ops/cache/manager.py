@@ -114,7 +114,15 @@ class KVCacheManager:
         self.ratios, kinds = self._compressed_pools(model)
         self.widths = {k: (blocks_per_request(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
         self.allocators = {k: BlockAllocator(pool_blocks(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
+        # The block tables: the planner's on the host (`tables`, written only through _set_blocks) and
+        # the copies the steps read (`device_tables`, on `device`; a CPU manager's are separate CPU
+        # tensors). The device tables are allocated once and every step carries them (CUDA graphs
+        # keep their addresses); prepare_step copies in only the rows written since the last step
+        # (`_dirty`): a decode step moves a few rows, not [max_requests, max_context / ratio /
+        # block_size] (128 requests at 1M, CSA: 2 MiB a step).
         self.tables = {k: torch.full((cfg.max_requests, w), -1, dtype=torch.int32) for k, w in self.widths.items()}
+        self.device_tables = {k: torch.full_like(t, -1, device=self.device) for k, t in self.tables.items()}
+        self._dirty: dict[object, set[int]] = {k: set() for k in self.tables}
         self.free_slots = list(range(cfg.max_requests - 1, -1, -1))
         self.slot_of: dict[object, int] = {}
         self.length: dict[object, int] = {}
@@ -152,12 +160,31 @@ class KVCacheManager:
                     slot += spec.nbytes // self.cfg.max_requests
         return block, slot
 
-    def _step_meta(self, pos: torch.Tensor, req: torch.Tensor, entries: dict, gens: torch.Tensor,
+    def _step_meta(self, pos: torch.Tensor, req: torch.Tensor, entries: dict, tables: dict, gens: torch.Tensor,
                    ends: torch.Tensor) -> StepMeta:
-        """The step's metadata (host tensors) from its positions, request slots, entry slots per
-        group, request generations and window ends."""
-        return StepMeta(pos, req, entries[CSA], entries[HCA], self.tables[CSA].clone(), self.tables[HCA].clone(), gens,
-                        ends)
+        """The step's metadata from its positions, request slots, entry slots per group (host
+        tensors), block tables per group (the device tables), request generations and window ends
+        (host tensors)."""
+        return StepMeta(pos, req, entries[CSA], entries[HCA], tables[CSA], tables[HCA], gens, ends)
+
+    # ---- block tables ---------------------------------------------------------------------------
+    def _set_blocks(self, kind, slot: int, at, blocks) -> None:
+        """Write entries `at` (an index or slice) of a slot's host block-table row; the row reaches
+        the device table at the next prepare_step. Every table write goes through here."""
+        self.tables[kind][slot, at] = blocks
+        self._dirty[kind].add(slot)
+
+    def _sync_tables(self) -> None:
+        """Copy the host rows written since the last sync into the device tables: per group one
+        host-to-device copy of [rows, 1 + width] (slot, then the row) and one index_copy_, in stream
+        order after the kernels of earlier steps that read the table; no host sync."""
+        for kind, dirty in self._dirty.items():
+            if not dirty:
+                continue
+            slots = torch.tensor(sorted(dirty), dtype=torch.int32)
+            packed = torch.cat([slots[:, None], self.tables[kind][slots.long()]], 1).to(self.device, non_blocking=True)
+            self.device_tables[kind].index_copy_(0, packed[:, 0].long(), packed[:, 1:])
+            dirty.clear()
 
     def topk_workspace(self, device) -> torch.Tensor:
         """The indexer top-k scratch every CSA layer attached to this manager shares on `device`
@@ -206,9 +233,10 @@ class KVCacheManager:
         (its tokens are stale) and abort or commit skip it."""
         slot = self._slot(request_id)
         for kind, table in self.tables.items():
-            row = table[slot]
-            self.allocators[kind].drop(row[row >= 0].tolist())
-            row.fill_(-1)
+            held = table[slot][table[slot] >= 0].tolist()
+            if held:
+                self.allocators[kind].drop(held)
+                self._set_blocks(kind, slot, slice(None), -1)
         del self.slot_of[request_id], self.length[request_id], self.high[request_id]
         self.free_slots.append(slot)
         self.free_slots.sort(reverse=True)
@@ -277,10 +305,11 @@ class KVCacheManager:
             if self.widths[kind] == 0:
                 continue
             keep = -(-(new // r) // self.cfg.block_size)
-            row = self.tables[kind][slot]
-            tail = row[keep:]
-            self.allocators[kind].drop(tail[tail >= 0].tolist())
-            tail.fill_(-1)
+            tail = self.tables[kind][slot, keep:]
+            dropped = tail[tail >= 0].tolist()
+            if dropped:
+                self.allocators[kind].drop(dropped)
+                self._set_blocks(kind, slot, slice(keep, None), -1)
         self.length[request_id] = new
         self._bump([slot])
 
@@ -331,14 +360,15 @@ class KVCacheManager:
             if self.widths[kind] == 0:
                 continue
             full = (length // r) // bs
-            src, dst = self.tables[kind][pslot], self.tables[kind][slot]
-            self.allocators[kind].share(src[:full].tolist())
-            dst[:full] = src[:full]
+            src = self.tables[kind][pslot]
+            if full:
+                self.allocators[kind].share(src[:full].tolist())
+                self._set_blocks(kind, slot, slice(0, full), src[:full])
             if partial[kind]:
                 block = self.allocators[kind].take(1)[0]
                 for cache in list(self._caches):
                     cache.copy_blocks(kind, [int(src[full])], [block])
-                dst[full] = block
+                self._set_blocks(kind, slot, full, block)
         for cache in list(self._caches):
             cache.copy_slot(pslot, slot)
         self._bump([slot])
@@ -461,13 +491,13 @@ class KVCacheManager:
             for cache in list(self._caches):
                 cache.copy_blocks(kind, shared, private)
             for (slot, b), old, new in zip(at, shared, private):
-                self.tables[kind][slot, b] = new
+                self._set_blocks(kind, slot, b, new)
                 cows.append((kind, slot, b, old, new))
             self.allocators[kind].drop(shared)
         taken = {k: [] for k in self.tables}
         for kind, blocks_ in need.items():
             for (slot, b), block in zip(blocks_, self.allocators[kind].take(len(blocks_))):
-                self.tables[kind][slot, b] = block
+                self._set_blocks(kind, slot, b, block)
                 taken[kind].append((slot, b, block))
         bucket = min(b for b in cfg.buckets if b >= total)
         pos = torch.zeros(bucket, dtype=torch.int32)
@@ -487,11 +517,14 @@ class KVCacheManager:
             ends[i + p.tokens - b:i + p.tokens] = p.start + p.tokens - 1
             i += p.tokens
         entries = {k: self._entry_slots(k, pos, req) for k in self.tables}
-        planned = self._step_meta(pos, req, entries, gens, ends)
-        step = planned.to(self.device)
+        self._sync_tables()
+        planned = self._step_meta(pos, req, entries, self.device_tables, gens, ends)
+        step = planned.to(self.device)  # the per-token tensors; the tables are there already
+        tables = {id(t) for t in self.device_tables.values()}
         on_cpu = self.device.type == "cpu"
         step.origin = StepOrigin(self.id, next(self._steps), tuple(plan),
-                                 {k: t.clone() for k, t in planned.tensors().items()} if on_cpu else None)
+                                 {k: t.clone() for k, t in planned.tensors().items() if id(t) not in tables}
+                                 if on_cpu else None)
         self._open = _OpenStep(step, taken, cows, backups)
         return step
 
@@ -578,14 +611,14 @@ class KVCacheManager:
             back = [block for slot, b, block in taken if slot in live]
             for slot, b, block in taken:
                 if slot in live:
-                    self.tables[kind][slot, b] = -1
+                    self._set_blocks(kind, slot, b, -1)
             self.allocators[kind].drop(back)
         for kind, slot, b, shared, private in opened.cows:
             # The shared block again, unless its other holders released it meanwhile (then the
             # private copy, equal up to the step's own writes past the committed length, stays).
             if slot in live and self.allocators[kind].refs[shared] > 0:
                 self.allocators[kind].share([shared])
-                self.tables[kind][slot, b] = shared
+                self._set_blocks(kind, slot, b, shared)
                 self.allocators[kind].drop([private])
         for cache, name, index, rows in opened.backups:
             keep = torch.tensor([int(s) in live for s in index.tolist()], dtype=torch.bool)
@@ -598,8 +631,12 @@ class KVCacheManager:
     def check_step(self, step: StepMeta, tokens: int) -> None:
         """Raises unless `step` is this manager's open step, all its requests are still admitted with
         the generation they had when it was planned, and (when the step lives on the CPU, where it
-        costs no sync) its tensors are the planned ones for every live token. Reads host metadata
-        only. The eager serving forward calls it before writing anything."""
+        costs no sync) its tensors are the planned ones for every live token: the per-token tensors
+        against copies taken at planning, the block tables by identity (the manager's
+        `device_tables`) and content (each row equal to the host table's, except rows written since
+        planning: those of requests released while the step is open, which no token of the step
+        reads). Reads host metadata only. The eager serving forward calls it before writing
+        anything."""
         if not hasattr(step, "tensors") or not hasattr(step, "req_gens"):
             raise TypeError(f"step: expected the metadata of a step planned by {type(self).__name__}.prepare_step / "
                             f".step, got {type(step).__name__}")
@@ -627,10 +664,20 @@ class KVCacheManager:
         for name, want in planned.items():
             got = got_all[name]
             # Padding rows may carry any position, generation or entry slot (they read and write
-            # nothing) but must stay padding: req_slots and the 2-D block tables are compared whole.
-            per_token = want.dim() == 1 and name != "req_slots"
+            # nothing) but must stay padding: req_slots is compared whole.
+            per_token = name != "req_slots"
             same = got.shape == want.shape and (torch.equal(got[live], want[live]) if per_token
                                                  else torch.equal(got, want))
             if not same:
                 raise ValueError(f"step: {name} is not what step {o.step_id} was planned with (edited by hand?); "
                                  f"plan steps with the manager")
+        for kind, table in self.device_tables.items():
+            if step.block_table(kind) is not table:
+                raise ValueError(f"step: its {kind} block table is not the manager's (replaced by hand?); plan steps "
+                                 f"with the manager")
+            edited = (table != self.tables[kind]).any(1)
+            edited[sorted(self._dirty[kind])] = False
+            if edited.any():
+                self._dirty[kind].update(edited.nonzero().flatten().tolist())  # the next step restores them
+                raise ValueError(f"step: the {kind} block table is not what step {o.step_id} was planned with "
+                                 f"(edited by hand?); plan steps with the manager")

@@ -29,13 +29,14 @@ class PlannedRequest:
 @dataclass(frozen=True)
 class StepOrigin:
     """Host-side record of who planned a step: the manager's id, the step's number, its requests,
-    and (for steps on the CPU) the planned tensors, so the eager forward checks a step without
-    reading device memory."""
+    and (for steps on the CPU) copies of the planned per-token tensors, so the eager forward checks
+    a step without reading device memory (the block tables it checks against the manager's host
+    tables: KVCacheManager.check_step)."""
 
     manager_id: int
     step_id: int
     requests: tuple[PlannedRequest, ...]
-    planned: dict[str, Tensor] | None  # CPU copies of the step's tensors (by name), for a step on the CPU
+    planned: dict[str, Tensor] | None  # CPU copies of the step's per-token tensors (by name), for a step on the CPU
 
 
 @dataclass
@@ -47,6 +48,10 @@ class StepMeta:
     last position of each token's window: its own, or its draft block's last, see
     KVCacheManager.prepare_step). All CSA layers share one block table (their pools fill in step),
     and so do all HCA layers.
+
+    The block tables are the manager's `device_tables`, the same tensors in every step (kept on the
+    device, updated in place by the next prepare_step with the rows written since): a step reads
+    them, never writes them, and they hold its plan until the next step is planned.
 
     A token runs only while its slot still has that generation (the layer compares req_gens with
     its cache's `generations` on the device): the manager gives a slot a new generation on admit,

@@ -31,10 +31,10 @@ from dsv4ops.reference.v41 import V41Numerics
 class V41StepMeta:
     """positions [T], req_slots [T] (-1: padding), entries {ratio: [T] pool slot of the entry a token
     closes in that ratio's pools, else -1}, tables {ratio: [max_requests, blocks] physical block of
-    each block of a request's entries (-1 unallocated)}, req_gens [T] (the generation of each
-    token's slot at planning: see StepMeta), window_ends [T] (the last position of each token's
-    window: see StepMeta). int32 tensors, a registered pytree; `origin` is the planner's host-side
-    record, never traced."""
+    each block of a request's entries (-1 unallocated): the manager's device tables, shared by every
+    step, see StepMeta}, req_gens [T] (the generation of each token's slot at planning: see
+    StepMeta), window_ends [T] (the last position of each token's window: see StepMeta). int32
+    tensors, a registered pytree; `origin` is the planner's host-side record, never traced."""
 
     positions: Tensor
     req_slots: Tensor
@@ -175,8 +175,9 @@ class V41CacheManager(KVCacheManager):
                 slot += spec.nbytes // self.cfg.max_requests
         return block, slot
 
-    def _step_meta(self, pos: Tensor, req: Tensor, entries: dict, gens: Tensor, ends: Tensor) -> V41StepMeta:
-        return V41StepMeta(pos, req, dict(entries), {m: t.clone() for m, t in self.tables.items()}, gens, ends)
+    def _step_meta(self, pos: Tensor, req: Tensor, entries: dict, tables: dict, gens: Tensor,
+                   ends: Tensor) -> V41StepMeta:
+        return V41StepMeta(pos, req, dict(entries), dict(tables), gens, ends)
 
 
 def memory(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
