@@ -1,0 +1,41 @@
+"""Metadata rules of `dsv4::fp8_linear`."""
+
+import torch
+from torch import Tensor
+
+from dsv4ops import _checks as c
+
+# Tile sizes of the checkpoints: DeepSeek-V4 128 x 128, V4.1 32 x 32 (dsv4ops/checkpoint.py).
+BLOCKS = (32, 128)
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int):
+    torch._check(block in BLOCKS, lambda: f"block: expected a tile size in {list(BLOCKS)}, got {block}")
+    c.ndim("x", x, 2, "[tokens, in_features]")
+    c.dtype("x", x, c.FLOATS)
+    c.last_dim_contiguous("x", x)
+    c.ndim("weight", weight, 2, "[out_features, in_features]")
+    c.dtype("weight", weight, (torch.float8_e4m3fn,))
+    c.contiguous("weight", weight)
+    c.size("weight", weight, 1, x.shape[1], "in_features of x")
+    c.same_device("weight", weight, x, "x")
+    n, k = weight.shape
+    tiles = ((n + block - 1) // block, (k + block - 1) // block)
+    c.ndim("scale", scale, 2, "[ceil(out_features / block), ceil(in_features / block)]")
+    c.dtype("scale", scale, SCALE_DTYPES)
+    c.contiguous("scale", scale)
+    torch._check(
+        scale.shape[0] == tiles[0] and scale.shape[1] == tiles[1],
+        lambda: f"scale: expected shape {tiles} (a [{n}, {k}] weight in {block} x {block} tiles), got "
+        f"{tuple(scale.shape)}",
+    )
+    c.same_device("scale", scale, x, "x")
+    torch._check(
+        out.dim() == 2 and out.shape[0] == x.shape[0] and out.shape[1] == n,
+        lambda: f"out: expected shape ({x.shape[0]}, {n}) (tokens of x, out_features of weight), got "
+        f"{tuple(out.shape)}",
+    )
+    c.dtype("out", out, (x.dtype,))
+    c.last_dim_contiguous("out", out)
+    c.same_device("out", out, x, "x")
