@@ -190,6 +190,7 @@ def inv_rope(o: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor) -> Non
 @custom_op("dsv4::fp8_linear", mutates_args=("out",))
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int) -> None:
     """out [M, N] = x [M, K] @ (weight [N, K] e4m3 x its block x block tile scale)^T in x's dtype,
-    fp32 accumulation; the dequantized weight is the one dsv4ops.checkpoint computes on load."""
+    fp32 accumulation; the dequantized weight is the one dsv4ops.checkpoint computes on load.
+    scale: fp32, or UE8M0 as uint8 bytes (2^(byte - 127); fp8_linear/checks.py says why)."""
     _fp8_linear_checks.fp8_linear(x, weight, scale, out, block)
     _fp8_linear.fp8_linear(x, weight, scale, out, block)

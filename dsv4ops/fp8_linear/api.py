@@ -10,20 +10,25 @@ import torch
 from torch import Tensor, nn
 
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops bound below)
-from dsv4ops.fp8_linear.checks import BLOCKS, SCALE_DTYPES
+from dsv4ops.fp8_linear.checks import BLOCKS
+
+SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)  # BlockFP8Linear's: UE8M0 or V3-style fp32
 
 _fp8_linear = torch.ops.dsv4.fp8_linear.default
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int) -> Tensor:
     """x [..., K] (bf16 / fp16 / fp32, contiguous last dim), weight [N, K] float8_e4m3fn, scale
-    [ceil(N / block), ceil(K / block)] float8_e8m0fnu (UE8M0) or fp32, block 128 (V4) or 32 (V4.1)
+    [ceil(N / block), ceil(K / block)] float8_e8m0fnu (UE8M0; or its uint8 bytes) or fp32, block
+    128 (V4) or 32 (V4.1)
     -> [..., N] in x's dtype: x @ (weight x tile scale)^T, the weight dequantized in registers
     (never stored: e4m3 x scale in fp32, rounded to x's dtype), fp32 accumulation. Equals F.linear
     on the weight that dsv4ops.checkpoint dequantizes on load, up to the GEMM's summation order."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
     _fp8_linear(rows, weight, scale, out, block)
     return out.view(*lead, weight.shape[0])
 

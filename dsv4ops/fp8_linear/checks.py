@@ -7,7 +7,10 @@ from dsv4ops import _checks as c
 
 # Tile sizes of the checkpoints: DeepSeek-V4 128 x 128, V4.1 32 x 32 (dsv4ops/checkpoint.py).
 BLOCKS = (32, 128)
-SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)
+# UE8M0 scales reach the op as their exponent bytes (uint8): Inductor (torch 2.11 - 2.13) cannot
+# compile a custom op taking a float8_e8m0fnu tensor ("auto_functionalized_v2 was not removed"),
+# while a dtype view of one is fine. fp32 scales (V3-style checkpoints) as they are.
+SCALE_DTYPES = (torch.uint8, torch.float32)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int):
@@ -23,7 +26,8 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int
     n, k = weight.shape
     tiles = ((n + block - 1) // block, (k + block - 1) // block)
     c.ndim("scale", scale, 2, "[ceil(out_features / block), ceil(in_features / block)]")
-    c.dtype("scale", scale, SCALE_DTYPES)
+    torch._check(scale.dtype in SCALE_DTYPES, lambda: f"scale: expected UE8M0 bytes (torch.uint8, a "
+                 f"float8_e8m0fnu tensor's view) or torch.float32, got {scale.dtype}")
     c.contiguous("scale", scale)
     torch._check(
         scale.shape[0] == tiles[0] and scale.shape[1] == tiles[1],

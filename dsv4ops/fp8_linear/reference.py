@@ -12,9 +12,11 @@ from torch import Tensor
 
 
 def dequantize(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype) -> Tensor:
-    """[N, K] e4m3 weight x its [ceil(N / block), ceil(K / block)] tile scales, in `dtype`."""
+    """[N, K] e4m3 weight x its [ceil(N / block), ceil(K / block)] tile scales (fp32, or UE8M0
+    bytes: 2^(byte - 127), 0xFF NaN), in `dtype`."""
     n, k = weight.shape
-    s = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    s = (scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8 else scale).float()
+    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return (weight.float() * s).to(dtype)
 
 

@@ -111,10 +111,10 @@ def fp8_linear(x, weight, scale, out, block: int, cfg: dict | None = None) -> No
     cfg = cfg or config(m, n, k, block)
     splits = cfg["SPLITS"]
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    ue8m0 = scale.dtype == torch.float8_e8m0fnu
+    ue8m0 = scale.dtype == torch.uint8
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), splits)
     launch(_fp8_linear_kernel, grid,
-           (x, weight.view(torch.uint8), scale.view(torch.uint8) if ue8m0 else scale, out, part, m, n, k, x.stride(0),
+           (x, weight.view(torch.uint8), scale, out, part, m, n, k, x.stride(0),
             out.stride(0), scale.shape[1], cfg["K_SPLIT"]),
            dict(BLOCK=block, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], UE8M0=ue8m0, SPLITS=splits,
                 STAGES=cfg["STAGES"], SOFT=INTERPRET), num_warps=cfg["WARPS"])
