@@ -74,7 +74,7 @@ def _reduce_kernel(part_ptr, out_ptr, m, n, so, SPLITS: tl.constexpr, BR: tl.con
 REDUCE_ROWS = 1024  # elements per program of the split-K sum
 
 
-def config(m: int, n: int, k: int, block: int) -> dict:
+def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> dict:
     """Launch config from static shapes: tile (BM, BN, BK), K splits, warps, pipeline stages.
 
     Decode (m <= 128): one row block of the next power of two >= 16 rows; BN = 64 and split-K up to
@@ -92,7 +92,7 @@ def config(m: int, n: int, k: int, block: int) -> dict:
         bm = max(16, triton.next_power_of_2(m))
         bn, warps, stages = 64, 4 if bm <= 64 else 8, 4
         split = min(tiles, triton.cdiv(2 * _SMS, triton.cdiv(n, bn)), max(1, k // (2 * bm)))
-    if INTERPRET:
+    if interpret:
         split = min(tiles, 2)  # the interpreter runs both paths on tiny shapes
     k_split = triton.cdiv(tiles, max(split, 1)) * bk
     return dict(BM=bm, BN=bn, BK=bk, SPLITS=triton.cdiv(k, k_split), K_SPLIT=k_split, WARPS=warps, STAGES=stages)
