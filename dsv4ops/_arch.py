@@ -20,6 +20,7 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     "indexer_topk": {9: ("triton",), 10: ("triton",)},
     "sparse_attn": {9: ("triton",), 10: ("triton",)},
     "inv_rope": {9: ("triton",), 10: ("triton",)},
+    "fp8_linear": {9: ("triton",), 10: ("triton",)},
     "pack_kv": {9: ("triton",), 10: ("triton",)},
     "unpack_kv": {9: ("triton",), 10: ("triton",)},
     "gate_topk": {9: ("csrc",), 10: ("csrc",)},

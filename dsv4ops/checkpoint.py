@@ -15,9 +15,9 @@ SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32, torch.bfloat16, torch.float16)
 
 
-def dequantize_block_fp8(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype, name: str = "weight") -> Tensor:
-    """[N, K] e4m3 `weight` times its [ceil(N / block), ceil(K / block)] tile scales, computed in
-    fp32 (an e4m3 value times a power of two is exact there), returned in `dtype`."""
+def check_block_fp8(weight: Tensor, scale: Tensor, block: int, name: str = "weight") -> None:
+    """Raise ValueError unless `weight` is a 2-D e4m3 tensor with finite [ceil(N / block),
+    ceil(K / block)] tile scales of a scale dtype (one host sync: a load-time check)."""
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D torch.float8_e4m3fn weight, got {weight.dtype} of shape "
                          f"{tuple(weight.shape)}")
@@ -30,10 +30,16 @@ def dequantize_block_fp8(weight: Tensor, scale: Tensor, block: int, dtype: torch
     if tuple(scale.shape) != tiles:
         raise ValueError(f"{name}: a [{n}, {k}] weight in {block} x {block} tiles needs scales of shape {tiles}, got "
                          f"{tuple(scale.shape)} (wrong block size?)")
-    s = scale.float()
-    if not torch.isfinite(s).all():
+    if not torch.isfinite(scale.float()).all():
         raise ValueError(f"{name}: the scales hold NaN or inf (a UE8M0 0xFF byte?)")
-    s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+
+
+def dequantize_block_fp8(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype, name: str = "weight") -> Tensor:
+    """[N, K] e4m3 `weight` times its [ceil(N / block), ceil(K / block)] tile scales, computed in
+    fp32 (an e4m3 value times a power of two is exact there), returned in `dtype`."""
+    check_block_fp8(weight, scale, block, name)
+    n, k = weight.shape
+    s = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return (weight.float() * s).to(dtype)
 
 

@@ -1,6 +1,7 @@
 """Drop-in layers. Parameter names equal transformers' `DeepseekV4Attention`, so
 `layer.load_state_dict(hf_layer.state_dict(), strict=True)` works; `load_deepseek_state_dict` reads
-DeepSeek's checkpoint names (DEEPSEEK_NAMES) and block-FP8 weights."""
+DeepSeek's checkpoint names (DEEPSEEK_NAMES) and block-FP8 weights (dequantized, or kept as FP8 in
+the bf16 projections: FP8_PROJECTIONS)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts, visible_entries
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
-from dsv4ops.reference.functional import grouped_output, rms_norm
+from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
 
@@ -56,6 +58,13 @@ DEEPSEEK_NAMES = {
     "attn.indexer.compressor.ape": "compressor.indexer.position_bias",
     "attn.indexer.compressor.norm.weight": "compressor.indexer.kv_norm.weight",
 }
+
+
+# The projections `load_deepseek_state_dict(..., keep_fp8=True)` keeps block-FP8 (BlockFP8Linear):
+# those computing in the model dtype. The compressors' (fp32 compute in the exact modes) and the
+# grouped o_a_proj (an einsum over head groups) are dequantized.
+FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "compressor.indexer.q_b_proj")
+_DEEPSEEK_KEY = {v: k for k, v in DEEPSEEK_NAMES.items()}
 
 
 class RMSNorm(nn.Module):
@@ -177,19 +186,65 @@ class DeepseekV4Attention(nn.Module):
             if keep and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
 
-    def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK):
+    def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK,
+                                 keep_fp8: bool = False):
         """Load this layer's weights from a DeepSeek-V4 checkpoint dict (DEEPSEEK_NAMES under
         `layers.{layer_idx}.`; other layers' and non-attention keys are skipped). Block-FP8 weights
         (e4m3 + `.scale` / `.weight_scale_inv` per `block` x `block` tile, UE8M0 or fp32) are
-        dequantized on load, in fp32 (where e4m3 x scale is exact); the parameters keep their dtypes."""
+        dequantized on load, in fp32 (where e4m3 x scale is exact); the parameters keep their dtypes.
+
+        keep_fp8=True: the FP8_PROJECTIONS that arrive block-FP8 become BlockFP8Linear modules
+        holding the checkpoint's bytes and scales (fp32 for bf16 / fp16 scales; block 128 or 32),
+        computed by dsv4::fp8_linear (half the weight bytes per decode step); the compressors'
+        projections and o_a_proj are dequantized as before. A projection loaded from a dequantized
+        weight becomes an nn.Linear again."""
         prefix = f"layers.{self.layer_idx}."
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix + "attn.")}
+        kept = {}  # projection -> (e4m3 weight, scale)
+        for name in FP8_PROJECTIONS if keep_fp8 else ():
+            key = _DEEPSEEK_KEY[name + ".weight"]
+            sk = checkpoint.scale_key(mine, key)
+            if key in mine and sk is not None:
+                checkpoint.check_block_fp8(mine[key], mine[sk], block, name=prefix + key)
+                scale = mine.pop(sk)
+                kept[name] = (mine.pop(key), scale if scale.dtype == torch.float8_e8m0fnu else scale.float())
         mine = checkpoint.dequantize_state_dict(mine, block, torch.float32)
         unknown = sorted(set(mine) - set(DEEPSEEK_NAMES))
         if unknown:
             raise ValueError(f"state_dict: {prefix}{unknown[0]} is not a V4 attention parameter (known: "
                              f"{sorted(DEEPSEEK_NAMES)})")
-        return self.load_state_dict({DEEPSEEK_NAMES[k]: v for k, v in mine.items()}, strict=strict)
+        mapped = {DEEPSEEK_NAMES[k]: v for k, v in mine.items()}
+        swapped = {}  # projection -> the module it replaced
+        try:
+            for name in FP8_PROJECTIONS:
+                if name in kept:
+                    w, scale = kept[name]
+                    mapped[name + ".weight"], mapped[name + ".weight_scale_inv"] = w, scale
+                    swapped[name] = self._set_projection(name, block, scale.dtype)
+                elif name + ".weight" in mapped:
+                    swapped[name] = self._set_projection(name, None, None)
+            return self.load_state_dict(mapped, strict=strict)
+        except Exception:
+            for name, module in swapped.items():
+                owner, _, attr = name.rpartition(".")
+                setattr(self.get_submodule(owner), attr, module)
+            raise
+
+    def _set_projection(self, name: str, block: int | None, scale_dtype) -> nn.Module:
+        """Make projection `name` a BlockFP8Linear of `block` x `block` tiles with `scale_dtype`
+        scales (block None: an nn.Linear in the model dtype); returns the module it replaces."""
+        owner, _, attr = name.rpartition(".")
+        parent = self.get_submodule(owner)
+        old = getattr(parent, attr)
+        n, k = old.weight.shape
+        device = old.weight.device
+        if block is not None:
+            same = isinstance(old, BlockFP8Linear) and (old.block, old.weight_scale_inv.dtype) == (block, scale_dtype)
+            new = old if same else BlockFP8Linear(k, n, block, scale_dtype, device=device)
+        else:
+            new = old if isinstance(old, nn.Linear) else _linear(k, n).to(device, self.o_a_proj.weight.dtype)
+        setattr(parent, attr, new)
+        return old
 
     def attach_cache(self, manager: KVCacheManager) -> None:
         """Give the layer its pools (sized by the manager's CacheConfig, on the layer's device) and
@@ -255,7 +310,7 @@ class DeepseekV4Attention(nn.Module):
     def _check_input(self, x, dim: int, layout: str):
         if not isinstance(x, Tensor):
             raise TypeError(f"hidden_states: expected a Tensor {layout}, got {type(x).__name__}")
-        weight = self.q_a_proj.weight
+        weight = self.o_a_proj.weight  # a model-dtype weight (q_a_proj may hold e4m3 bytes)
         if x.dim() != dim:
             raise ValueError(f"hidden_states: expected {dim}-D {layout}, got shape {tuple(x.shape)}")
         if x.shape[-1] != self.config.hidden_size:
@@ -284,9 +339,9 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     eps = cfg.rms_norm_eps
     pos, req = live_tokens(step, cache)
     t = x.shape[0]
-    qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
-    q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
-    kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
+    qr = rms_norm(layer.q_a_proj(x), layer.q_a_norm.weight, eps)
+    q = layer.q_b_proj(qr).view(t, cfg.num_heads, cfg.head_dim)
+    kv = rms_norm(layer.kv_proj(x), layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
     fmt = cache.fmt
     ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps, True, fmt["window"])
@@ -313,7 +368,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
                     cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
-    return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
+    return layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, cfg.o_groups))
 
 
 def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps):
@@ -329,7 +384,7 @@ def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps
 def _select(indexer, x, qr, step, pos, req, layer, cache):
     """The indexer's top-k: [T, index_topk] global slots of the CSA pools (-1: none)."""
     cfg, t = layer.config, x.shape[0]
-    q = F.linear(qr, indexer.q_b_proj.weight).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    q = indexer.q_b_proj(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
     w = F.linear(x, indexer.scorer.weights_proj.weight)
     fmt = cache.fmt["index"]
     q_dtype = torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype

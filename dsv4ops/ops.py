@@ -13,6 +13,8 @@ from torch.library import custom_op
 
 from dsv4ops.compressor import checks as _compressor_checks
 from dsv4ops.compressor import reference as _compressor
+from dsv4ops.fp8_linear import checks as _fp8_linear_checks
+from dsv4ops.fp8_linear import reference as _fp8_linear
 from dsv4ops.indexer import checks as _indexer_checks
 from dsv4ops.indexer import reference as _indexer
 from dsv4ops.qkv_prep import checks as _qkv_prep_checks
@@ -182,3 +184,13 @@ def inv_rope(o: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor) -> Non
     _inv_rope_checks.inv_rope(o, positions, inv_freq, out)
     _inv_rope.inv_rope(o, positions, inv_freq, out)
 
+
+
+# ---- fp8_linear --------------------------------------------------------------------------------
+@custom_op("dsv4::fp8_linear", mutates_args=("out",))
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int) -> None:
+    """out [M, N] = x [M, K] @ (weight [N, K] e4m3 x its block x block tile scale)^T in x's dtype,
+    fp32 accumulation; the dequantized weight is the one dsv4ops.checkpoint computes on load.
+    scale: fp32, or UE8M0 as uint8 bytes (2^(byte - 127); fp8_linear/checks.py says why)."""
+    _fp8_linear_checks.fp8_linear(x, weight, scale, out, block)
+    _fp8_linear.fp8_linear(x, weight, scale, out, block)

@@ -617,6 +617,28 @@ def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=Fals
                 inv_freq=rope_table(min(8, dim)), out=torch.empty(tokens, heads, dim, dtype=dtype))
 
 
+def block_fp8_weight(n: int, k: int, block: int, scale_dtype=torch.float8_e8m0fnu, seed: int = 0):
+    """(e4m3 weight [n, k] ~ N(0, 1) in its bytes, tile scales [ceil(n / block), ceil(k / block)]):
+    UE8M0 scales 2^-10 .. 2^10 (bytes 117..137), or fp32 scales in [0.25, 1.25) (not powers of two)."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn)
+    tiles = (-(-n // block), -(-k // block))
+    if scale_dtype == torch.float8_e8m0fnu:
+        scale = torch.randint(117, 138, tiles, generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    else:
+        scale = (torch.rand(tiles, generator=g) + 0.25).to(scale_dtype)
+    return weight, scale
+
+
+def fp8_linear_args(dtype=torch.float32, block=32, n=70, k=100, tokens=3, scale_dtype=torch.float8_e8m0fnu,
+                    noncontig=False) -> dict:
+    weight, scale = block_fp8_weight(n, k, block, scale_dtype)
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)  # the op takes UE8M0 scales as their bytes
+    return dict(x=_rows((tokens, k), dtype, noncontig), weight=weight, scale=scale,
+                out=torch.empty(tokens, n, dtype=dtype), block=block)
+
+
 _PUBLIC = {
     "pack_kv": lambda api, a: api.pack_kv(a["x"], a["slots"], a["cache"], a["fmt"]),
     "unpack_kv": lambda api, a: api.unpack_kv(a["cache"], a["slots"], a["out"].shape[1], a["out"].dtype, a["fmt"]),
@@ -640,10 +662,11 @@ _PUBLIC = {
                                                   a["ring_size"], a["window_fmt"], a["comp_fmt"],
                                                   comp_lens=a["comp_lens"], window_ends=a["window_ends"]),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
+    "fp8_linear": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"]),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",
            "indexer_q_prep": "indexer", "indexer_k_prep": "indexer", "indexer_topk": "indexer",
-           "sparse_attn": "sparse_attn", "inv_rope": "inv_rope"}
+           "sparse_attn": "sparse_attn", "inv_rope": "inv_rope", "fp8_linear": "fp8_linear"}
 
 
 def public(name: str):

@@ -1,6 +1,6 @@
 """Triton building blocks every dsv4ops kernel shares: launching (one place, so the AOT compile test
 records every launch), layout requirements, exact casts (fp32 <-> bf16 / e4m3 with round to nearest
-even, UE8M0 exponents from bits) and interleaved RoPE.
+even, UE8M0 exponents from bits), interleaved RoPE and a tl.dot that also runs in the interpreter.
 
 Exactness: the UE8M0 exponent comes from the bits of the amax (no division, so it equals the
 reference's frexp rule bit for bit), scaling is by exact powers of two, and the casts round to
@@ -139,6 +139,17 @@ def ue8m0_exponent(amax):
     amax = 1.f x 2^E, amax <= 448 x 2^k  <=>  k >= E - 8 (1.f <= 1.75) or k >= E - 7."""
     bits = tl.maximum(amax, 1e-4).to(tl.int32, bitcast=True)
     return ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def dot(a, b, acc, SOFT: tl.constexpr):
+    """acc + a @ b: fp32 (IEEE) for fp32 operands and in the interpreter (which stores bf16 as
+    uint16 and cannot multiply it), else the operands' dtype on the tensor cores with fp32
+    accumulation."""
+    if SOFT or a.dtype == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
 
 
 # ---- RoPE --------------------------------------------------------------------------------------

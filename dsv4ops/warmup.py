@@ -23,11 +23,14 @@ def _pool(fmt: str, dim: int, blocks: int, cache_cfg: CacheConfig, device) -> to
     return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
 
 
-def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype: torch.dtype = torch.bfloat16) -> int:
+def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype: torch.dtype = torch.bfloat16,
+           fp8_block: int | None = None, fp8_scale: torch.dtype = torch.float8_e8m0fnu) -> int:
     """Run every attention op of every layer kind of `model_cfg` once per batch bucket of
     `cache_cfg` on `device` with activations of `dtype`; returns the number of op calls. On a
     CUDA device this compiles the kernels and binds the router's CUDA kernels (a failed build
-    raises); on CPU (reference kernels) there is nothing to compile."""
+    raises); on CPU (reference kernels) there is nothing to compile. `fp8_block`: the layers were
+    loaded with keep_fp8=True (tiles of that size, scales of dtype `fp8_scale`): fp8_linear runs
+    too, at every FP8 projection's shape."""
     device = torch.device(device)
     ops = torch.ops.dsv4
     first = {}  # one layer of each kind (its RoPE table)
@@ -91,6 +94,13 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                             main_fmt, main_fmt)
             ops.inv_rope(o, pos, freq, o_rot)
             calls += 3
+        for n, k in _fp8_projections(model_cfg, kinds) if fp8_block else ():
+            weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.ones(-(-n // fp8_block), -(-k // fp8_block), dtype=fp8_scale, device=device)
+            ops.fp8_linear(torch.zeros(t, k, dtype=dtype, device=device), weight,
+                           scale.view(torch.uint8) if fp8_scale == torch.float8_e8m0fnu else scale,
+                           torch.empty(t, n, dtype=dtype, device=device), fp8_block)
+            calls += 1
         rows = torch.empty(t, d, dtype=dtype, device=device)
         ops.pack_kv(rows, none, window, main_fmt)
         ops.unpack_kv(window, none, rows, main_fmt)
@@ -103,3 +113,12 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
         torch.cuda.synchronize(device)
     return calls
 
+
+
+def _fp8_projections(cfg: DSV4AttentionConfig, kinds: set) -> set:
+    """(out, in) of the projections a keep_fp8 layer computes with fp8_linear (layers.FP8_PROJECTIONS)."""
+    shapes = {(cfg.q_lora_rank, cfg.hidden_size), (cfg.num_heads * cfg.head_dim, cfg.q_lora_rank),
+              (cfg.head_dim, cfg.hidden_size), (cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank)}
+    if CSA in kinds:
+        shapes.add((cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
+    return shapes

@@ -27,6 +27,7 @@ OPS = {
     "indexer_topk": None,  # integer output
     "sparse_attn": (partial(T.sparse_attn_args, torch.float32), "q", "out"),
     "inv_rope": (partial(T.inv_rope_args, torch.float32), "o", "out"),
+    "fp8_linear": (partial(T.fp8_linear_args, torch.float32), "x", "out"),
 }
 
 

@@ -150,3 +150,19 @@ def test_cli_plots_side_by_side_rows(tmp_path):
     path.write_text(json.dumps({"versions": {"gpu": "NVIDIA H100"}, "flashmla": rows}))
     cli.main(["--from-json", str(path), "--plot", str(tmp_path / "roofline.png")])
     assert _read_png((tmp_path / "roofline.png").read_bytes()).width > 100
+
+
+def test_fp8_linear_rows_time_both_sides_on_the_same_weights(monkeypatch):
+    from dsv4ops.bench import fp8_linear
+
+    calls = []
+    monkeypatch.setattr(fp8_linear, "graph_us", lambda fn, args: (calls.append([fn(*a) for a in args]), 2.0)[1])
+    row = fp8_linear.bench_case("kv", 256, 512, 3, "cpu", device="cpu", l2_bytes=256 * 512)
+    ours, base = calls
+    assert len(ours) == len(base) >= 2  # weight copies beyond the L2, the same ones on both sides
+    for o, b in zip(ours, base):
+        torch.testing.assert_close(o, b, rtol=0, atol=0)  # the op's CPU kernel is F.linear on them
+    assert row["speedup"] == 1.0 and row["GB/s"] == (256 * 512 + 2 * 4) / 2.0 / 1e3
+    assert {"us", "bf16_us", "bf16_GBps"} <= set(row) and set(fp8_linear.COLUMNS) <= set(row)
+    assert set(fp8_linear.projections(DSV4AttentionConfig.flash()).values()) == {
+        (1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (8192, 1024)}

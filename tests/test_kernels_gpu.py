@@ -441,6 +441,10 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
         entry = torch.where((req >= 0) & ((pos + 1) % 2 == 0), req * 4 + pos // 2, -1).to(torch.int32)
         return (torch.randn(t, 512, device=DEV), pos, req, entry, torch.randn(128, 512, device=DEV) / 512**0.5,
                 torch.ones(128, device=DEV), _inv_freq(), _pool("mxfp4_68", 128, 2, 7), 2, 1e-6, "mxfp4_68")
+    if name == "fp8_linear":
+        weight, scale = testing.block_fp8_weight(512, 4096, 128)
+        return (torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.view(torch.uint8).to(DEV),
+                torch.empty(t, 512, device=DEV, dtype=torch.bfloat16), 128)
     raise KeyError(name)
 
 
@@ -452,6 +456,9 @@ def test_opcheck_cuda(name):
         # torch's schema check compares tensors with allclose, which has no float8 kernel: the full
         # opcheck runs on the 16/32-bit variant, the FP8 variant skips only test_schema.
         torch.library.opcheck(op, _op_args(name, fp8=False))
+        utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+        torch.library.opcheck(op, _op_args(name), test_utils=utils)
+    elif name == "fp8_linear":  # an e4m3 weight in every variant: only test_schema's allclose cannot run
         utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
         torch.library.opcheck(op, _op_args(name), test_utils=utils)
     else:

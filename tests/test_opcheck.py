@@ -85,6 +85,11 @@ SAMPLES = {
         partial(T.inv_rope_args, BF16, heads=1, tokens=1),
         partial(T.inv_rope_args, FP32, noncontig=True),
     ],
+    "fp8_linear": [
+        partial(T.fp8_linear_args, FP32),
+        partial(T.fp8_linear_args, BF16, 128, n=200, k=300, scale_dtype=FP32),
+        partial(T.fp8_linear_args, BF16, tokens=1, noncontig=True),
+    ],
 }
 
 

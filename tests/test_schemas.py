@@ -7,7 +7,7 @@ from expecttest import assert_expected_inline
 from dsv4ops.testing import dsv4_ops
 
 PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
-          "indexer_q_prep", "indexer_k_prep", "indexer_topk", "sparse_attn", "inv_rope"}
+          "indexer_q_prep", "indexer_k_prep", "indexer_topk", "sparse_attn", "inv_rope", "fp8_linear"}
 
 
 def _schema(name: str) -> str:
@@ -60,6 +60,10 @@ def test_indexer_topk():
 
 def test_sparse_attn():
     assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor? window_ends, Tensor sinks, Tensor(a9!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt) -> ()""")
+
+
+def test_fp8_linear():
+    assert_expected_inline(_schema("fp8_linear"), """dsv4::fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor(a3!) out, SymInt block) -> ()""")
 
 
 def test_inv_rope():

@@ -26,10 +26,10 @@ class Injected(RuntimeError):
 
 def _fail_after_the_caches_are_written(monkeypatch):
     """The layer's last step (the output projection) raises: every cache write of the step is done."""
-    def grouped_output(*args, **kwargs):
+    def grouped_o_a(*args, **kwargs):
         raise Injected("injected failure after the step wrote its caches")
 
-    monkeypatch.setattr(layers, "grouped_output", grouped_output)
+    monkeypatch.setattr(layers, "grouped_o_a", grouped_o_a)
 
 
 def _bookkeeping(manager):

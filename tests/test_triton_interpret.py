@@ -21,6 +21,7 @@ import torch
 import dsv4ops
 from dsv4ops import _arch, testing
 from dsv4ops.compressor import reference as compressor_ref
+from dsv4ops.fp8_linear import reference as fp8_linear_ref
 from dsv4ops.indexer import reference as indexer_ref
 from dsv4ops.qkv_prep import reference as qkv_prep_ref
 from dsv4ops.inv_rope import reference as inv_rope_ref
@@ -37,6 +38,7 @@ tl = triton.language
 
 from dsv4ops import triton_helpers as th  # noqa: E402
 from dsv4ops.compressor import triton as compressor_tt  # noqa: E402
+from dsv4ops.fp8_linear import triton as fp8_linear_tt  # noqa: E402
 from dsv4ops.indexer import triton as indexer_tt  # noqa: E402
 from dsv4ops.inv_rope import triton as inv_rope_tt  # noqa: E402
 from dsv4ops.qkv_prep import triton as qkv_prep_tt  # noqa: E402
@@ -568,6 +570,52 @@ def test_inv_rope():
     assert torch.equal(got[..., :448], o[..., :448].bfloat16()), "nope dims are copied"
 
 
+# ---- fp8_linear --------------------------------------------------------------------------------
+# (N, K, block): K over two tiles (split-K: partials + _reduce_kernel in the interpreter), within one
+# tile (direct store), V4.1's 32 x 32 tiles; none a multiple of its tile.
+FP8_SHAPES = [(200, 300, 128), (200, 100, 128), (70, 100, 32)]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("n,k,block", FP8_SHAPES)
+def test_fp8_linear(n, k, block, dtype, scale_dtype):
+    weight, scale = testing.block_fp8_weight(n, k, block, scale_dtype, seed=n + k)
+    if scale_dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    for m in (1, 3, 17, 130):  # decode rows padded to 16, 32; a prefill of two 128-row blocks
+        x = torch.randn(m, k)
+
+        def run(fn, dt):
+            wide = torch.full((m, n + 3), float("nan"), dtype=dt)  # rows with a stride gap, poisoned
+            fn(x.to(dt), weight, scale, wide[:, :n], block)
+            assert wide[:, n:].isnan().all(), "wrote outside out"
+            return wide[:, :n]
+
+        got = run(fp8_linear_tt.fp8_linear, dtype)
+        assert not got.isnan().any(), "every element written"
+        testing.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear, torch.float64),
+                                    run(fp8_linear_ref.fp8_linear, dtype), what=f"M={m}")
+
+
+def test_fp8_linear_launch_config_fills_the_h100_at_decode():
+    # The V4-Flash projections (q_a, q_b, kv, o_b) at decode batch 1 and 128: at least a wave of
+    # programs on the 132 SMs, every weight byte read by one row block, split-K partials within 2x
+    # the weight bytes; a prefill runs 128 x 128 tiles without a split.
+    f = dsv4ops.DSV4AttentionConfig.flash()
+    shapes = [(f.q_lora_rank, f.hidden_size), (f.num_heads * f.head_dim, f.q_lora_rank), (f.head_dim, f.hidden_size),
+              (f.hidden_size, f.o_groups * f.o_lora_rank)]
+    assert shapes == [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192)]
+    for n, k in shapes:
+        for m in (1, 128):
+            c = fp8_linear_tt.config(m, n, k, 128, interpret=False)
+            programs = triton.cdiv(n, c["BN"]) * c["SPLITS"]
+            assert c["BM"] >= m and programs >= 128 and 4 * c["SPLITS"] * c["BM"] * n <= 2 * n * k, (n, k, m, c)
+            assert (c["SPLITS"] - 1) * c["K_SPLIT"] < k <= c["SPLITS"] * c["K_SPLIT"]
+        c = fp8_linear_tt.config(4096, n, k, 128, interpret=False)
+        assert (c["BM"], c["BN"], c["SPLITS"]) == (128, 128, 1)
+
+
 # ---- layout rejection --------------------------------------------------------------------------
 def test_kernels_reject_other_layouts_by_name():
     q, kv = torch.randn(2, 2, 256), torch.randn(2, 256)
@@ -618,10 +666,12 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
     for name in dsv4ops.backends.TRITON_LAUNCHERS:
         monkeypatch.setattr(torch.ops.dsv4, name, spy(name, getattr(torch.ops.dsv4, name)))
     cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, kv_cache=mode, indexer_cache=mode)
-    calls = dsv4ops.warmup(CFG, cache_cfg, "cpu")
+    fp8_block = 128 if mode == "fp8" else None  # layers loaded with keep_fp8=True: fp8_linear too
+    calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block)
     assert calls == len(seen)
     # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations).
-    assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS) - {"indexer_k_prep"}
+    skipped = {"indexer_k_prep"} if fp8_block else {"indexer_k_prep", "fp8_linear"}
+    assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS) - skipped
     assert {t for _, t in seen} == set(cache_cfg.buckets)
 
 
@@ -715,6 +765,7 @@ def record_launches():
             sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, None, torch.zeros(64), q,
                                        0.04, 8, 8, f512, f512)
             inv_rope_tt.inv_rope(q, pos, INV_FREQ, q)
+            _record_fp8_linear(dtype, 128, t)
             for d in (512, 128):
                 rows = torch.zeros(t, d, dtype=dtype)
                 quant_tt.pack_kv(rows, pos, _pool(pool, d, 1), f512 if d == 512 else f128)
@@ -729,6 +780,17 @@ def record_launches():
                 seen.add(key)
                 launches.append((kernel, sig, consts, attrs, warps))
     return launches
+
+
+def _record_fp8_linear(dtype, block: int, t: int) -> None:
+    """fp8_linear's variants: decode rows at V4-Flash's kv_proj shape (512 x 4096: split-K and the
+    reduce) and at q_b_proj's (32768 x 1024: no split), a 4096-row prefill; UE8M0 and fp32 scales."""
+    for m, n, k in ((t, 512, 4096), (t, 32768, 1024), (4096, 256, 512)):
+        weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        tiles = (-(-n // block), -(-k // block))
+        for scale in (torch.empty(tiles, dtype=torch.uint8), torch.empty(tiles)):
+            fp8_linear_tt.fp8_linear(torch.empty(m, k, dtype=dtype), weight, scale, torch.empty(m, n, dtype=dtype),
+                                     block)
 
 
 def _record_v41_launches(t, pos, req) -> list:
@@ -766,6 +828,7 @@ def _record_v41_launches(t, pos, req) -> list:
                                     testing.topk_workspace(t, n, k, keep=keep, cand_block=cb), 1, cb, "mxfp4_68")
             indexer_tt.indexer_topk(q4, torch.zeros(t, 64), pos, req, keys, table, cand, idx, None,
                                     testing.topk_workspace(t, n, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
+        _record_fp8_linear(torch.bfloat16, 32, t)
         for fmt, bs in (("fp8_528", BS), ("fp4_288", BS), ("mxfp4_68", 7)):
             d = formats.FORMATS[fmt].dim
             rows, pool = torch.zeros(t, d, dtype=torch.bfloat16), testing.page_pool(1, bs, d, fmt)
@@ -797,7 +860,7 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
     expected = {"_qkv_prep_kernel", "_compress_kernel", "_pool_split_kernel", "_finish_kernel", "_save_kernel",
                 "_q_prep_kernel", "_k_prep_kernel", "_score_kernel",
                 "_block_keys_kernel", "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel",
-                "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel"}
+                "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel", "_fp8_linear_kernel", "_reduce_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

@@ -1,5 +1,5 @@
-"""`python -m dsv4ops bench`: attention (per op, core vs GEMMs, baselines), router and cache memory
-tables, as markdown, with the GPU and versions; `--case` picks the attention shapes, `--json PATH`
+"""`python -m dsv4ops bench`: attention (per op, core vs GEMMs, baselines), router, fp8_linear (the
+block-FP8 projections vs bf16 F.linear) and cache memory tables, as markdown, with the GPU and versions; `--case` picks the attention shapes, `--json PATH`
 writes the rows, `--plot PATH.png` draws each kernel's fraction of its ceiling (FlashMLA beside
 sparse_attn), also from the rows of an earlier run (`--from-json`, no GPU needed)."""
 
@@ -62,9 +62,10 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsv4ops bench", description=__doc__)
-    ap.add_argument("--only", default="attention,flashmla,v41,router,memory",
+    ap.add_argument("--only", default="attention,flashmla,v41,router,fp8_linear,memory",
                     help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), v41 (V4.1-Flash ops and "
-                         "stack beside V4-Flash's), router, memory")
+                         "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections at decode "
+                         "batch 1 and 128 beside bf16 F.linear), memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
@@ -85,7 +86,7 @@ def main(argv=None):
     if "memory" in parts:
         out["memory"] = memory.rows()
         print(memory.markdown(out["memory"]))
-    if parts & {"attention", "flashmla", "v41", "router"}:
+    if parts & {"attention", "flashmla", "v41", "router", "fp8_linear"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
     if "attention" in parts:
@@ -115,6 +116,12 @@ def main(argv=None):
 
         out["router"] = router.run(args)
         print(router.markdown(out["router"]))
+    if "fp8_linear" in parts:
+        from dsv4ops.bench import fp8_linear
+
+        out["fp8_linear"] = fp8_linear.run(model=MODELS[args.model](),
+                                           progress=lambda r: print("row", json.dumps(r), flush=True))
+        print(table(out["fp8_linear"], fp8_linear.COLUMNS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

@@ -81,11 +81,16 @@ def sink_attention(q: Tensor, keys: Tensor, valid: Tensor, sinks: Tensor, scale:
 
 def grouped_output(o: Tensor, o_a: Tensor, o_b: Tensor, groups: int) -> Tensor:
     """Block-diagonal o_a over `groups` contiguous head groups, then o_b. o [..., H, D]."""
+    z = grouped_o_a(o, o_a, groups)
+    return torch.nn.functional.linear(z, o_b.to(z.dtype))
+
+
+def grouped_o_a(o: Tensor, o_a: Tensor, groups: int) -> Tensor:
+    """The block-diagonal o_a of grouped_output: o [..., H, D] -> [..., groups x o_lora_rank]."""
     lead = o.shape[:-2]
     g = o.reshape(*lead, groups, -1)
     w = o_a.view(groups, -1, g.shape[-1])
-    z = torch.einsum("...gi,goi->...go", g, w.to(g.dtype))
-    return torch.nn.functional.linear(z.flatten(-2), o_b.to(z.dtype))
+    return torch.einsum("...gi,goi->...go", g, w.to(g.dtype)).flatten(-2)
 
 
 def candidate_blocks(scores: Tensor, n_visible: Tensor, cand_block: int, keep: int) -> Tensor:

@@ -35,7 +35,7 @@ from dsv4ops.quant.formats import EXACT
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
 from dsv4ops.quant.triton import block_size, fmt_code, load_rows, main_offsets, not_yet, page_offsets
 from dsv4ops.sparse_attn import checks as _checks
-from dsv4ops.triton_helpers import INTERPRET, launch, require, round_to, to_f32
+from dsv4ops.triton_helpers import INTERPRET, dot, launch, require, round_to, to_f32
 
 # SM count of an H100 SXM: splits are chosen to give about two programs per SM.
 _SMS = 132
@@ -117,22 +117,12 @@ def _load_keys_eo(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def _dot(a, b, acc, SOFT: tl.constexpr):
-    """acc + a @ b: fp32 (IEEE) for fp32 operands and in the interpreter, else the operands' dtype
-    on the tensor cores with fp32 accumulation."""
-    if SOFT or a.dtype == tl.float32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _attend_tile(q_a, q_b, k_a, k_b, valid, m_i, l_i, acc_a, acc_b, qk_scale, SOFT: tl.constexpr):
     """One online-softmax step over a key tile given as two column parts (k_a [BK, DA], k_b
     [BK, DB]; see the kernel) for q's parts q_a [HB, DA], q_b [HB, DB]: S = q_a k_a^T + q_b k_b^T,
     acc_a += P k_a, acc_b += P k_b."""
-    s = _dot(q_a, tl.trans(k_a), tl.zeros([q_a.shape[0], k_a.shape[0]], tl.float32), SOFT)
-    s = _dot(q_b, tl.trans(k_b), s, SOFT)
+    s = dot(q_a, tl.trans(k_a), tl.zeros([q_a.shape[0], k_a.shape[0]], tl.float32), SOFT)
+    s = dot(q_b, tl.trans(k_b), s, SOFT)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # m_new is -inf only while no key and no sink has been seen (a split's first empty tiles).
@@ -141,8 +131,8 @@ def _attend_tile(q_a, q_b, k_a, k_b, valid, m_i, l_i, acc_a, acc_b, qk_scale, SO
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     p = p.to(k_a.dtype)  # P in the keys' dtype for P V, as DeepSeek's kernel
-    acc_a = _dot(p, k_a, acc_a * alpha[:, None], SOFT)
-    acc_b = _dot(p, k_b, acc_b * alpha[:, None], SOFT)
+    acc_a = dot(p, k_a, acc_a * alpha[:, None], SOFT)
+    acc_b = dot(p, k_b, acc_b * alpha[:, None], SOFT)
     return m_new, l_i, acc_a, acc_b
 
 

@@ -1,0 +1,45 @@
+"""Metadata rules of `dsv4::fp8_linear`."""
+
+import torch
+from torch import Tensor
+
+from dsv4ops import _checks as c
+
+# Tile sizes of the checkpoints: DeepSeek-V4 128 x 128, V4.1 32 x 32 (dsv4ops/checkpoint.py).
+BLOCKS = (32, 128)
+# UE8M0 scales reach the op as their exponent bytes (uint8): Inductor (torch 2.11 - 2.13) cannot
+# compile a custom op taking a float8_e8m0fnu tensor ("auto_functionalized_v2 was not removed"),
+# while a dtype view of one is fine. fp32 scales (V3-style checkpoints) as they are.
+SCALE_DTYPES = (torch.uint8, torch.float32)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int):
+    torch._check(block in BLOCKS, lambda: f"block: expected a tile size in {list(BLOCKS)}, got {block}")
+    c.ndim("x", x, 2, "[tokens, in_features]")
+    c.dtype("x", x, c.FLOATS)
+    c.last_dim_contiguous("x", x)
+    c.ndim("weight", weight, 2, "[out_features, in_features]")
+    c.dtype("weight", weight, (torch.float8_e4m3fn,))
+    c.contiguous("weight", weight)
+    c.size("weight", weight, 1, x.shape[1], "in_features of x")
+    c.same_device("weight", weight, x, "x")
+    n, k = weight.shape
+    tiles = ((n + block - 1) // block, (k + block - 1) // block)
+    c.ndim("scale", scale, 2, "[ceil(out_features / block), ceil(in_features / block)]")
+    torch._check(scale.dtype in SCALE_DTYPES, lambda: f"scale: expected UE8M0 bytes (torch.uint8, a "
+                 f"float8_e8m0fnu tensor's view) or torch.float32, got {scale.dtype}")
+    c.contiguous("scale", scale)
+    torch._check(
+        scale.shape[0] == tiles[0] and scale.shape[1] == tiles[1],
+        lambda: f"scale: expected shape {tiles} (a [{n}, {k}] weight in {block} x {block} tiles), got "
+        f"{tuple(scale.shape)}",
+    )
+    c.same_device("scale", scale, x, "x")
+    torch._check(
+        out.dim() == 2 and out.shape[0] == x.shape[0] and out.shape[1] == n,
+        lambda: f"out: expected shape ({x.shape[0]}, {n}) (tokens of x, out_features of weight), got "
+        f"{tuple(out.shape)}",
+    )
+    c.dtype("out", out, (x.dtype,))
+    c.last_dim_contiguous("out", out)
+    c.same_device("out", out, x, "x")

@@ -1,0 +1,124 @@
+"""Triton kernels of `dsv4::fp8_linear` (fp8_linear/reference.py is the specification): W8A16 GEMM
+out [M, N] = x [M, K] @ (e4m3 weight [N, K] x tile scale)^T.
+
+- Each program owns a [BM rows, BN cols] tile of the output and one split of K. Per K step it
+  loads the e4m3 bytes [BN, BK] and one scale per weight row (BK divides the tile size, so a K step
+  stays in one tile column), dequantizes in registers as the reference does (e4m3 -> fp32, times
+  the scale in fp32, rounded to x's dtype) and feeds tl.dot in x's dtype with fp32 accumulation:
+  the weight bytes are read once per row block and the dequantized weight is never stored.
+- Decode (M <= 128): one row block (M padded to 16, 32, 64 or 128 rows, the tl.dot minimum is 16),
+  so every weight byte is read once; narrow column tiles (BN = 64) and split-K give about two
+  programs per SM even for the 512- and 1024-wide projections. Each split writes its fp32 partial to
+  a workspace and `_reduce_kernel` sums the splits in a fixed order (deterministic, no atomics) and
+  rounds to x's dtype. The workspace is allocated per call from static sizes only (tokens, N,
+  splits), so the op stays CUDA-graph safe.
+- Prefill (M > 128): 128 x 128 output tiles, no split.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4ops.fp8_linear import checks as _checks
+from dsv4ops.triton_helpers import INTERPRET, dot, e4m3_bits_to_f32, launch, round_to
+
+# SM count of an H100 SXM: splits are chosen to give about two programs per SM.
+_SMS = 132
+
+
+@triton.jit(do_not_specialize=["m"])
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, n, k, sx, so, s_cols, k_split,
+                       BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       UE8M0: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr, SOFT: tl.constexpr):
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    split = tl.program_id(2)
+    rm, cm = rows < m, cols < n
+    r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
+    dt = x_ptr.dtype.element_ty
+    s_row = s_ptr + (cols // BLOCK).to(tl.int64) * s_cols
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_lo = split * k_split
+    for kk in tl.range(0, k_split, BK, num_stages=STAGES):
+        k0 = k_lo + kk
+        ks = k0 + tl.arange(0, BK)
+        km = ks < k
+        a = tl.load(x_ptr + r64[:, None] * sx + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+        codes = tl.load(w_ptr + c64[:, None] * k + ks[None, :], mask=cm[:, None] & km[None, :], other=0)
+        if UE8M0:  # 2^(e - 127) from its bits: e = 0 is the fp32 subnormal 2^-127, e = 255 NaN
+            e = tl.load(s_row + k0 // BLOCK, mask=cm, other=127).to(tl.int32)
+            bits = tl.where(e == 0, 0x400000, tl.where(e == 255, 0x7FC00000, e << 23))
+            s = bits.to(tl.float32, bitcast=True)
+        else:
+            s = tl.load(s_row + k0 // BLOCK, mask=cm, other=1.0)
+        w = round_to(e4m3_bits_to_f32(codes, SOFT) * s[:, None], dt, SOFT)
+        acc = dot(a, tl.trans(w), acc, SOFT)
+    if SPLITS == 1:
+        tl.store(out_ptr + r64[:, None] * so + cols[None, :], round_to(acc, dt, SOFT), mask=rm[:, None] & cm[None, :])
+    else:
+        at = (split * m + r64[:, None]) * n + cols[None, :]
+        tl.store(part_ptr + at, acc, mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit(do_not_specialize=["m"])
+def _reduce_kernel(part_ptr, out_ptr, m, n, so, SPLITS: tl.constexpr, BR: tl.constexpr, SOFT: tl.constexpr):
+    """out = sum of the SPLITS fp32 partials [SPLITS, m, n], in split order, rounded to out's dtype."""
+    idx = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    ok = idx < m * n
+    acc = tl.zeros([BR], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(part_ptr + s * m * n + idx, mask=ok, other=0.0)
+    tl.store(out_ptr + (idx // n) * so + idx % n, round_to(acc, out_ptr.dtype.element_ty, SOFT), mask=ok)
+
+
+REDUCE_ROWS = 1024  # elements per program of the split-K sum
+
+
+def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> dict:
+    """Launch config from static shapes: tile (BM, BN, BK), K splits, warps, pipeline stages.
+
+    Decode (m <= 128): one row block of the next power of two >= 16 rows; BN = 64 and split-K up to
+    about two programs per SM (V4-Flash at m = 1: q_b 4096 -> 32768 has 512 column tiles and no
+    split; o_b 8192 -> 4096 64 tiles x 5 splits; q_a 4096 -> 1024 16 x 16; kv 4096 -> 512 8 x 32),
+    while the fp32 partials stay within 2x the weight bytes (4 x splits x BM x N <= 2 x N x K).
+    Prefill (m > 128): 128 x 128 tiles, 8 warps, no split. BK = 128 (V4 tiles), or the tile size
+    when it is smaller (V4.1's 32: one scale per weight row and K step).
+    Not yet timed on a GPU: /work/main/.gpu/sweep_fp8.py times alternatives at the V4-Flash shapes."""
+    bk = min(block, 128)
+    tiles = triton.cdiv(k, bk)
+    if m > 128:
+        bm, bn, warps, stages, split = 128, 128, 8, 3, 1
+    else:
+        bm = max(16, triton.next_power_of_2(m))
+        bn, warps, stages = 64, 4 if bm <= 64 else 8, 4
+        split = min(tiles, triton.cdiv(2 * _SMS, triton.cdiv(n, bn)), max(1, k // (2 * bm)))
+    if interpret:
+        split = min(tiles, 2)  # the interpreter runs both paths on tiny shapes
+    k_split = triton.cdiv(tiles, max(split, 1)) * bk
+    return dict(BM=bm, BN=bn, BK=bk, SPLITS=triton.cdiv(k, k_split), K_SPLIT=k_split, WARPS=warps, STAGES=stages)
+
+
+def fp8_linear(x, weight, scale, out, block: int, cfg: dict | None = None) -> None:
+    """Launcher of `dsv4::fp8_linear` (same arguments; `cfg` overrides config(), for sweeps)."""
+    _checks.fp8_linear(x, weight, scale, out, block)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m == 0 or n == 0:
+        return
+    if k == 0:
+        out.zero_()
+        return
+    cfg = cfg or config(m, n, k, block)
+    splits = cfg["SPLITS"]
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    ue8m0 = scale.dtype == torch.uint8
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), splits)
+    launch(_fp8_linear_kernel, grid,
+           (x, weight.view(torch.uint8), scale, out, part, m, n, k, x.stride(0),
+            out.stride(0), scale.shape[1], cfg["K_SPLIT"]),
+           dict(BLOCK=block, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], UE8M0=ue8m0, SPLITS=splits,
+                STAGES=cfg["STAGES"], SOFT=INTERPRET), num_warps=cfg["WARPS"])
+    if splits > 1:
+        launch(_reduce_kernel, (triton.cdiv(m * n, REDUCE_ROWS),), (part, out, m, n, out.stride(0)),
+               dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET))
+

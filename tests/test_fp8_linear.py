@@ -1,0 +1,232 @@
+"""dsv4::fp8_linear, fp8_linear.api and BlockFP8Linear: x @ (e4m3 weight x tile scale)^T against a
+tile-by-tile decode of the e4m3 and UE8M0 bits in float64 (tests/format_model.py); every output
+element written; bad inputs; the module through dtype casts, load_state_dict and torch.compile;
+a V4 layer loaded with keep_fp8=True against the same layer dequantized on load. Issue 15."""
+
+from functools import partial
+
+import format_model as M
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig
+from dsv4ops import testing as T
+from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.fp8_linear.api import BlockFP8Linear, fp8_linear
+from dsv4ops.layers import DEEPSEEK_NAMES, FP8_PROJECTIONS
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+E8M0 = torch.float8_e8m0fnu
+E4M3_VALUES = torch.tensor([M.e4m3_value(c) for c in range(256)], dtype=torch.float64)
+UE8M0_VALUES = torch.tensor([M.ue8m0_value(c) for c in range(256)], dtype=torch.float64)
+SHAPES = {128: (200, 300), 32: (70, 100)}  # (N, K) per tile size: neither a multiple of the tile
+
+
+def dequant64(weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """The weight in float64, decoded from its bits tile by tile (no repeat_interleave, unlike the
+    reference kernel)."""
+    codes = weight.view(torch.uint8).long()
+    ue8m0 = scale.dtype in (E8M0, torch.uint8)
+    per_tile = UE8M0_VALUES[scale.view(torch.uint8).long()] if ue8m0 else scale.double()
+    full = torch.empty(weight.shape, dtype=torch.float64)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            full[rows, cols] = E4M3_VALUES[codes[rows, cols]] * per_tile[i, j]
+    return full
+
+
+def check_against_dequant64(out, x, weight, scale, block, what):
+    """out within the data-derived budget: the same product with the weight rounded once to x's
+    dtype and multiplied in x's dtype, against float64 throughout."""
+    w64 = dequant64(weight, scale, block)
+    ref64 = x.double() @ w64.T
+    lowp = F.linear(x, w64.to(x.dtype))
+    T.assert_close_to_ref(out, ref64, lowp, what=what)
+
+
+@pytest.mark.parametrize("scale_dtype", [E8M0, FP32], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize("block", [128, 32])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
+def test_matches_a_tile_by_tile_decode(dtype, block, scale_dtype):
+    n, k = SHAPES[block]
+    weight, scale = T.block_fp8_weight(n, k, block, scale_dtype, seed=block)
+    for m in (1, 3, 17, 130):
+        x = torch.randn(m, k).to(dtype)
+        out = fp8_linear(x, weight, scale, block)
+        assert out.shape == (m, n) and out.dtype == dtype
+        check_against_dequant64(out, x, weight, scale, block, f"M={m}")
+
+
+def test_leading_dims_and_empty_batches():
+    weight, scale = T.block_fp8_weight(70, 100, 32)
+    x = torch.randn(2, 3, 100)
+    out = fp8_linear(x, weight, scale, 32)
+    assert out.shape == (2, 3, 70)
+    check_against_dequant64(out.view(6, 70), x.view(6, 100), weight, scale, 32, "[2, 3, K]")
+    assert fp8_linear(torch.randn(0, 100), weight, scale, 32).shape == (0, 70)
+
+
+def test_writes_every_output_element_and_nothing_else():
+    args = T.fp8_linear_args(BF16, noncontig=True)  # x rows with a stride gap
+    wide = torch.full((3, 76), float("nan"), dtype=BF16)
+    args["out"] = wide[:, :70]  # out rows with a stride gap: the gap must stay poisoned
+    T.call_op("fp8_linear", args)
+    assert not args["out"].isnan().any()
+    assert wide[:, 70:].isnan().all()
+    check_against_dequant64(args["out"], args["x"], args["weight"], args["scale"], 32, "strided out")
+
+
+# ---- bad inputs: one per rule ------------------------------------------------------------------
+ARGS = partial(T.fp8_linear_args, FP32)
+wa = T.with_arg
+BAD = [
+    ("block", wa("block", lambda a: 64), r"block: expected a tile size in \[32, 128\], got 64"),
+    ("x-ndim", wa("x", lambda a: a["x"][0]), r"x: expected 2-D \[tokens, in_features\]", ("op",)),
+    ("x-dtype", wa("x", lambda a: a["x"].int()), r"x: expected dtype in"),
+    ("x-last-dim", wa("x", lambda a: a["x"].t().contiguous().t()), r"x: expected a contiguous last dim"),
+    ("weight-ndim", wa("weight", lambda a: a["weight"][0]), r"weight: expected 2-D \[out_features, in_features\]"),
+    ("weight-dtype", wa("weight", lambda a: a["weight"].float()),
+     r"weight: expected dtype in \[torch.float8_e4m3fn\], got torch.float32"),
+    ("weight-layout", wa("weight", lambda a: a["weight"].t().contiguous().t()),
+     r"weight: expected a contiguous tensor"),
+    ("weight-in-features", wa("weight", lambda a: a["weight"][:, :50].contiguous()),
+     r"weight: expected size 100 \(in_features of x\) at dim 1, got 50"),
+    ("weight-device", wa("weight", lambda a: a["weight"].to("meta")), r"weight: expected device cpu \(as x\), got meta"),
+    ("scale-ndim", wa("scale", lambda a: a["scale"].flatten()), r"scale: expected 2-D"),
+    ("scale-dtype", wa("scale", lambda a: a["scale"].float().bfloat16()),
+     r"scale: expected UE8M0 bytes \(torch.uint8, a float8_e8m0fnu tensor's view\) or torch.float32, got "
+     r"torch.bfloat16"),
+    ("scale-shape", wa("scale", lambda a: a["scale"][:, :2].contiguous()),
+     r"scale: expected shape \(3, 4\) \(a \[70, 100\] weight in 32 x 32 tiles\), got \(3, 2\)"),
+    ("scale-block", wa("block", lambda a: 128),
+     r"scale: expected shape \(1, 1\) \(a \[70, 100\] weight in 128 x 128 tiles\), got \(3, 4\)"),
+    ("scale-device", wa("scale", lambda a: a["scale"].to("meta")), r"scale: expected device cpu \(as x\), got meta"),
+    ("out-shape", wa("out", lambda a: a["out"][:1]), r"out: expected shape \(3, 70\)", ("op",)),
+    ("out-dtype", wa("out", lambda a: a["out"].bfloat16()), r"out: expected dtype in \[torch.float32\]", ("op",)),
+    ("out-last-dim", wa("out", lambda a: a["out"].t().contiguous().t()), r"out: expected a contiguous last dim",
+     ("op",)),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_rejected_and_writes_nothing(case):
+    _, mutate, match, *via = case
+    T.assert_bad_case("fp8_linear", ARGS(), mutate, match, via)
+
+
+# ---- BlockFP8Linear ----------------------------------------------------------------------------
+def _module(scale_dtype=E8M0) -> BlockFP8Linear:
+    weight, scale = T.block_fp8_weight(70, 100, 32, scale_dtype)
+    module = BlockFP8Linear(100, 70, 32, scale_dtype)
+    module.load_state_dict({"weight": weight, "weight_scale_inv": scale})
+    return module
+
+
+@pytest.mark.parametrize("scale_dtype", [E8M0, FP32], ids=["ue8m0", "fp32"])
+def test_module_keeps_the_checkpoint_bytes_through_dtype_casts(scale_dtype):
+    module = _module(scale_dtype)
+    weight, scale = module.weight.clone(), module.weight_scale_inv.clone()
+    for cast in (lambda m: m.to(BF16), lambda m: m.half(), lambda m: m.float(), lambda m: m.to("cpu", BF16)):
+        cast(module)
+        assert T.bytes_equal(module.weight, weight) and T.bytes_equal(module.weight_scale_inv, scale)
+    x = torch.randn(4, 100).to(BF16)
+    check_against_dequant64(module(x), x, weight, scale, 32, "module")
+
+
+def test_module_rejects_a_float_weight_instead_of_casting_it():
+    module = _module()
+    before = module.weight.clone()
+    with pytest.raises(RuntimeError, match=r"weight: expected dtype torch.float8_e4m3fn \(a block-FP8 projection"):
+        module.load_state_dict({"weight": torch.randn(70, 100), "weight_scale_inv": module.weight_scale_inv})
+    assert T.bytes_equal(module.weight, before)
+    with pytest.raises(ValueError, match=r"block: expected a tile size in \[32, 128\], got 64"):
+        BlockFP8Linear(100, 70, 64)
+
+
+def test_module_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    module = _module()
+    x = torch.randn(5, 100).to(BF16)
+    compiled = torch.compile(module, fullgraph=True)
+    # The op's CPU kernel is the reference in both runs: the same computation.
+    assert torch.equal(compiled(x), module(x))
+
+
+# ---- a V4 layer with its projections kept in block FP8 -------------------------------------------
+CFG = DSV4AttentionConfig.tiny()
+
+
+def _fp8_checkpoint(layer, scale_dtype) -> dict:
+    """DeepSeek checkpoint dict of `layer`: every 2-D projection block-FP8 (128 x 128 tiles)."""
+    inverse = {v: k for k, v in DEEPSEEK_NAMES.items()}
+    sd = {}
+    for i, (name, p) in enumerate(layer.named_parameters()):
+        key = f"layers.{layer.layer_idx}.{inverse[name]}"
+        if p.dim() == 2 and name.endswith("proj.weight"):
+            w, s = T.block_fp8_weight(*p.shape, 128, scale_dtype, seed=i)
+            # ~1/sqrt(fan_in) weights, as randomize_ makes them: the scale carries it
+            sd[key], sd[key[: -len("weight")] + "scale"] = w, (s.float() * p.shape[1] ** -0.5).to(s.dtype)
+        else:
+            sd[key] = p.detach().clone()
+    return sd
+
+
+def _loaded(layer_idx, sd, dtype, keep_fp8):
+    layer = DeepseekV4Attention(CFG, layer_idx).to(dtype)
+    layer.load_deepseek_state_dict(sd, keep_fp8=keep_fp8)
+    return layer
+
+
+@pytest.mark.parametrize("scale_dtype", [E8M0, FP32], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize("layer_idx", [0, 1])
+def test_layer_with_fp8_projections_equals_the_dequantized_layer(layer_idx, scale_dtype):
+    src = T.randomize_(DeepseekV4Attention(CFG, layer_idx), seed=layer_idx)
+    sd = _fp8_checkpoint(src, scale_dtype)
+    fp8, deq, ref = _loaded(layer_idx, sd, BF16, True), _loaded(layer_idx, sd, BF16, False), _loaded(
+        layer_idx, sd, FP32, False)
+    names = [n for n in FP8_PROJECTIONS if n.split(".")[0] != "compressor" or fp8.compressor is not None]
+    assert all(isinstance(fp8.get_submodule(n), BlockFP8Linear) for n in names)
+    assert not any(isinstance(m, BlockFP8Linear) for m in deq.modules())
+    assert fp8.o_a_proj.weight.dtype == BF16  # dequantized: the grouped einsum and the compressors
+    if fp8.compressor is not None:
+        assert fp8.compressor.kv_proj.weight.dtype == BF16
+    x = torch.randn(2, 9, CFG.hidden_size)
+    with torch.no_grad():
+        T.assert_close_to_ref(fp8(x.to(BF16)), ref(x), deq(x.to(BF16)), what="stateless")
+    # A dequantized load turns the projections back into nn.Linear modules of the model dtype.
+    fp8.load_deepseek_state_dict(sd)
+    assert all(isinstance(fp8.get_submodule(n), torch.nn.Linear) and fp8.get_submodule(n).weight.dtype == BF16
+               for n in names)
+
+
+def test_layer_with_fp8_projections_serves_like_the_dequantized_layer():
+    src = T.randomize_(DeepseekV4Attention(CFG, 1), seed=1)
+    sd = _fp8_checkpoint(src, E8M0)
+    g = torch.Generator().manual_seed(0)
+    inputs = {0: torch.randn(12, CFG.hidden_size, generator=g), 1: torch.randn(6, CFG.hidden_size, generator=g)}
+    schedule = [{0: 9, 1: 5}, {0: 3, 1: 1}]
+    outs = {}
+    for name, dtype, keep in (("fp8", BF16, True), ("deq", BF16, False), ("ref", FP32, False)):
+        layer = _loaded(1, sd, dtype, keep)
+        cache = CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, kv_cache="bf16", indexer_cache="bf16",
+                            exact_dtype=dtype)
+        manager = KVCacheManager(CFG, cache)
+        layer.attach_cache(manager)
+        with torch.no_grad():
+            outs[name] = T.serve_schedule(layer, manager, {r: v.to(dtype) for r, v in inputs.items()}, schedule)
+    for r in inputs:
+        T.assert_close_to_ref(outs["fp8"][r], outs["ref"][r], outs["deq"][r], what=f"request {r}")
+
+
+def test_keep_fp8_rejects_a_tile_size_without_a_kernel_and_keeps_the_layer():
+    src = T.randomize_(DeepseekV4Attention(CFG, 0), seed=0)
+    inverse = {v: k for k, v in DEEPSEEK_NAMES.items()}
+    sd = {f"layers.0.{inverse[n]}": p.detach().clone() for n, p in src.named_parameters()}
+    key = "layers.0.attn.wq_a.weight"
+    sd[key], sd["layers.0.attn.wq_a.scale"] = T.block_fp8_weight(*src.q_a_proj.weight.shape, 64)
+    layer = DeepseekV4Attention(CFG, 0)
+    with pytest.raises(ValueError, match=r"block: expected a tile size in \[32, 128\], got 64"):
+        layer.load_deepseek_state_dict(sd, block=64, keep_fp8=True)
+    assert type(layer.q_a_proj) is torch.nn.Linear
