@@ -15,7 +15,6 @@ import torch
 from dsv4ops import testing
 from dsv4ops.compressor import reference as compressor_ref
 from dsv4ops.indexer import reference as indexer_ref
-from dsv4ops.indexer import triton as indexer_tt
 from dsv4ops.qkv_prep import reference as qkv_prep_ref
 from dsv4ops.quant import formats
 from dsv4ops.quant import reference as quant_ref
@@ -126,9 +125,7 @@ def test_compressor_v41_with_latent(ratio):
     testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
 
 
-@pytest.mark.parametrize("project_max", [256, 0], ids=["in-kernel-projection", "gemm"])
-def test_indexer_k_prep_and_q_prep_mx4(project_max, monkeypatch):
-    monkeypatch.setattr(indexer_tt, "PROJECT_MAX_TOKENS", project_max)  # both launch paths
+def test_indexer_k_prep_and_q_prep_mx4():
     pos, req = _steps((0, 0, 300), (1, 1000, 1), pad=2)
     t = pos.shape[0]
     latent = torch.randn(t, 512, device=DEV)

@@ -398,12 +398,9 @@ def test_indexer_q_prep_mx4():
     testing.assert_close_to_ref(got, ref, lowp, what="q x w")
 
 
-@pytest.mark.parametrize("project_max", [256, 0], ids=["in-kernel-projection", "gemm"])
 @pytest.mark.parametrize("pool", ["mxfp4_68", torch.bfloat16], ids=["mxfp4_68", "bf16"])
-def test_indexer_k_prep(pool, project_max, monkeypatch):
+def test_indexer_k_prep(pool):
     # V4.1's index keys from the compressor's latent: only closing live tokens write their entry.
-    # Small steps project the keys in the kernel, long ones take a GEMM first: both paths run.
-    monkeypatch.setattr(indexer_tt, "PROJECT_MAX_TOKENS", project_max)
     t, ratio, d = 7, 2, 512
     latent = torch.randn(t, d)
     pos, req = _i32(1, 2, 3, 9, 5, 0, 7), _i32(0, 0, 0, 1, -1, 1, 1)  # token 4 is padding
@@ -813,12 +810,8 @@ def _record_v41_launches(t, pos, req) -> list:
         q4 = torch.zeros(t, 64, 68, dtype=torch.uint8)
         indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68")
         keys = testing.page_pool(2, 128, 128, "mxfp4_68")
-        default = indexer_tt.PROJECT_MAX_TOKENS
-        for project_max in (t, 0):  # the key projection in the kernel, or a GEMM first
-            indexer_tt.PROJECT_MAX_TOKENS = project_max
-            indexer_tt.indexer_k_prep(torch.zeros(t, 512, dtype=torch.bfloat16), pos, req, pos,
-                                      torch.zeros(128, 512), torch.ones(128), INV_FREQ, keys, 2, 1e-6, "mxfp4_68")
-        indexer_tt.PROJECT_MAX_TOKENS = default
+        indexer_tt.indexer_k_prep(torch.zeros(t, 512, dtype=torch.bfloat16), pos, req, pos, torch.zeros(128, 512),
+                                  torch.ones(128), INV_FREQ, keys, 2, 1e-6, "mxfp4_68")
         cb, keep, k = 8, 2048, 512
         for blocks in (2, 8192):  # one chunk; rows of several chunks (entries and blocks), merged
             table = torch.zeros(1, blocks, dtype=torch.int32)

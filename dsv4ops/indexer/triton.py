@@ -105,31 +105,18 @@ def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> N
 
 
 @triton.jit
-def _k_prep_kernel(x_ptr, wk_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_ptr, s_x, s_wk, s_wk_in, n_slots,
-                   ratio, block_size, eps, D: tl.constexpr, K_IN: tl.constexpr, KB: tl.constexpr,
-                   ROPE: tl.constexpr, FMT: tl.constexpr, PROJECT: tl.constexpr, SOFT: tl.constexpr):
-    """Token t closing an entry: RoPE_{w*m}(RMSNorm(k)) (fp32 norm, the weight in fp32, one cast to
-    k's dtype; RoPE in fp32, rounded to k's dtype) stored at its entry slot. PROJECT: x is the
-    latent [T, K_IN] and k = x wk^T is computed here (wk rounded to x's dtype, fp32 sums, k rounded
-    to x's dtype, as F.linear), for closing tokens only; else x is k itself."""
+def _k_prep_kernel(k_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_ptr, s_k, n_slots, ratio, block_size,
+                   eps, D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, SOFT: tl.constexpr):
+    """Token t closing an entry: RoPE_{w*m}(RMSNorm(k[t])) (fp32 norm, the weight in fp32, one cast
+    to k's dtype; RoPE in fp32, rounded to k's dtype) stored at its entry slot."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     slot = tl.full([1], 0, tl.int64) + tl.load(eslot_ptr + t)
     ok = (slot >= 0) & (slot < n_slots)  # -1 or out of range: no entry
     if (tl.load(req_ptr + t) >= 0) & (pos >= 0) & ((pos + 1) % ratio == 0):
         cols = tl.arange(0, D)
-        kdt: tl.constexpr = x_ptr.dtype.element_ty
-        if PROJECT:
-            acc = tl.zeros([D], tl.float32)
-            for k0 in tl.static_range(0, K_IN, KB):
-                kc = k0 + tl.arange(0, KB)
-                lat = to_f32(tl.load(x_ptr + t * s_x + kc, mask=kc < K_IN, other=0.0), SOFT)
-                w_at = wk_ptr + cols[:, None] * s_wk + kc[None, :] * s_wk_in
-                wk = round_via(to_f32(tl.load(w_at, mask=kc[None, :] < K_IN, other=0.0), SOFT), kdt, SOFT)
-                acc += tl.sum(wk * lat[None, :], axis=1)
-            x = round_via(acc, kdt, SOFT)
-        else:
-            x = to_f32(tl.load(x_ptr + t * s_x + cols), SOFT)
+        kdt: tl.constexpr = k_ptr.dtype.element_ty
+        x = to_f32(tl.load(k_ptr + t * s_k + cols), SOFT)
         r = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)
         y = round_via(to_f32(tl.load(w_ptr + cols), SOFT) * (x * r), kdt, SOFT)
         cos, sin, rot = rope_coeffs(freq_ptr, (pos // ratio) * ratio, D, ROPE)
@@ -137,29 +124,22 @@ def _k_prep_kernel(x_ptr, wk_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, 
         store_rows(cache_ptr, tl.where(ok, slot, 0), ok, y, block_size, 1, D, FMT, SOFT)
 
 
-# Steps of at most this many tokens project their keys inside `_k_prep_kernel` (one launch, closing
-# tokens only); longer ones (prefill chunks) take one GEMM, which reads wk once instead of once per
-# closing token.
-PROJECT_MAX_TOKENS = 256
-
-
 def indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio: int,
                    eps: float, fmt: str) -> None:
-    """Launcher of `dsv4::indexer_k_prep` (same arguments): one program per token for the key
-    projection (small steps; see PROJECT_MAX_TOKENS), the norm, RoPE and the store."""
+    """Launcher of `dsv4::indexer_k_prep` (same arguments): the key projection of every token as
+    one GEMM in latent's dtype (fp32 accumulation, as the reference's F.linear; tokens that close no
+    entry are a few wasted rows), then one program per token for the norm, RoPE and the store."""
     _checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, fmt)
     code = fmt_code("indexer_k_prep", "fmt", fmt)
-    t, k_in = latent.shape
+    t = latent.shape[0]
     require_layout("indexer_k_prep", wk.shape[0], inv_freq.shape[0], dims=(INDEXER_DIM,))
     if t == 0:
         return
-    project = t <= PROJECT_MAX_TOKENS
-    x = latent if project else torch.nn.functional.linear(latent, wk.to(latent.dtype))
+    k = torch.nn.functional.linear(latent, wk.to(latent.dtype))
     launch(_k_prep_kernel, (t,),
-           (x, wk, positions, req_slots, entry_slots, k_norm_weight, inv_freq, cache, x.stride(0), wk.stride(0),
-            wk.stride(1), capacity(cache, fmt), ratio, block_size(cache, fmt), eps),
-           dict(D=wk.shape[0], K_IN=k_in, KB=min(64, triton.next_power_of_2(k_in)), ROPE=MAIN_ROPE, FMT=code,
-                PROJECT=project, SOFT=INTERPRET), num_warps=4)
+           (k, positions, req_slots, entry_slots, k_norm_weight, inv_freq, cache, k.stride(0), capacity(cache, fmt),
+            ratio, block_size(cache, fmt), eps),
+           dict(D=wk.shape[0], ROPE=MAIN_ROPE, FMT=code, SOFT=INTERPRET))
 
 
 @triton.jit
