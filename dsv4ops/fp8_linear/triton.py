@@ -39,8 +39,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, n, k, sx, so, 
     s_row = s_ptr + (cols // BLOCK).to(tl.int64) * s_cols
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_lo = split * k_split
-    for kk in tl.range(0, k_split, BK, num_stages=STAGES):
-        k0 = k_lo + kk
+    # The last split stops at K: a K step wholly past K would read a scale past the last tile column.
+    for k0 in tl.range(k_lo, tl.minimum(k_lo + k_split, k), BK, num_stages=STAGES):
         ks = k0 + tl.arange(0, BK)
         km = ks < k
         a = tl.load(x_ptr + r64[:, None] * sx + ks[None, :], mask=rm[:, None] & km[None, :], other=0.0)
