@@ -77,21 +77,29 @@ REDUCE_ROWS = 1024  # elements per program of the split-K sum
 def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> dict:
     """Launch config from static shapes: tile (BM, BN, BK), K splits, warps, pipeline stages.
 
-    Decode (m <= 128): one row block of the next power of two >= 16 rows; BN = 64 and split-K up to
-    about two programs per SM (V4-Flash at m = 1: q_b 4096 -> 32768 has 512 column tiles and no
-    split; o_b 8192 -> 4096 64 tiles x 5 splits; q_a 4096 -> 1024 16 x 16; kv 4096 -> 512 8 x 32),
-    while the fp32 partials stay within 2x the weight bytes (4 x splits x BM x N <= 2 x N x K).
+    Decode (m <= 128): one row block of the next power of two >= 16 rows, so every weight byte is
+    read once, and split-K (at most 8 splits, fp32 partials within 2x the weight bytes:
+    4 x splits x BM x N <= 2 x N x K) until the grid holds about 256 programs at one row block of
+    16 (BN = 32) and 128 above (BN = 64, or 32 when 64 cannot reach 128 with 8 splits). Three
+    pipeline stages. Swept on the H100 at the V4-Flash projections (graph-timed, weights from HBM;
+    the best config per shape, which this rule picks): at m = 1 q_a 4096 -> 1024 BN 32 x 8 splits
+    6.4 us, kv 4096 -> 512 BN 32 x 8 5.5 us, indexer q_b 1024 -> 8192 BN 32 x 1 6.9 us, q_b
+    1024 -> 32768 BN 32 x 1 16.8 us (BN 64: 16.7); at m = 128 q_a BN 64 x 8 10.2 us, kv BN 32 x 8 8.0 us, o_b
+    8192 -> 4096 BN 64 x 2 36.8 us, indexer q_b BN 64 x 1 11.2 us. The rule this replaced (BN 64,
+    splits up to two programs per SM, 4 stages) took up to 1.9x as long (indexer q_b at m = 128:
+    20.9 us).
     Prefill (m > 128): 128 x 128 tiles, 8 warps, no split. BK = 128 (V4 tiles), or the tile size
-    when it is smaller (V4.1's 32: one scale per weight row and K step).
-    Not yet timed on a GPU: /work/main/.gpu/sweep_fp8.py times alternatives at the V4-Flash shapes."""
+    when it is smaller (V4.1's 32: one scale per weight row and K step)."""
     bk = min(block, 128)
     tiles = triton.cdiv(k, bk)
     if m > 128:
         bm, bn, warps, stages, split = 128, 128, 8, 3, 1
     else:
         bm = max(16, triton.next_power_of_2(m))
-        bn, warps, stages = 64, 4 if bm <= 64 else 8, 4
-        split = min(tiles, triton.cdiv(2 * _SMS, triton.cdiv(n, bn)), max(1, k // (2 * bm)))
+        target = 256 if bm == 16 else 128
+        bn = 32 if bm == 16 or triton.cdiv(n, 64) * 8 < target else 64
+        warps, stages = 4 if bm <= 64 else 8, 3
+        split = max(1, min(8, tiles, target // triton.cdiv(n, bn), k // (2 * bm)))
     if interpret:
         split = min(tiles, 2)  # the interpreter runs both paths on tiny shapes
     k_split = triton.cdiv(tiles, max(split, 1)) * bk
