@@ -61,7 +61,7 @@ DEEPSEEK_NAMES = {
 
 
 # The projections `load_deepseek_state_dict(..., keep_fp8=True)` keeps block-FP8 (BlockFP8Linear):
-# those computing in the model dtype. The compressors' (fp32 compute in the exact modes) and the
+# those computing in the model dtype. The compressors' (fp32 compute outside exact mode) and the
 # grouped o_a_proj (an einsum over head groups) are dequantized.
 FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "compressor.indexer.q_b_proj")
 _DEEPSEEK_KEY = {v: k for k, v in DEEPSEEK_NAMES.items()}
