@@ -436,13 +436,18 @@ def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
 
 # Entries per scoring tile (the dot's rows; 64 heads its columns). Software pipelining of the loop
 # (num_stages 3) measured 1.1-2x slower on the H100.
+# Score tiles of 64 entries on 4 warps. H100, graph-timed indexer_topk (V4-Flash, 8 programs per SM):
+# 128-entry tiles or 8 warps took 4-17% longer at 128 x 64K, 32 x 64K and 1 x 1M.
 SCORE_BN = 64
+SCORE_WARPS = 4
 
 
 def score_programs(tokens: int, tiles: int) -> int:
-    """Scoring programs per token: about 16 per SM over the launch (each scores 64 entries at a time
-    with its query kept in shared memory), at most one per tile."""
-    return max(1, min(tiles, 16 * _ws.SMS // tokens))
+    """Scoring programs per token: about 8 per SM over the launch (each scores 64 entries at a time
+    with its query kept in shared memory), at most one per tile. H100, whole indexer_topk, 8 vs 16
+    per SM: 28.4 vs 34.3 us at 128 x 4K, 119.2 vs 122.9 at 32 x 64K, 113.4 vs 120.6 at 1 x 1M, equal
+    at 1 x 4K and 128 x 64K (32 per SM: no better anywhere); index sets identical."""
+    return max(1, min(tiles, 8 * _ws.SMS // tokens))
 
 
 def select_programs(tokens: int, chunks: int) -> int:
@@ -498,7 +503,7 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
                 q.stride(1), weights.stride(0), block_table.stride(0), s_cand, n_cand, cb, h, n_entries, ratio, bs,
                 row_words),
                dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, CAND=mode, NC=nc, SOFT=INTERPRET),
-               num_warps=4)
+               num_warps=SCORE_WARPS)
         common = (positions, req_slots, block_table, cand_t, idx_out, workspace, t0, block_table.stride(0), s_cand,
                   n_cand, cb, idx_out.stride(0), n_entries, ratio, bs, row_words)
         _select_tree(n, n_row, k, 0, common, mode, nc)
