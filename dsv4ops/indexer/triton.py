@@ -257,7 +257,8 @@ def _row_len(pos_ptr, req_ptr, cand_ptr, t, s_cand, n_cand, ratio, n_entries, cb
 def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, cand_ptr, ws_ptr, t0, sq_t, sq_h, sw_t, s_bt,
                   s_cand, n_cand, cb, n_heads, n_entries, ratio, block_size, row_words, D: tl.constexpr,
                   HP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, FMT: tl.constexpr, Q_FP8: tl.constexpr,
-                  DOT: tl.constexpr, CAND: tl.constexpr, NC: tl.constexpr, SOFT: tl.constexpr):
+                  DOT: tl.constexpr, CAND: tl.constexpr, NC: tl.constexpr, STAGES: tl.constexpr,
+                  SOFT: tl.constexpr):
     """Program (token, g) scores the token's columns in tiles g, g + G, ... (the grid follows the
     batch, the loop the token's real context, or its candidates) into its workspace row as uint32
     keys."""
@@ -282,7 +283,7 @@ def _score_kernel(q_ptr, w_ptr, pos_ptr, req_ptr, cache_ptr, bt_ptr, cand_ptr, w
         w = tl.load(w_ptr + t * sw_t + heads, mask=hm, other=0.0)
         row = ws_ptr + tc * row_words
         cand_row = cand_ptr + t * s_cand
-        for c0 in range(c_first, n, G * BN):
+        for c0 in tl.range(c_first, n, G * BN, num_stages=STAGES):
             key = _scores(q, q_odd, w, cache_ptr, bt_ptr, cand_row, req, c0, n, n_vis, s_bt, block_size, cb, D, BN,
                           FMT, Q_FP8, DOT, CAND, SOFT)
             c = c0 + tl.arange(0, BN)
@@ -436,10 +437,14 @@ def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
 
 # Entries per scoring tile (the dot's rows; 64 heads its columns). Software pipelining of the loop
 # (num_stages 3) measured 1.1-2x slower on the H100.
-# Score tiles of 64 entries on 4 warps. H100, graph-timed indexer_topk (V4-Flash, 8 programs per SM):
-# 128-entry tiles or 8 warps took 4-17% longer at 128 x 64K, 32 x 64K and 1 x 1M.
+# Score tiles of 64 entries on 4 warps, the tile loop not software-pipelined. H100, graph-timed
+# indexer_topk (V4-Flash, 8 programs per SM): 128-entry tiles or 8 warps took 4-17% longer at
+# 128 x 64K, 32 x 64K and 1 x 1M; 2-4 pipeline stages (a plain `range` got the launch default, 3)
+# 30.1-32.3 us at 128 x 4K against 22.2 with one, 14.3-14.8 against 12.3 at 1 x 4K, and no faster at
+# 64K or 1M: the gathered 132-B rows are too small for cp.async stages to pay.
 SCORE_BN = 64
 SCORE_WARPS = 4
+SCORE_STAGES = 1
 
 
 def score_programs(tokens: int, tiles: int) -> int:
@@ -502,8 +507,8 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
                (qa, weights, positions, req_slots, cache, block_table, cand_t, workspace, t0, q.stride(0),
                 q.stride(1), weights.stride(0), block_table.stride(0), s_cand, n_cand, cb, h, n_entries, ratio, bs,
                 row_words),
-               dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, CAND=mode, NC=nc, SOFT=INTERPRET),
-               num_warps=SCORE_WARPS)
+               dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, CAND=mode, NC=nc, STAGES=SCORE_STAGES,
+                    SOFT=INTERPRET), num_warps=SCORE_WARPS)
         common = (positions, req_slots, block_table, cand_t, idx_out, workspace, t0, block_table.stride(0), s_cand,
                   n_cand, cb, idx_out.stride(0), n_entries, ratio, bs, row_words)
         _select_tree(n, n_row, k, 0, common, mode, nc)
