@@ -436,11 +436,11 @@ def _dot_kind(q: torch.Tensor, cache: torch.Tensor, fmt: int) -> int:
 
 
 # Score tiles of 64 entries (the dot's rows; 64 heads its columns) on 4 warps, the tile loop not
-# software-pipelined. H100, graph-timed
-# indexer_topk (V4-Flash, 8 programs per SM): 128-entry tiles or 8 warps took 4-17% longer at
-# 128 x 64K, 32 x 64K and 1 x 1M; 2-4 pipeline stages (a plain `range` got the launch default, 3)
-# 30.1-32.3 us at 128 x 4K against 22.2 with one, 14.3-14.8 against 12.3 at 1 x 4K, and no faster at
-# 64K or 1M: the gathered 132-B rows are too small for cp.async stages to pay.
+# software-pipelined. H100, graph-timed indexer_topk (V4-Flash, 8 programs per SM): 128-entry tiles
+# or 8 warps took 4-17% longer at 128 x 64K, 32 x 64K and 1 x 1M; 2-4 pipeline stages (a plain
+# `range` got the launch default, 3) 30.1-32.3 us at 128 x 4K against 22.2 with one, 14.3-14.8
+# against 12.3 at 1 x 4K, and no faster at 64K or 1M: the gathered 132-B rows are too small for
+# cp.async stages to pay.
 SCORE_BN = 64
 SCORE_WARPS = 4
 SCORE_STAGES = 1
