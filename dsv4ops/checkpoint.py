@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dsv4ops.fp8_linear import reference as fp8_linear_reference
+
 V4_BLOCK = 128
 V41_BLOCK = 32
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
@@ -38,9 +40,7 @@ def dequantize_block_fp8(weight: Tensor, scale: Tensor, block: int, dtype: torch
     """[N, K] e4m3 `weight` times its [ceil(N / block), ceil(K / block)] tile scales, computed in
     fp32 (an e4m3 value times a power of two is exact there), returned in `dtype`."""
     check_block_fp8(weight, scale, block, name)
-    n, k = weight.shape
-    s = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
-    return (weight.float() * s).to(dtype)
+    return fp8_linear_reference.dequantize(weight, scale, block, dtype)
 
 
 def scale_key(state_dict: dict, weight_key: str) -> str | None:

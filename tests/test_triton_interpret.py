@@ -87,14 +87,20 @@ def test_pack_unpack_bit_exact(dim, pool, dtype):
     x[2] = -0.0
     slots = _i32(0, 11, -1, 5, 3, 2, 7)
     got, want = _pool(pool, dim, 4), _pool(pool, dim, 4)
-    fmt = _fmt(got, dim)
+    out, expect = _pack_unpack_both(x, slots, got, want, _fmt(got, dim))
+    assert testing.bytes_equal(out, expect)
+
+
+def _pack_unpack_both(x, slots, got, want, fmt):
+    """Pack x at slots with the kernel into `got` and with the reference into `want` (the bytes must
+    be equal), then unpack `want` both ways: (kernel rows, poisoned first; reference rows)."""
     quant_tt.pack_kv(x, slots, got, fmt)
     quant_ref.pack_kv(x, slots, want, fmt)
     assert testing.bytes_equal(got, want)
-    out, expect = torch.full((7, dim), 7.0, dtype=dtype), torch.empty(7, dim, dtype=dtype)
+    out, expect = torch.full(x.shape, 7.0, dtype=x.dtype), torch.empty_like(x)
     quant_tt.unpack_kv(want, slots, out, fmt)
     quant_ref.unpack_kv(want, slots, expect, fmt)
-    assert testing.bytes_equal(out, expect)
+    return out, expect
 
 
 V41_BS = {"fp8_528": 4, "fp4_288": 4, "mxfp4_68": 7}  # mxfp4_68 pages (512-B aligned) need 7 or 128 rows
@@ -117,12 +123,7 @@ def test_pack_unpack_v41_formats_bit_exact(fmt, dtype):
     bs = V41_BS[fmt]
     slots = _i32(0, 11, -1, 5, 3, 2, 7, 9, 1)
     got, want = testing.page_pool(3, bs, dim, fmt), testing.page_pool(3, bs, dim, fmt)
-    quant_tt.pack_kv(x, slots, got, fmt)
-    quant_ref.pack_kv(x, slots, want, fmt)
-    assert testing.bytes_equal(got, want)
-    out, expect = torch.full((9, dim), 7.0, dtype=dtype), torch.empty(9, dim, dtype=dtype)
-    quant_tt.unpack_kv(want, slots, out, fmt)
-    quant_ref.unpack_kv(want, slots, expect, fmt)
+    out, expect = _pack_unpack_both(x, slots, got, want, fmt)
     # The NaN-scale groups read back NaN on both sides (payloads may differ); the rest bit for bit.
     nan = expect.isnan()
     assert torch.equal(out.isnan(), nan) and testing.bytes_equal(out[~nan], expect[~nan])

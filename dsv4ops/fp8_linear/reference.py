@@ -12,8 +12,9 @@ from torch import Tensor
 
 
 def dequantize(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype) -> Tensor:
-    """[N, K] e4m3 weight x its [ceil(N / block), ceil(K / block)] tile scales (fp32, or UE8M0
-    bytes: 2^(byte - 127), 0xFF NaN), in `dtype`."""
+    """[N, K] e4m3 weight x its [ceil(N / block), ceil(K / block)] tile scales (a float or UE8M0
+    dtype, or UE8M0 bytes: 2^(byte - 127), 0xFF NaN), in `dtype` (also dsv4ops.checkpoint's
+    dequantize-on-load, after its checks)."""
     n, k = weight.shape
     s = (scale.view(torch.float8_e8m0fnu) if scale.dtype == torch.uint8 else scale).float()
     s = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
