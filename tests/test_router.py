@@ -412,7 +412,7 @@ def test_cute_decode_gate_compiles(arch, shape):
 # ---- CUDA backends: bound at a run, never while tracing; a failed build raises --------------------
 def test_router_fakes_have_no_side_effects(monkeypatch):
     """Tracing (here: the fakes on CUDA fake tensors) neither builds csrc/ nor registers a kernel."""
-    from dsv4ops.router import cuda
+    from dsv4ops import csrc as cuda
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a router fake tried to build or bind the CUDA kernels")
@@ -430,7 +430,7 @@ def test_router_fakes_have_no_side_effects(monkeypatch):
 def test_failed_csrc_build_raises(monkeypatch):
     from torch.utils import cpp_extension
 
-    from dsv4ops.router import cuda
+    from dsv4ops import csrc as cuda
 
     def nvcc_fails(**kwargs):
         raise RuntimeError("Error building extension 'dsv4ops_csrc': nvcc exited with 1")
@@ -439,7 +439,7 @@ def test_failed_csrc_build_raises(monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", nvcc_fails)
     cuda.load.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=r"the CUDA C\+\+ router kernels \(csrc/\) are required on this GPU by "
+        with pytest.raises(RuntimeError, match=r"the CUDA C\+\+ kernels \(csrc/\) are required on this GPU by "
                                                r"the arch table .* building csrc/ failed: Error building extension"):
             cuda.load()
         api.load_cuda_backends.cache_clear()

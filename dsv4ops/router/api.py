@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from dsv4ops import _arch
 from dsv4ops import ops as _ops  # defines the dsv4:: ops bound below
 from dsv4ops.router import checks as _checks
-from dsv4ops.router import cuda as _cuda
+from dsv4ops import csrc as _cuda
 
 _gate_topk = torch.ops.dsv4.gate_topk.default
 _hash_route = torch.ops.dsv4.hash_route.default

@@ -1,6 +1,7 @@
-"""Builds (JIT, on first use) and loads the CUDA C++ router kernels of csrc/, which bind themselves to
-the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key. Nothing else is registered here; a
-failure raises (no silent fallback)."""
+"""Builds (JIT, on first use) and loads the CUDA C++ kernels of csrc/: the router kernels bind
+themselves to the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key, and the sm_90 sparse
+attention kernel is `dsv4_csrc::sparse_attn`, called by dsv4ops/sparse_attn/cuda.py. Nothing else is
+registered here; a failure raises (no silent fallback)."""
 
 import functools
 import os
@@ -9,8 +10,9 @@ import sys
 
 import torch
 
-_CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = ("dsv4ops.cpp", "router/api.cpp", "router/gate_topk.cu", "router/hash_route.cu")
+_CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+_SOURCES = ("dsv4ops.cpp", "router/api.cpp", "router/gate_topk.cu", "router/hash_route.cu", "sparse_attn/sparse_attn_api.cpp",
+            "sparse_attn/sparse_attn.cu")
 # Explicit -gencode pairs: without them cpp_extension derives the archs from the visible GPUs, and the
 # `-arch=sm_90a` shorthand was reported to add a plain sm_90 pass. sm_100a needs nvcc >= 12.8.
 _GENCODE = ("-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a")
@@ -62,6 +64,6 @@ def load() -> bool:
         except (RuntimeError, OSError, ImportError) as error:  # a failed nvcc / ninja run, or dlopen
             reason = f"building csrc/ failed: {error}"
     if reason is not None:
-        raise RuntimeError(f"dsv4ops: the CUDA C++ router kernels (csrc/) are required on this GPU by the arch "
+        raise RuntimeError(f"dsv4ops: the CUDA C++ kernels (csrc/) are required on this GPU by the arch "
                            f"table (dsv4ops/_arch.py) and cannot be loaded: {reason}")
     return True

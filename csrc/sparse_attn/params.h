@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: MIT
+// Launch parameters of the sm_90 `dsv4::sparse_attn` kernel (V4 fp8_584 pools, bf16 q / out).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dsv4::sparse_attn {
+
+struct Params {
+  const void* q;  // [tokens, heads, 512] bf16, last dim contiguous
+  int64_t q_stride_token, q_stride_head;
+  const uint8_t* window_cache;  // paged fp8_584 pools (dsv4ops/quant/formats.py)
+  const uint8_t* comp_cache;
+  int64_t window_page_bytes, comp_page_bytes;
+  int window_block, comp_block;  // entries per page
+  const int32_t* window_ends;    // [tokens]: the last window position of each query
+  const int32_t* req_slots;      // [tokens]: -1 = padding token
+  const int32_t* comp_idx;       // [tokens, n_idx]: global comp_cache slots, -1 = none
+  int64_t comp_idx_stride;
+  const int32_t* comp_lens;  // [tokens]: columns of comp_idx listed
+  const float* sinks;        // [heads]
+  void* out;                 // [tokens, heads, 512] bf16, last dim contiguous
+  int64_t out_stride_token, out_stride_head;
+  float* partial;  // [tokens * splits * heads, 512] fp32 (splits > 1)
+  float* lse;      // [tokens * splits * heads] log2 of each split's softmax sum (splits > 1)
+  int tokens, heads, n_idx, window, ring_size;
+  int window_keys;  // window rounded up to a whole tile: a tile is all window or all entries
+  int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
+  int splits;
+  float scale_log2;  // softmax scale x log2(e)
+};
+
+void launch(const Params& p, cudaStream_t stream);
+
+}  // namespace dsv4::sparse_attn

@@ -1,0 +1,117 @@
+// SPDX-License-Identifier: MIT
+// Host side (its own file name: cpp_extension names objects by basename, and router/api.cpp exists) of the sm_90 sparse_attn kernel: layout checks -> params -> launch on the current stream.
+// The values (positions, slots, lengths) were checked by the op in Python; these checks guard the
+// pointer arithmetic the kernel relies on (dtypes, contiguous rows, 16-B alignment).
+#include "api.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+
+#include "../common/checks.h"
+#include "params.h"
+
+namespace dsv4::sparse_attn {
+namespace {
+
+constexpr int64_t kDim = 512;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  DSV4_CHECK(x.dim() == 3 && x.size(2) == kDim && x.stride(2) == 1, name,
+             ": expected [tokens, heads, 512] with a contiguous last dim, got shape ", x.sizes());
+  DSV4_CHECK(x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+             name, ": expected 16-B aligned rows (strides multiples of 8 elements)");
+  DSV4_CHECK_DTYPE(x, at::kBFloat16);
+}
+
+void check_pool(const at::Tensor& x, const char* name) {
+  DSV4_CHECK_DTYPE(x, at::kByte);
+  DSV4_CHECK(x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, name,
+             ": expected a contiguous, 16-B aligned fp8_584 pool");
+}
+
+void check_int_vector(const at::Tensor& x, int64_t n, const char* name) {
+  DSV4_CHECK_DTYPE(x, at::kInt);
+  DSV4_CHECK(x.dim() == 1 && x.size(0) == n && x.stride(0) == 1, name, ": expected a contiguous [", n,
+             "] vector, got shape ", x.sizes());
+}
+
+}  // namespace
+
+void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const at::Tensor& comp_cache,
+                      const at::Tensor& window_ends, const at::Tensor& req_slots, const at::Tensor& comp_idx,
+                      const at::Tensor& comp_lens, const at::Tensor& sinks, at::Tensor& out, at::Tensor& partial,
+                      at::Tensor& lse, double scale, int64_t window, int64_t ring_size, int64_t window_block,
+                      int64_t comp_block, int64_t window_page_bytes, int64_t comp_page_bytes, int64_t window_keys,
+                      int64_t split_keys, int64_t splits) {
+  DSV4_CHECK_CUDA(q);
+  check_rows(q, "q");
+  check_rows(out, "out");
+  DSV4_CHECK(out.sizes() == q.sizes(), "out: expected shape ", q.sizes(), " (as q), got ", out.sizes());
+  check_pool(window_cache, "window_cache");
+  check_pool(comp_cache, "comp_cache");
+  const int64_t tokens = q.size(0), heads = q.size(1);
+  check_int_vector(window_ends, tokens, "window_ends");
+  check_int_vector(req_slots, tokens, "req_slots");
+  check_int_vector(comp_lens, tokens, "comp_lens");
+  DSV4_CHECK_DTYPE(comp_idx, at::kInt);
+  DSV4_CHECK(comp_idx.dim() == 2 && comp_idx.size(0) == tokens && comp_idx.stride(1) == 1,
+             "comp_idx: expected [tokens, n] int32 with contiguous rows, got shape ", comp_idx.sizes());
+  DSV4_CHECK_DTYPE(sinks, at::kFloat);
+  DSV4_CHECK(sinks.dim() == 1 && sinks.size(0) == heads && sinks.stride(0) == 1, "sinks: expected [", heads,
+             "] fp32, got shape ", sinks.sizes());
+  DSV4_CHECK(splits >= 1 && split_keys % 32 == 0 && window_keys % 32 == 0 && window_keys >= window,
+             "splits / split_keys / window_keys: expected whole 32-key tiles");
+  if (splits > 1) {
+    DSV4_CHECK_DTYPE(partial, at::kFloat);
+    DSV4_CHECK_DTYPE(lse, at::kFloat);
+    DSV4_CHECK(partial.is_contiguous() && partial.numel() == tokens * splits * heads * kDim && lse.is_contiguous() &&
+                   lse.numel() == tokens * splits * heads,
+               "partial / lse: expected the [tokens x splits x heads] (x 512) fp32 workspace");
+  }
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&window_cache, &comp_cache, &window_ends, &req_slots, &comp_idx, &comp_lens, &sinks,
+                              &out, &partial, &lse}) {
+    DSV4_CHECK_SAME_DEVICE(*t, q);
+  }
+  if (tokens == 0 || heads == 0) return;
+
+  const c10::cuda::CUDAGuard guard(q.device());
+  Params p{};
+  p.q = q.const_data_ptr();
+  p.q_stride_token = q.stride(0);
+  p.q_stride_head = q.stride(1);
+  p.window_cache = window_cache.const_data_ptr<uint8_t>();
+  p.comp_cache = comp_cache.const_data_ptr<uint8_t>();
+  p.window_page_bytes = window_page_bytes;
+  p.comp_page_bytes = comp_page_bytes;
+  p.window_block = static_cast<int>(window_block);
+  p.comp_block = static_cast<int>(comp_block);
+  p.window_ends = window_ends.const_data_ptr<int32_t>();
+  p.req_slots = req_slots.const_data_ptr<int32_t>();
+  p.comp_idx = comp_idx.const_data_ptr<int32_t>();
+  p.comp_idx_stride = comp_idx.stride(0);
+  p.comp_lens = comp_lens.const_data_ptr<int32_t>();
+  p.sinks = sinks.const_data_ptr<float>();
+  p.out = out.mutable_data_ptr();
+  p.out_stride_token = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.partial = splits > 1 ? partial.mutable_data_ptr<float>() : nullptr;
+  p.lse = splits > 1 ? lse.mutable_data_ptr<float>() : nullptr;
+  p.tokens = static_cast<int>(tokens);
+  p.heads = static_cast<int>(heads);
+  p.n_idx = static_cast<int>(comp_idx.size(1));
+  p.window = static_cast<int>(window);
+  p.ring_size = static_cast<int>(ring_size);
+  p.window_keys = static_cast<int>(window_keys);
+  p.split_keys = static_cast<int>(split_keys);
+  p.splits = static_cast<int>(splits);
+  p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace dsv4::sparse_attn

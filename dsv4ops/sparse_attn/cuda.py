@@ -1,0 +1,62 @@
+"""sm_90 launcher of `dsv4::sparse_attn`: the CUDA C++ kernel of csrc/sparse_attn/ for V4's layout
+(fp8_584 window and compressed pools, bf16 q and out, int32 indices), the Triton kernel for every
+other case (V4.1 formats, exact pools, fp32 or fp16 activations).
+
+The C++ kernel takes a token x 64 heads x one split of its key list per CTA; a batch that would
+leave SMs idle splits each list, and a second kernel merges the splits' partial outputs with the
+sink (workspace allocated per call from static sizes, so the op stays CUDA-graph safe)."""
+
+import torch
+
+from dsv4ops import csrc
+from dsv4ops.quant import formats
+from dsv4ops.sparse_attn import checks as _checks
+from dsv4ops.sparse_attn import triton as _triton
+
+KEYS_PER_TILE = 32  # csrc/sparse_attn/sparse_attn.cu kKeys
+HEADS_PER_CTA = 64  # kHeads
+
+
+def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str) -> bool:
+    """Whether the C++ kernel serves these arguments (the Triton kernel serves the rest)."""
+    return (window_fmt == comp_fmt == "fp8_584" and q.dtype == torch.bfloat16 and q.shape[-1] == 512
+            and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous())
+
+
+def splits(ctas: int, keys: int, sms: int) -> int:
+    """Splits of each token's key list: one once the CTAs fill half the SMs; below, about one wave
+    of CTAs, or one split per 1024 keys for long lists, each split at least one tile."""
+    if ctas >= sms // 2:
+        return 1
+    return max(1, min(max(sms // max(ctas, 1), -(-keys // 1024)), keys // KEYS_PER_TILE))
+
+
+def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+    """Launcher of `dsv4::sparse_attn` (same arguments)."""
+    if not serves(q, window_cache, comp_cache, comp_idx, window_fmt, comp_fmt):
+        _triton.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
+                            sinks, out, scale, window, ring_size, window_fmt, comp_fmt)
+        return
+    _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
+                        window, ring_size, window_fmt, comp_fmt)
+    csrc.load()
+    t, h, _ = q.shape
+    ends = positions if window_ends is None else window_ends
+    tile = KEYS_PER_TILE
+    window_keys = -(-window // tile) * tile
+    keys = window_keys + comp_idx.shape[1]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    n_split = splits(t * -(-h // HEADS_PER_CTA), keys, sms)
+    split_keys = -(-(-(-keys // n_split)) // tile) * tile
+    n_split = -(-keys // split_keys)
+    if n_split > 1:
+        partial = torch.empty(t * n_split * h, q.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
+    else:
+        partial = lse = out  # unused
+    fmt = formats.get("fp8_584")
+    wb, cb = formats.block_size(window_cache.shape, window_fmt), formats.block_size(comp_cache.shape, comp_fmt)
+    torch.ops.dsv4_csrc.sparse_attn(q, window_cache, comp_cache, ends, req_slots, comp_idx.contiguous(), comp_lens,
+                                    sinks, out, partial, lse, scale, window, ring_size, wb, cb, fmt.page_bytes(wb),
+                                    fmt.page_bytes(cb), window_keys, split_keys, n_split)
