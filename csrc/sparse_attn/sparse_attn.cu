@@ -2,20 +2,21 @@
 // sm_90 kernel of `dsv4::sparse_attn` for V4's fp8_584 pools with bf16 queries (the specification is
 // dsv4ops/sparse_attn/reference.py; the Triton kernel serves every other case).
 //
-// One CTA = one token x 64 heads x one split of the token's key list [window | entries], 8 warps.
-// K = V is one shared 512-d head (MQA), so a key tile is gathered and dequantized once for all 64
-// heads. Per tile of 32 keys:
+// One CTA = one token x 64 heads x one split of the token's key list [window | entries], two
+// warpgroups. K = V is one shared 512-d head (MQA), so a key tile is gathered and dequantized once
+// for all 64 heads. Per tile of 32 keys:
 //   - cp.async brings the raw 584-B entries (576 data + 8 scale bytes) into a 4-stage ring, three
 //     tiles ahead of the one being multiplied: the gather's DRAM latency hides behind the math;
 //   - all threads dequantize the next tile (e4m3 x UE8M0 -> bf16 is exact, see the Triton kernel's
-//     docstring) into one of two swizzled bf16 tiles while the current one is multiplied;
-//   - warp (g, h) owns heads 16g..16g+15 and output dims 256h..256h+255: its accumulator is
-//     16 x 256 fp32, 128 registers a thread (the Triton kernel holds 64 x 512 on 8 warps and spills).
-//     S = q k^T is split the same way over dims: the two warps of a head group add their partial S
-//     through shared memory, so both hold the same S (a + b == b + a in IEEE) and run the same
-//     online softmax, each for its half of the output.
-// mma.sync m16n8k16 (bf16 in, fp32 accumulate) with ldmatrix from XOR-swizzled rows (16-B chunk
-// c of row r at c ^ (r % 8): the 8 rows an ldmatrix reads hit 8 different bank groups).
+//     docstring) into one of two bf16 tiles while the tensor cores run this tile's P V (wgmma is
+//     asynchronous, so the dequantization needs no warps of its own);
+//   - warpgroup h owns output dims 256h..256h+255 for all 64 heads: its accumulator is 64 x 256 fp32,
+//     128 registers a thread (the Triton kernel holds 64 x 512 on 8 warps and spills). S = q k^T is
+//     split the same way over dims: the two warpgroups add their partial S through shared memory, so
+//     both hold the same S (a + b == b + a in IEEE) and run the same online softmax.
+// wgmma (sm_90a): S from q and k in shared memory (K-major), P V with P from registers and the same
+// k tile read MN-major. q and k tiles are stored as 8 blocks of 64 dims, each [rows][128 B] with the
+// 128-B swizzle (16-B chunk c of row r at c ^ (r % 8)), the layout wgmma's descriptors name.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -36,13 +37,12 @@ constexpr int kKeys = 32;        // keys per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRawStages = 4;
-constexpr int kRowBytes = kDim * 2;  // a bf16 row of the q and key tiles
 constexpr int kRawRow = 592;         // raw entry in shared memory: 576 + 8 + 8 pad (16-B rows)
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Smem {
-  alignas(128) uint8_t q[kHeads * kRowBytes];            // 64 KiB
-  alignas(128) uint8_t k[2][kKeys * kRowBytes];          // 64 KiB
+  alignas(1024) uint8_t q[kHeads * kDim * 2];           // 64 KiB
+  alignas(1024) uint8_t k[2][kKeys * kDim * 2];         // 64 KiB
   alignas(128) uint8_t raw[kRawStages][kKeys * kRawRow]; // 74 KiB
   float4 s[kWarps][4][32];                               // partial S exchange, 16 KiB
   uint8_t valid[kRawStages][kKeys];
@@ -53,8 +53,18 @@ static_assert(sizeof(Smem) <= 227 * 1024, "shared memory of one CTA on sm_90");
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+// Byte offset of 16-B chunk `chunk` (dims 8 chunk .. 8 chunk + 7) of row `row` in a tile of `rows`
+// rows: block chunk / 8 of 64 dims, then the row's 128 B with the 128-B swizzle.
+template <int kRows>
 __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+  return (chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+// wgmma shared-memory descriptor, 128-B swizzle: start address, leading and stride byte offsets
+// (K-major: stride = 1024 B between 8-row groups; MN-major: leading = between 64-wide blocks along
+// N, stride = between 8-row groups along K).
+__device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t leading, uint32_t stride) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(leading >> 4) << 16 |
+         static_cast<uint64_t>(stride >> 4) << 32 | 1ull << 62;
 }
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
@@ -67,24 +77,47 @@ template <int N>
 __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
-__device__ __forceinline__ void pair_barrier(int id) { asm volatile("bar.sync %0, 64;\n" ::"r"(id)); }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Keeps the compiler from moving register accesses across an asynchronous wgmma's issue or wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// d[64 x 32] += A[64 x 16] B[16 x 32]: A and B in shared memory, both K-major.
+__device__ __forceinline__ void wgmma_s(float (&d)[16], uint64_t a, uint64_t b) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b));
+}
+// d[64 x 256] += A[64 x 16] B[16 x 256]: A from registers (the m16n8k16 A layout per warp), B in
+// shared memory, MN-major.
+__device__ __forceinline__ void wgmma_o(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, "
+      "1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -131,7 +164,7 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
   if (sub == 4) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block) * kEntryData + off * kEntryScale);
 }
 
-// Raw stage -> bf16 tile `buf` (swizzled rows of 512 dims), and the tile's valid-key mask.
+// Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask.
 __device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf) {
   const uint8_t* raw = sm.raw[stage];
 #pragma unroll
@@ -150,8 +183,9 @@ __device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf) {
         v = *reinterpret_cast<const uint4*>(src + 448 + (c - kQuantChunks) * 16);
       }
     }
-    *reinterpret_cast<uint4*>(sm.k[buf] + swizzled(row, c)) = v;
+    *reinterpret_cast<uint4*>(sm.k[buf] + swizzled<kKeys>(row, c)) = v;
   }
+  fence_async_shared();  // these generic-proxy writes are read by wgmma (the async proxy)
   if (threadIdx.x < 32) {
     const uint32_t m = __ballot_sync(0xffffffffu, sm.valid[stage][threadIdx.x]);
     if (threadIdx.x == 0) sm.mask[buf] = m;
@@ -159,6 +193,7 @@ __device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_constant__ Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (the launcher picks this kernel on sm_90)
   extern __shared__ __align__(128) uint8_t smem[];
   Smem& sm = *reinterpret_cast<Smem*>(smem);
   const int64_t token = blockIdx.x;
@@ -184,9 +219,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     const int row = it >> 6, c = it & 63;
     const int head = head0 + row;
     if (head < p.heads && req >= 0) {
-      cp_async16(smem_addr(sm.q) + swizzled(row, c), q + head * p.q_stride_head + c * 8);
+      cp_async16(smem_addr(sm.q) + swizzled<kHeads>(row, c), q + head * p.q_stride_head + c * 8);
     } else {
-      *reinterpret_cast<uint4*>(sm.q + swizzled(row, c)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(sm.q + swizzled<kHeads>(row, c)) = make_uint4(0, 0, 0, 0);
     }
   }
 #pragma unroll
@@ -195,6 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     cp_commit();
   }
   cp_wait<kRawStages - 2>();
+  fence_async_shared();
   __syncthreads();
   if (tiles > 0) dequant_tile(sm, 0, 0);
 
@@ -212,101 +248,100 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       row_sum[h] = 0.f;
     }
   }
-  float acc[32][4];
+  float acc[128];  // acc[4n + v]: the m16n8 C fragment of dims 8n .. 8n + 7 of this warpgroup's 256
 #pragma unroll
-  for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  for (int n = 0; n < 128; ++n) acc[n] = 0.f;
 
   const uint32_t q_base = smem_addr(sm.q);
   for (int i = 0; i < tiles; ++i) {
+    // Tile i + 3 is gathered during this iteration, after the wait: tiles <= i + 1 have landed.
+    cp_wait<kRawStages - 3>();
+    __syncthreads();  // tile i + 1's raw bytes and tile i's bf16 rows are in; tile i - 1 is done
+    const uint32_t mask = sm.mask[i & 1];
+    const uint32_t k_base = smem_addr(sm.k[i & 1]);
+    if (mask != 0) {
+      // Partial S over this warpgroup's 256 dims (4 blocks of 64, 4 k-steps of 16 each).
+      float s[16];
+#pragma unroll
+      for (int n = 0; n < 16; ++n) s[n] = 0.f;
+      fence_registers(s);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 16; ++kk) {
+        const int block = half * 4 + (kk >> 2);
+        const uint32_t k_step = (kk & 3) * 32;
+        wgmma_s(s, descriptor(q_base + block * (kHeads * 128) + k_step, 16, 1024),
+                descriptor(k_base + block * (kKeys * 128) + k_step, 16, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait();
+      fence_registers(s);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) sm.s[warp][n][lane] = make_float4(s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3]);
+      __syncthreads();
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float4 o = sm.s[warp ^ 4][n][lane];
+        s[4 * n] += o.x, s[4 * n + 1] += o.y, s[4 * n + 2] += o.z, s[4 * n + 3] += o.w;
+      }
+
+      // Online softmax in the log2 domain; s[4n + v] is key 8n + 2(lane % 4) + v % 2 of row
+      // lane / 4 + 8 (v / 2) of the warp's 16 heads.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const int key = n * 8 + 2 * (lane & 3) + (v & 1);
+          s[4 * n + v] = (mask >> key) & 1 ? s[4 * n + v] * p.scale_log2 : -INFINITY;
+          tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[4 * n + v]);
+        }
+      }
+      float alpha[2], base[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        const float m_new = fmaxf(row_max[h], tile_max[h]);
+        base[h] = m_new == -INFINITY ? 0.f : m_new;  // no key and no sink seen yet
+        alpha[h] = exp2f(row_max[h] - base[h]);
+        row_max[h] = m_new;
+      }
+      float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+        s[n] = exp2f(s[n] - base[(n >> 1) & 1]);
+        tile_sum[(n >> 1) & 1] += s[n];
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
+#pragma unroll
+      for (int n = 0; n < 128; ++n) acc[n] *= alpha[(n >> 1) & 1];
+
+      // O[:, 256h .. 256h + 255] += P V, P in bf16 (DeepSeek's kernel) straight from S's registers;
+      // asynchronous: the next tile's gather and dequantization run meanwhile.
+      uint32_t a[2][4];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        a[kk][0] = bf16x2(s[8 * kk], s[8 * kk + 1]);
+        a[kk][1] = bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+        a[kk][2] = bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+        a[kk][3] = bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+      fence_registers(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        wgmma_o(acc, a[kk], descriptor(k_base + half * 4 * (kKeys * 128) + kk * 16 * 128, kKeys * 128, 1024));
+      }
+      wgmma_commit();
+    }
     const int next = i + kRawStages - 1;
     if (next < tiles) gather_tile(sm, p, next % kRawStages, token, begin + next * kKeys, end, position, req);
     cp_commit();
-    cp_wait<kRawStages - 2>();
-    __syncthreads();  // tile i + 1's raw bytes and tile i's bf16 rows are in; tile i - 1 is done
     if (i + 1 < tiles) dequant_tile(sm, (i + 1) % kRawStages, (i + 1) & 1);
-    const uint32_t mask = sm.mask[i & 1];
-    if (mask == 0) continue;
-    const uint32_t k_base = smem_addr(sm.k[i & 1]);
-
-    // Partial S over this warp's 256 dims: 16 heads x 32 keys.
-    float s[4][4];
-#pragma unroll
-    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < 16; ++kk) {
-      const int c0 = half * 32 + kk * 2;
-      uint32_t a[4];
-      ldmatrix_x4(a, q_base + swizzled(group * 16 + (lane & 15), c0 + (lane >> 4)));
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t b[4];
-        ldmatrix_x4(b, k_base + swizzled(np * 16 + (lane & 7) + ((lane >> 4) << 3), c0 + ((lane >> 3) & 1)));
-        mma(s[2 * np], a, b[0], b[1]);
-        mma(s[2 * np + 1], a, b[2], b[3]);
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < 4; ++n) sm.s[warp][n][lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-    pair_barrier(1 + group);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const float4 o = sm.s[warp ^ 4][n][lane];
-      s[n][0] += o.x, s[n][1] += o.y, s[n][2] += o.z, s[n][3] += o.w;
-    }
-
-    // Online softmax in the log2 domain; element v of n-tile n is key 8n + 2(lane % 4) + v % 2 of
-    // row lane / 4 + 8 (v / 2).
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const int key = n * 8 + 2 * (lane & 3) + (v & 1);
-        s[n][v] = (mask >> key) & 1 ? s[n][v] * p.scale_log2 : -INFINITY;
-        tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[n][v]);
-      }
-    }
-    float alpha[2], base[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-      const float m_new = fmaxf(row_max[h], tile_max[h]);
-      base[h] = m_new == -INFINITY ? 0.f : m_new;  // no key and no sink seen yet
-      alpha[h] = exp2f(row_max[h] - base[h]);
-      row_max[h] = m_new;
-    }
-    float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        s[n][v] = exp2f(s[n][v] - base[v >> 1]);
-        tile_sum[v >> 1] += s[n][v];
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      acc[n][0] *= alpha[0], acc[n][1] *= alpha[0];
-      acc[n][2] *= alpha[1], acc[n][3] *= alpha[1];
-    }
-
-    // O[:, 256h .. 256h + 255] += P V, P in bf16 (DeepSeek's kernel) straight from S's registers.
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const uint32_t a[4] = {bf16x2(s[2 * kk][0], s[2 * kk][1]), bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                             bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]), bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < 16; ++dp) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, k_base + swizzled(kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                               half * 32 + dp * 2 + (lane >> 4)));
-        mma(acc[2 * dp], a, b[0], b[1]);
-        mma(acc[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    wgmma_wait();
+    fence_registers(acc);
   }
 
 #pragma unroll
@@ -320,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + dim0;
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<uint32_t*>(out + n * 8) = bf16x2(acc[n][2 * h] / sum, acc[n][2 * h + 1] / sum);
+        *reinterpret_cast<uint32_t*>(out + n * 8) = bf16x2(acc[4 * n + 2 * h] / sum, acc[4 * n + 2 * h + 1] / sum);
       }
     } else {
       // This split's output normalized by its own sum, and log2 of that sum (-inf: no key).
@@ -329,11 +364,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       float* part = p.partial + row * kDim + dim0;
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<float2*>(part + n * 8) = make_float2(acc[n][2 * h] / safe, acc[n][2 * h + 1] / safe);
+        *reinterpret_cast<float2*>(part + n * 8) = make_float2(acc[4 * n + 2 * h] / safe, acc[4 * n + 2 * h + 1] / safe);
       }
       if (half == 0 && (lane & 3) == 0) p.lse[row] = sum > 0.f ? row_max[h] + log2f(sum) : -INFINITY;
     }
   }
+#else
+  __trap();
+#endif
 }
 
 // out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink): one CTA per (token, head), 4 dims a thread.
