@@ -211,3 +211,25 @@ BAD = [
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
     T.assert_bad_case("sparse_attn", ARGS(), mutate, match, via)
+
+
+# ---- the sm_90 CUDA C++ launcher's choices (dsv4ops/sparse_attn/cuda.py) ------------------------
+def test_csrc_launcher_serves_only_v4_fp8_pools_with_bf16_queries():
+    from dsv4ops.sparse_attn import cuda
+
+    pool = torch.zeros(2, 64 * 576, dtype=torch.uint8)
+    q, idx = torch.zeros(1, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.int32)
+    assert cuda.serves(q, pool, pool, idx, "fp8_584", "fp8_584")
+    assert not cuda.serves(q.float(), pool, pool, idx, "fp8_584", "fp8_584")
+    assert not cuda.serves(q, pool, pool, idx.long(), "fp8_584", "fp8_584")
+    assert not cuda.serves(q, pool, pool, idx, "fp8_528", "fp4_288")
+    assert not cuda.serves(q, pool, pool[:, ::2], idx, "fp8_584", "fp8_584")
+
+
+def test_csrc_launcher_splits_fill_the_sms_once():
+    from dsv4ops.sparse_attn.cuda import splits
+
+    assert splits(128, 640, 132) == 1  # CSA 128 x 4K: the CTAs already fill the GPU
+    assert splits(1, 640, 132) == 20  # CSA 1 x 4K: one 32-key tile per split
+    assert splits(32, 128 + 8192, 132) == 9  # HCA 32 x 1M: one split per 1024 keys
+    assert splits(8, 128, 132) == 4  # never a split without a whole tile

@@ -29,16 +29,16 @@ namespace dsv4::sparse_attn {
 namespace {
 
 constexpr int kDim = 512;        // head dim: 448 e4m3 + 64 bf16 rope dims
-constexpr int kQuantChunks = 56; // 16-B bf16 chunks of the 448 quantized dims
-constexpr int kEntryData = 576;  // bytes of an entry's data (448 e4m3 + 128 B of bf16 rope)
-constexpr int kEntryScale = 8;   // 7 UE8M0 scales (one per 64 dims) + 1 pad byte
+[[maybe_unused]] constexpr int kQuantChunks = 56; // 16-B bf16 chunks of the 448 quantized dims
+[[maybe_unused]] constexpr int kEntryData = 576;  // bytes of an entry's data (448 e4m3 + 128 B of bf16 rope)
+[[maybe_unused]] constexpr int kEntryScale = 8;   // 7 UE8M0 scales (one per 64 dims) + 1 pad byte
 constexpr int kHeads = 64;       // heads per CTA
 constexpr int kKeys = 32;        // keys per tile
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRawStages = 4;
 constexpr int kRawRow = 592;         // raw entry in shared memory: 576 + 8 + 8 pad (16-B rows)
-constexpr float kLog2e = 1.4426950408889634f;
+[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
 
 struct Smem {
   alignas(1024) uint8_t q[kHeads * kDim * 2];           // 64 KiB
@@ -49,6 +49,14 @@ struct Smem {
   uint32_t mask[2];  // valid keys of each bf16 tile
 };
 static_assert(sizeof(Smem) <= 227 * 1024, "shared memory of one CTA on sm_90");
+
+// wgmma exists on sm_90a only: the device pass of any other arch (the extension also builds sm_100a)
+// compiles kernels that trap; the launcher picks them on sm_90 only.
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DSV4_SM90_BODY 1
+#endif
+
+#ifdef DSV4_SM90_BODY
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -192,8 +200,10 @@ __device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf) {
   }
 }
 
+#endif  // DSV4_SM90_BODY
+
 __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_constant__ Params p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma: sm_90a only (the launcher picks this kernel on sm_90)
+#ifdef DSV4_SM90_BODY
   extern __shared__ __align__(128) uint8_t smem[];
   Smem& sm = *reinterpret_cast<Smem*>(smem);
   const int64_t token = blockIdx.x;
@@ -376,6 +386,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 
 // out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink): one CTA per (token, head), 4 dims a thread.
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params p) {
+#ifdef DSV4_SM90_BODY
   const int64_t token = blockIdx.x;
   const int head = blockIdx.y;
   const int dim = threadIdx.x * 4;
@@ -397,6 +408,9 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
     acc.x /= den, acc.y /= den, acc.z /= den, acc.w /= den;
   }
   *reinterpret_cast<uint2*>(out) = make_uint2(bf16x2(acc.x, acc.y), bf16x2(acc.z, acc.w));
+#else
+  __trap();
+#endif
 }
 
 }  // namespace

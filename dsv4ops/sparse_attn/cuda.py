@@ -1,10 +1,15 @@
-"""sm_90 launcher of `dsv4::sparse_attn`: the CUDA C++ kernel of csrc/sparse_attn/ for V4's layout
-(fp8_584 window and compressed pools, bf16 q and out, int32 indices), the Triton kernel for every
-other case (V4.1 formats, exact pools, fp32 or fp16 activations).
+"""sm_90 launcher of `dsv4::sparse_attn` with the CUDA C++ kernel of csrc/sparse_attn/ (wgmma) for
+V4's layout (fp8_584 window and compressed pools, bf16 q and out, int32 comp_idx), and the Triton
+kernel for every other case (V4.1 formats, exact pools, fp32 or fp16 activations). Same arguments
+as the op.
+
+Not selected by the arch table yet (dsv4ops/_arch.py keeps Triton on sm_90): it agreed with the
+Triton kernel on every FlashMLA comparison shape of the bench (H200) but the GPU test tiers have not
+run with it selected. Call it directly (tests/test_sparse_attn_csrc_gpu.py does).
 
 The C++ kernel takes a token x 64 heads x one split of its key list per CTA; a batch that would
 leave SMs idle splits each list, and a second kernel merges the splits' partial outputs with the
-sink (workspace allocated per call from static sizes, so the op stays CUDA-graph safe)."""
+sink (workspace allocated per call from static sizes, so the call stays CUDA-graph safe)."""
 
 import torch
 
