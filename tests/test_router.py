@@ -412,12 +412,12 @@ def test_cute_decode_gate_compiles(arch, shape):
 # ---- CUDA backends: bound at a run, never while tracing; a failed build raises --------------------
 def test_router_fakes_have_no_side_effects(monkeypatch):
     """Tracing (here: the fakes on CUDA fake tensors) neither builds csrc/ nor registers a kernel."""
-    from dsv4ops import csrc as cuda
+    from dsv4ops import csrc
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a router fake tried to build or bind the CUDA kernels")
 
-    monkeypatch.setattr(cuda, "load", forbidden)
+    monkeypatch.setattr(csrc, "load", forbidden)
     monkeypatch.setattr(api, "load_cuda_backends", forbidden)
     with FakeTensorMode():
         for name, call in public_calls("cuda").items():
@@ -430,23 +430,23 @@ def test_router_fakes_have_no_side_effects(monkeypatch):
 def test_failed_csrc_build_raises(monkeypatch):
     from torch.utils import cpp_extension
 
-    from dsv4ops import csrc as cuda
+    from dsv4ops import csrc
 
     def nvcc_fails(**kwargs):
         raise RuntimeError("Error building extension 'dsv4ops_csrc': nvcc exited with 1")
 
-    monkeypatch.setattr(cuda, "_unavailable_reason", lambda: None)
+    monkeypatch.setattr(csrc, "_unavailable_reason", lambda: None)
     monkeypatch.setattr(cpp_extension, "load", nvcc_fails)
-    cuda.load.cache_clear()
+    csrc.load.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"the CUDA C\+\+ kernels \(csrc/\) are required on this GPU by "
                                                r"the arch table .* building csrc/ failed: Error building extension"):
-            cuda.load()
+            csrc.load()
         api.load_cuda_backends.cache_clear()
         with pytest.raises(RuntimeError, match="building csrc/ failed"):  # where an op meets CUDA tensors
             api.bind_cuda_kernel("hash_route", (9, 0))
     finally:
-        cuda.load.cache_clear()
+        csrc.load.cache_clear()
         api.load_cuda_backends.cache_clear()
     # Only the arch table sends CUDA tensors to the reference: an architecture without a row.
     assert api.bind_cuda_kernel("hash_route", (8, 0)) is False

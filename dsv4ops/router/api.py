@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from dsv4ops import _arch
 from dsv4ops import ops as _ops  # defines the dsv4:: ops bound below
 from dsv4ops.router import checks as _checks
-from dsv4ops import csrc as _cuda
+from dsv4ops import csrc as _csrc
 
 _gate_topk = torch.ops.dsv4.gate_topk.default
 _hash_route = torch.ops.dsv4.hash_route.default
@@ -75,7 +75,7 @@ def _router_gate_cuda(
 def load_cuda_backends() -> bool:
     """Binds the router's CUDA kernels (csrc/ gate_topk + hash_route, and router_gate below) and
     returns True; raises a RuntimeError with the reason when csrc/ cannot be built or loaded."""
-    _cuda.load()
+    _csrc.load()
     _ops.router_gate.register_kernel("cuda")(_router_gate_cuda)
     return True
 
