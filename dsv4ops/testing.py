@@ -612,6 +612,35 @@ def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAUL
                 comp_fmt=format_name(comp_fmt, dim))
 
 
+def sparse_attn_gpu_case(heads: int, prefill: bool, entries: int = 512, pool=FP8, padding: bool = False,
+                         seed: int = 0, block_size: int = 64, ring: int = 256):
+    """(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks) on CUDA, V4
+    dims: decode tokens of separate requests at positions 0, 5, 126, 127, 128, 1000, 4095, 70000
+    (windows cut short below 127), or one request's prefill chunk at positions 60..315 (across the
+    first window's end); 10% -1 entries inside comp_idx rows and every other row's comp_lens cut at
+    random; with `padding`, every 7th token from the 4th a padding token (request -1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if prefill:
+        pos = torch.arange(60, 316, dtype=torch.int32, device="cuda")
+        req = torch.zeros_like(pos)
+    else:
+        pos = torch.tensor([0, 5, 126, 127, 128, 1000, 4095, 70000], dtype=torch.int32, device="cuda")
+        req = torch.arange(pos.shape[0], dtype=torch.int32, device="cuda")
+    t, n_req = pos.shape[0], int(req.max()) + 1
+    if padding:
+        req[3::7] = -1
+    wc = fill_pool(page_pool(n_req * ring // block_size, block_size, 512, pool, device="cuda"), 512, pool)
+    cc = fill_pool(page_pool(2 * entries // block_size + 1, block_size, 512, pool, device="cuda"), 512, pool)
+    n_slots = cc.shape[0] * block_size
+    idx = torch.stack([torch.randperm(n_slots, device="cuda", generator=g)[:entries] for _ in range(t)]).int()
+    idx[torch.rand(idx.shape, device="cuda", generator=g) < 0.1] = -1
+    lens = torch.randint(0, entries + 1, (t,), device="cuda", generator=g).int()
+    lens[::2] = entries
+    q = torch.randn(t, heads, 512, device="cuda", generator=g).bfloat16()
+    sinks = torch.randn(heads, device="cuda", generator=g)
+    return q, wc, cc, pos, req, idx, lens, sinks
+
+
 def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=False) -> dict:
     return dict(o=_rows((tokens, heads, dim), dtype, noncontig), positions=torch.arange(tokens, dtype=torch.int32) * 7,
                 inv_freq=rope_table(min(8, dim)), out=torch.empty(tokens, heads, dim, dtype=dtype))

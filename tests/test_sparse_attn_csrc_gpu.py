@@ -19,25 +19,8 @@ pytestmark = [pytest.mark.gpu,
 BS, RING, WINDOW, FMT = 64, 256, 128, "fp8_584"
 
 
-def _case(heads: int, prefill: bool, entries: int = 512, pool=testing.FP8, seed: int = 0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    if prefill:  # one request's chunk: positions 60..315 cross the first window's end (127)
-        pos = torch.arange(60, 316, dtype=torch.int32, device="cuda")
-        req = torch.zeros_like(pos)
-    else:  # separate requests, windows cut short below position 127
-        pos = torch.tensor([0, 5, 126, 127, 128, 1000, 4095, 70000], dtype=torch.int32, device="cuda")
-        req = torch.arange(pos.shape[0], dtype=torch.int32, device="cuda")
-    req[3::7] = -1  # padding tokens
-    t, n_req = pos.shape[0], int(req.max()) + 1
-    wc = testing.fill_pool(testing.page_pool(n_req * RING // BS, BS, 512, pool, device="cuda"), 512, pool)
-    cc = testing.fill_pool(testing.page_pool(2 * entries // BS + 1, BS, 512, pool, device="cuda"), 512, pool)
-    idx = torch.stack([torch.randperm(cc.shape[0] * BS, device="cuda", generator=g)[:entries] for _ in range(t)]).int()
-    idx[torch.rand(idx.shape, device="cuda", generator=g) < 0.1] = -1  # -1 entries inside the list
-    lens = torch.randint(0, entries + 1, (t,), device="cuda", generator=g).int()
-    lens[::2] = entries
-    q = torch.randn(t, heads, 512, device="cuda", generator=g).bfloat16()
-    sinks = torch.randn(heads, device="cuda", generator=g)
-    return q, wc, cc, pos, req, idx, lens, sinks
+def _case(heads: int, prefill: bool, entries: int = 512, pool=testing.FP8):
+    return testing.sparse_attn_gpu_case(heads, prefill, entries, pool, padding=True, block_size=BS, ring=RING)
 
 
 def _run(fn, dtype, q, wc, cc, pos, req, idx, lens, sinks, ends=None, fmt=FMT):
