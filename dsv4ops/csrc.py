@@ -11,8 +11,8 @@ import sys
 import torch
 
 _CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = ("dsv4ops.cpp", "router/api.cpp", "router/gate_topk.cu", "router/hash_route.cu", "sparse_attn/sparse_attn_api.cpp",
-            "sparse_attn/sparse_attn.cu")
+_SOURCES = ("dsv4ops.cpp", "router/api.cpp", "router/gate_topk.cu", "router/hash_route.cu",
+            "sparse_attn/sparse_attn_api.cpp", "sparse_attn/sparse_attn.cu")
 # Explicit -gencode pairs: without them cpp_extension derives the archs from the visible GPUs, and the
 # `-arch=sm_90a` shorthand was reported to add a plain sm_90 pass. sm_100a needs nvcc >= 12.8.
 _GENCODE = ("-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a")

@@ -226,10 +226,10 @@ def test_csrc_launcher_serves_only_v4_fp8_pools_with_bf16_queries():
     assert not cuda.serves(q, pool, pool[:, ::2], idx, "fp8_584", "fp8_584")
 
 
-def test_csrc_launcher_splits_fill_the_sms_once():
-    from dsv4ops.sparse_attn.cuda import splits
+def test_split_rule_fills_the_sms_once():
+    from dsv4ops.sparse_attn.triton import split_rule
 
-    assert splits(128, 640, 132) == 1  # CSA 128 x 4K: the CTAs already fill the GPU
-    assert splits(1, 640, 132) == 20  # CSA 1 x 4K: one 32-key tile per split
-    assert splits(32, 128 + 8192, 132) == 9  # HCA 32 x 1M: one split per 1024 keys
-    assert splits(8, 128, 132) == 4  # never a split without a whole tile
+    assert split_rule(128, 640, 32, 132) == 1  # CSA 128 x 4K: the CTAs already fill the GPU
+    assert split_rule(1, 640, 32, 132) == 20  # CSA 1 x 4K: one 32-key tile per split
+    assert split_rule(32, 128 + 8192, 32, 132) == 9  # HCA 32 x 1M: one split per 1024 keys
+    assert split_rule(8, 128, 32, 132) == 4  # never a split without a whole tile

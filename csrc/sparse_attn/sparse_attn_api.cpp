@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
-// Host side (its own file name: cpp_extension names objects by basename, and router/api.cpp exists) of the sm_90 sparse_attn kernel: layout checks -> params -> launch on the current stream.
-// The values (positions, slots, lengths) were checked by the op in Python; these checks guard the
-// pointer arithmetic the kernel relies on (dtypes, contiguous rows, 16-B alignment).
+// Host side of the sm_90 sparse_attn kernel: layout checks -> params -> launch on the current stream
+// (not api.cpp: cpp_extension names objects by basename, and router/api.cpp exists). The values
+// (positions, slots, lengths) were checked by the op in Python; these checks guard the pointer
+// arithmetic the kernel relies on (dtypes, contiguous rows, 16-B alignment).
 #include "api.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -73,8 +74,8 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
                    lse.numel() == tokens * splits * heads,
                "partial / lse: expected the [tokens x splits x heads] (x 512) fp32 workspace");
   }
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&window_cache, &comp_cache, &window_ends, &req_slots, &comp_idx, &comp_lens, &sinks,
-                              &out, &partial, &lse}) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{
+           &window_cache, &comp_cache, &window_ends, &req_slots, &comp_idx, &comp_lens, &sinks, &out, &partial, &lse}) {
     DSV4_CHECK_SAME_DEVICE(*t, q);
   }
   if (tokens == 0 || heads == 0) return;

@@ -28,14 +28,6 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
             and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous())
 
 
-def splits(ctas: int, keys: int, sms: int) -> int:
-    """Splits of each token's key list: one once the CTAs fill half the SMs; below, about one wave
-    of CTAs, or one split per 1024 keys for long lists, each split at least one tile."""
-    if ctas >= sms // 2:
-        return 1
-    return max(1, min(max(sms // max(ctas, 1), -(-keys // 1024)), keys // KEYS_PER_TILE))
-
-
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
@@ -52,8 +44,9 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     window_keys = -(-window // tile) * tile
     keys = window_keys + comp_idx.shape[1]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    n_split = splits(t * -(-h // HEADS_PER_CTA), keys, sms)
-    split_keys = -(-(-(-keys // n_split)) // tile) * tile
+    n_split = _triton.split_rule(t * -(-h // HEADS_PER_CTA), keys, tile, sms)
+    per_split = -(-keys // n_split)
+    split_keys = -(-per_split // tile) * tile
     n_split = -(-keys // split_keys)
     if n_split > 1:
         partial = torch.empty(t * n_split * h, q.shape[-1], dtype=torch.float32, device=q.device)

@@ -294,17 +294,24 @@ COMBINE_TILE = (4, 128)
 
 
 def splits(programs: int, keys: int, bk: int) -> int:
+    """Splits of each token's key list for this kernel (see `split_rule`); the interpreter runs both
+    paths on tiny shapes."""
+    if INTERPRET:
+        return 1 if keys <= 2 * bk else 2
+    return split_rule(programs, keys, bk)
+
+
+def split_rule(programs: int, keys: int, bk: int, sms: int = _SMS) -> int:
     """Splits of each token's key list, each at least one tile: one (no workspace, no combine) once
     the tokens fill half the SMs (H100, CSA 128 x 4K: 3 splits cost 2x one, the partial outputs
     being 8x the keys' bytes); below, one wave of programs (CSA 32 x 4K: 4 splits 46 us, 9 splits
     54 us), or one split per 1024 keys for long lists (HCA 32 x 1M, 8320 keys: 10 splits 370 us, 5
     splits 432 us). One-tile splits rather than two: CSA 1 x 4K 19.1 us instead of 24.0, 8 x 4K 22.4
-    instead of 25.6, sliding 1 x 4K 17.1 instead of 20.7."""
-    if INTERPRET:
-        return 1 if keys <= 2 * bk else 2  # the interpreter runs both paths on tiny shapes
-    if programs >= _SMS // 2:
+    instead of 25.6, sliding 1 x 4K 17.1 instead of 20.7. The CUDA C++ kernel (sparse_attn/cuda.py)
+    splits by the same rule, its CTAs as the programs."""
+    if programs >= sms // 2:
         return 1
-    return max(1, min(max(_SMS // max(programs, 1), -(-keys // 1024)), keys // bk))
+    return max(1, min(max(sms // max(programs, 1), -(-keys // 1024)), keys // bk))
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
