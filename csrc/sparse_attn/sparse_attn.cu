@@ -39,6 +39,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kRawStages = 4;
 constexpr int kRawRow = 592;         // raw entry in shared memory: 576 + 8 + 8 pad (16-B rows)
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
+[[maybe_unused]] constexpr float kMaxSlack = 8.f;  // log2 units: see the online softmax
 
 struct Smem {
   alignas(1024) uint8_t q[kHeads * kDim * 2];           // 64 KiB
@@ -73,6 +74,11 @@ __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
 __device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t leading, uint32_t stride) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(leading >> 4) << 16 |
          static_cast<uint64_t>(stride >> 4) << 32 | 1ull << 62;
+}
+// The descriptor of the operand `bytes` further on: a 32-bit add to the address field (16-B units),
+// which cannot carry into the leading offset (shared addresses stay below 2^18).
+__device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + (bytes >> 4));
 }
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
@@ -135,6 +141,12 @@ __device__ __forceinline__ void wgmma_o(float (&d)[128], const uint32_t (&a)[4],
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
+// 2^x with MUFU.EX2 alone (exp2f adds a denormal-range fix-up; -inf still gives +0).
+__device__ __forceinline__ float exp2_fast(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -147,60 +159,75 @@ __device__ __forceinline__ uint32_t dequant2(uint32_t codes, float scale) {
   return bf16x2(f.x * scale, f.y * scale);
 }
 
-// Gathers tile `tile` of this CTA's key list into raw stage `stage`: 8 threads per key, each
-// copying its 16-B chunks (thread 4 of a key also its 8 scale bytes). Keys that are not valid copy
-// nothing; the dequantization writes zeros for them (0 x p stays 0 in P V).
-__device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage, int64_t token, int j0, int end,
-                                            int position, int req) {
+// This thread's key of the tile starting at key j0 (8 threads per key): its comp_idx entry, read one
+// tile before `gather_tile` needs it, so the load's L2 latency (~600 cycles) is off the tile's
+// critical path. Window keys and keys past `end` read nothing.
+__device__ __forceinline__ int entry_of(const Params& p, int64_t token, int j0, int end) {
+  const int j = j0 + (threadIdx.x >> 3);
+  return j < end && j >= p.window_keys ? p.comp_idx[token * p.comp_idx_stride + (j - p.window_keys)] : -1;
+}
+
+// Gathers the tile starting at key j0 into raw stage `stage` (`idx`: this thread's `entry_of`): 8
+// threads per key, each copying its 16-B chunks (thread 4 of a key also its 8 scale bytes). Keys
+// that are not valid get zero bytes instead (stale bytes may hold NaN codes, and 0 x NaN is NaN in
+// P V), so the dequantization needs no per-key branch.
+__device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage, int j0, int end, int position,
+                                            int req, int idx) {
   const int row = threadIdx.x >> 3, sub = threadIdx.x & 7;
   const int j = j0 + row;
-  const uint8_t* pool = nullptr;
-  int64_t slot = -1, page = 0;
-  int block = 1;
+  // Slots fit 32 bits (int32 comp_idx; a pool of 2^31 584-B entries would be 1.2 TB): unsigned
+  // 32-bit division, not the ~4x longer 64-bit one, in the per-key address math.
+  const uint8_t* pool = p.window_cache;
+  int64_t page = p.window_page_bytes;
+  uint32_t slot = 0, block = p.window_block;
+  bool valid = false;
   if (j < end) {
     if (j < p.window_keys) {
       const int wpos = position - p.window + 1 + j;
-      if (j < p.window && wpos >= 0) {
-        slot = static_cast<int64_t>(req) * p.ring_size + wpos % p.ring_size;
-        pool = p.window_cache, page = p.window_page_bytes, block = p.window_block;
-      }
+      valid = j < p.window && wpos >= 0;
+      slot = static_cast<uint32_t>(req) * p.ring_size + static_cast<uint32_t>(wpos) % p.ring_size;
     } else {
-      const int idx = p.comp_idx[token * p.comp_idx_stride + (j - p.window_keys)];
-      if (idx >= 0) slot = idx, pool = p.comp_cache, page = p.comp_page_bytes, block = p.comp_block;
+      valid = idx >= 0;
+      slot = static_cast<uint32_t>(idx), pool = p.comp_cache, page = p.comp_page_bytes, block = p.comp_block;
     }
   }
-  if (sub == 0) sm.valid[stage][row] = slot >= 0;
-  if (slot < 0) return;
-  const uint8_t* base = pool + (slot / block) * page;
-  const int64_t off = slot % block;
-  const uint8_t* data = base + off * kEntryData;
+  if (sub == 0) sm.valid[stage][row] = valid;
   const uint32_t dst = smem_addr(sm.raw[stage]) + row * kRawRow;
+  if (!valid) {
+    for (int c = sub; c < kRawRow / 16; c += 8) {
+      *reinterpret_cast<uint4*>(sm.raw[stage] + row * kRawRow + c * 16) = uint4{};
+    }
+    return;
+  }
+  const uint32_t blk = slot / block, off = slot - blk * block;
+  const uint8_t* base = pool + blk * page;
+  const uint8_t* data = base + static_cast<int64_t>(off) * kEntryData;
 #pragma unroll
   for (int c = sub; c < kEntryData / 16; c += 8) cp_async16(dst + c * 16, data + c * 16);
   if (sub == 4) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block) * kEntryData + off * kEntryScale);
 }
 
-// Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask.
+// Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask. Thread t
+// converts row t / 8: quantized chunk t % 8 of each 64-dim block (so one 8-B load brings the row's
+// seven scales) and rope chunk t % 8. Rows that were not gathered hold zeros (`gather_tile`).
 __device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf) {
-  const uint8_t* raw = sm.raw[stage];
+  const int row = threadIdx.x >> 3, sub = threadIdx.x & 7;
+  const uint8_t* src = sm.raw[stage] + row * kRawRow;
+  const uint2 scales = *reinterpret_cast<const uint2*>(src + kEntryData);
+  uint8_t* dst = sm.k[buf];
 #pragma unroll
-  for (int it = threadIdx.x; it < kKeys * 64; it += kThreads) {
-    const int row = it >> 6, c = it & 63;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (sm.valid[stage][row]) {
-      const uint8_t* src = raw + row * kRawRow;
-      if (c < kQuantChunks) {
-        const uint2 codes = *reinterpret_cast<const uint2*>(src + c * 8);
-        // UE8M0 byte e -> 2^(e - 127): e in fp32's exponent field.
-        const float scale = __uint_as_float(static_cast<uint32_t>(src[kEntryData + (c >> 3)]) << 23);
-        v = make_uint4(dequant2(codes.x & 0xffff, scale), dequant2(codes.x >> 16, scale),
-                       dequant2(codes.y & 0xffff, scale), dequant2(codes.y >> 16, scale));
-      } else {
-        v = *reinterpret_cast<const uint4*>(src + 448 + (c - kQuantChunks) * 16);
-      }
-    }
-    *reinterpret_cast<uint4*>(sm.k[buf] + swizzled<kKeys>(row, c)) = v;
+  for (int m = 0; m < kQuantChunks / 8; ++m) {
+    const int c = 8 * m + sub;
+    const uint2 codes = *reinterpret_cast<const uint2*>(src + c * 8);
+    // UE8M0 byte e -> 2^(e - 127): e in fp32's exponent field.
+    const uint32_t e = ((m < 4 ? scales.x >> (8 * m) : scales.y >> (8 * (m - 4)))) & 0xffu;
+    const float scale = __uint_as_float(e << 23);
+    *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(row, c)) =
+        make_uint4(dequant2(codes.x & 0xffff, scale), dequant2(codes.x >> 16, scale),
+                   dequant2(codes.y & 0xffff, scale), dequant2(codes.y >> 16, scale));
   }
+  *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(row, kQuantChunks + sub)) =
+      *reinterpret_cast<const uint4*>(src + 448 + sub * 16);
   fence_async_shared();  // these generic-proxy writes are read by wgmma (the async proxy)
   if (threadIdx.x < 32) {
     const uint32_t m = __ballot_sync(0xffffffffu, sm.valid[stage][threadIdx.x]);
@@ -218,7 +245,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int head0 = blockIdx.y * kHeads;
   const int split = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int group = warp & 3, half = warp >> 2;
+  // The warpgroup index through a shuffle: the compiler then knows it is warp-uniform and keeps the
+  // wgmma descriptors in uniform registers (computed from threadIdx, they cost ~15 instructions per
+  // wgmma in vector registers).
+  const int group = warp & 3, half = __shfl_sync(0xffffffffu, warp >> 2, 0);
 
   const int req = p.req_slots[token];
   int position = 0, end = 0;
@@ -244,7 +274,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   }
 #pragma unroll
   for (int s = 0; s < kRawStages - 1; ++s) {
-    if (s < tiles) gather_tile(sm, p, s, token, begin + s * kKeys, end, position, req);
+    const int j0 = begin + s * kKeys;
+    if (s < tiles) gather_tile(sm, p, s, j0, end, position, req, entry_of(p, token, j0, end));
     cp_commit();
   }
   cp_wait<kRawStages - 2>();
@@ -270,7 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 #pragma unroll
   for (int n = 0; n < 128; ++n) acc[n] = 0.f;
 
-  const uint32_t q_base = smem_addr(sm.q);
+  const uint64_t q_desc = descriptor(smem_addr(sm.q) + half * 4 * (kHeads * 128), 16, 1024);
+  int idx = entry_of(p, token, begin + (kRawStages - 1) * kKeys, end);  // of the tile gathered next
   for (int i = 0; i < tiles; ++i) {
     // Tile i + 3 is gathered during this iteration, after the wait: tiles <= i + 1 have landed.
     cp_wait<kRawStages - 3>();
@@ -284,12 +316,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       for (int n = 0; n < 16; ++n) s[n] = 0.f;
       fence_registers(s);
       wgmma_fence();
+      const uint64_t k_desc = descriptor(k_base + half * 4 * (kKeys * 128), 16, 1024);
+      const uint64_t v_desc = descriptor(k_base + half * 4 * (kKeys * 128), kKeys * 128, 1024);
 #pragma unroll
       for (int kk = 0; kk < 16; ++kk) {
-        const int block = half * 4 + (kk >> 2);
-        const uint32_t k_step = (kk & 3) * 32;
-        wgmma_s(s, descriptor(q_base + block * (kHeads * 128) + k_step, 16, 1024),
-                descriptor(k_base + block * (kKeys * 128) + k_step, 16, 1024));
+        wgmma_s(s, advance(q_desc, (kk >> 2) * (kHeads * 128) + (kk & 3) * 32),
+                advance(k_desc, (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
       }
       wgmma_commit();
       wgmma_wait();
@@ -315,26 +347,35 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
           tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[4 * n + v]);
         }
       }
+      // The running max moves only when a score passes it by more than kMaxSlack (P <= 2^8 in
+      // bf16 loses nothing): the sum, the output and the sink all use the same max, so the result
+      // is the same, and most tiles skip rescaling the 128 accumulators.
       float alpha[2], base[2];
+      bool moved = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        const float m_new = fmaxf(row_max[h], tile_max[h]);
-        base[h] = m_new == -INFINITY ? 0.f : m_new;  // no key and no sink seen yet
-        alpha[h] = exp2f(row_max[h] - base[h]);
-        row_max[h] = m_new;
+        alpha[h] = 1.f;
+        if (tile_max[h] > row_max[h] + kMaxSlack) {
+          alpha[h] = exp2_fast(row_max[h] - tile_max[h]);
+          row_max[h] = tile_max[h];
+          moved = true;
+        }
+        base[h] = row_max[h] == -INFINITY ? 0.f : row_max[h];  // no key and no sink seen yet
       }
       float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
       for (int n = 0; n < 16; ++n) {
-        s[n] = exp2f(s[n] - base[(n >> 1) & 1]);
+        s[n] = exp2_fast(s[n] - base[(n >> 1) & 1]);
         tile_sum[(n >> 1) & 1] += s[n];
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int n = 0; n < 128; ++n) acc[n] *= alpha[(n >> 1) & 1];
+        for (int n = 0; n < 128; ++n) acc[n] *= alpha[(n >> 1) & 1];
+      }
 
       // O[:, 256h .. 256h + 255] += P V, P in bf16 (DeepSeek's kernel) straight from S's registers;
       // asynchronous: the next tile's gather and dequantization run meanwhile.
@@ -350,13 +391,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        wgmma_o(acc, a[kk], descriptor(k_base + half * 4 * (kKeys * 128) + kk * 16 * 128, kKeys * 128, 1024));
+        wgmma_o(acc, a[kk], advance(v_desc, kk * 16 * 128));
       }
       wgmma_commit();
     }
     const int next = i + kRawStages - 1;
-    if (next < tiles) gather_tile(sm, p, next % kRawStages, token, begin + next * kKeys, end, position, req);
+    if (next < tiles) gather_tile(sm, p, next % kRawStages, begin + next * kKeys, end, position, req, idx);
     cp_commit();
+    idx = entry_of(p, token, begin + (next + 1) * kKeys, end);
     if (i + 1 < tiles) dequant_tile(sm, (i + 1) % kRawStages, (i + 1) & 1);
     wgmma_wait();
     fence_registers(acc);
@@ -369,23 +411,38 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     const int head = head0 + group * 16 + (lane >> 2) + 8 * h;
     if (head >= p.heads) continue;
     const int dim0 = half * 256 + 2 * (lane & 3);
+    const float inv = 1.f / (sum > 0.f ? sum : 1.f);
     if (p.splits == 1) {
-      auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + dim0;
+      // Into the output tile in shared memory (q's buffer: every wgmma has completed): 16-B chunk c
+      // of head row r at r * 1024 + (c ^ (r % 8)) * 16, so the 8 rows of a store hit 32 banks.
+      const int r = group * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<uint32_t*>(out + n * 8) = bf16x2(acc[4 * n + 2 * h] / sum, acc[4 * n + 2 * h + 1] / sum);
+        *reinterpret_cast<uint32_t*>(sm.q + r * 1024 + (((half * 32 + n) ^ (r & 7)) << 4) + 4 * (lane & 3)) =
+            bf16x2(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
       }
     } else {
       // This split's output normalized by its own sum, and log2 of that sum (-inf: no key).
       const int64_t row = (token * p.splits + split) * p.heads + head;
-      const float safe = sum > 0.f ? sum : 1.f;
       float* part = p.partial + row * kDim + dim0;
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
         *reinterpret_cast<float2*>(part + n * 8) =
-            make_float2(acc[4 * n + 2 * h] / safe, acc[4 * n + 2 * h + 1] / safe);
+            make_float2(acc[4 * n + 2 * h] * inv, acc[4 * n + 2 * h + 1] * inv);
       }
       if (half == 0 && (lane & 3) == 0) p.lse[row] = sum > 0.f ? row_max[h] + log2f(sum) : -INFINITY;
+    }
+  }
+  if (p.splits == 1) {
+    // Whole 16-B chunks, a row's 1 KiB contiguous: global stores of 4 B each throttled the LSU.
+    __syncthreads();
+    auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
+    for (int it = threadIdx.x; it < kHeads * 64; it += kThreads) {
+      const int r = it >> 6, c = it & 63;
+      if (head0 + r < p.heads) {
+        *reinterpret_cast<uint4*>(out + ((head0 + r) * p.out_stride_head + c * 8) * 2) =
+            *reinterpret_cast<const uint4*>(sm.q + r * 1024 + ((c ^ (r & 7)) << 4));
+      }
     }
   }
 #else
