@@ -4,7 +4,8 @@
 and imports nothing else: no triton, no CUDA call. The first call of an op with CUDA tensors
 resolves its backend once per (op, GPU architecture) from `dsv4ops._arch.backends(op)`:
 "triton" imports dsv4ops/<family>/triton.py (that is when triton loads and the kernel JIT-compiles;
-`dsv4ops.warmup` does it for every kernel of a configuration ahead of CUDA-graph capture), and
+`dsv4ops.warmup` does it for every kernel of a configuration ahead of CUDA-graph capture), "csrc"
+the op's launcher in CSRC_LAUNCHERS (it builds csrc/ on first use, dsv4ops.csrc), and
 "reference" (an architecture without a row in the table) runs the op's reference kernel, which is
 the table's choice, not a fallback. An op the chosen backend cannot serve (other layout dims, an
 unsupported dtype) raises; it never falls back silently.
@@ -35,6 +36,13 @@ TRITON_LAUNCHERS: dict[str, tuple[str, str]] = {
 }
 
 
+# op -> (module, launcher) of the ops whose arch-table row starts with "csrc": the launcher picks the
+# CUDA C++ kernel where it serves the arguments and the op's Triton kernel elsewhere.
+CSRC_LAUNCHERS: dict[str, tuple[str, str]] = {
+    "sparse_attn": ("dsv4ops.sparse_attn.cuda", "sparse_attn"),
+}
+
+
 def triton_launcher(op: str):
     """The Triton launcher of `op` (imports triton)."""
     module, name = TRITON_LAUNCHERS[op]
@@ -48,6 +56,9 @@ def resolve(op: str, capability: tuple[int, int] | None):
     backend = chosen[0]
     if backend == "triton":
         return triton_launcher(op)
+    if backend == "csrc" and op in CSRC_LAUNCHERS:
+        module, name = CSRC_LAUNCHERS[op]
+        return getattr(importlib.import_module(module), name)
     if backend == "reference":
         return getattr(ops, op)._init_fn  # the op's own body: metadata checks + reference kernel
     raise NotImplementedError(f"op: dsv4::{op} has no {backend!r} backend; the arch table names {chosen}")

@@ -11,8 +11,8 @@ projections launch: 60 on the H100 with CUDA 13.0. Read its report for dsv4ops k
 compressor_update, indexer_q_prep, indexer_topk, sparse_attn, inv_rope) in FP8 and bf16 pools,
 prefill chunks and padded decode steps; indexer_topk with one chunk, several chunks and one merge
 level, and two merge levels; sparse_attn with one split (many tokens) and split-KV with the combine
-(decode over a long list), on sm_90 also through the CUDA C++ kernel (not selected by the arch table
-yet); pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
+(decode over a long list), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
+through the Triton kernel; pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
 fp8_linear with and without split-K, both scale types; the
 V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
 router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90, cuBLAS + gate_topk above)."""
@@ -29,7 +29,7 @@ from dsv4ops.testing_v41 import serve_schedule
 from dsv4ops.indexer.api import indexer_q_prep, indexer_topk
 from dsv4ops.fp8_linear.api import fp8_linear
 from dsv4ops.quant.api import pack_kv, unpack_kv
-from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
+from dsv4ops.sparse_attn import triton as sparse_attn_triton
 from dsv4ops.sparse_attn.api import sparse_attn
 
 CFG = DSV4AttentionConfig.tiny(index_topk=8)
@@ -116,11 +116,11 @@ def attention():
         req = torch.zeros(t, dtype=I32, device=DEV)
         sparse_attn(q, win, comp, pos, req, comp_idx, sinks, 512**-0.5, window, ring, "fp8_584", "fp8_584")
         say(f"sparse_attn, {t} tokens x ({window} window + {entries} entries)")
-        if torch.cuda.get_device_capability()[0] == 9:
+        if torch.cuda.get_device_capability()[0] == 9:  # the op ran the CUDA C++ kernel
             lens = torch.full((t,), entries, dtype=I32, device=DEV)
-            sparse_attn_cuda.sparse_attn(q, win, comp, pos, req, comp_idx, lens, None, sinks, torch.empty_like(q),
-                                         512**-0.5, window, ring, "fp8_584", "fp8_584")
-            say(f"csrc sparse_attn, {t} tokens x ({window} window + {entries} entries)")
+            sparse_attn_triton.sparse_attn(q, win, comp, pos, req, comp_idx, lens, None, sinks, torch.empty_like(q),
+                                           512**-0.5, window, ring, "fp8_584", "fp8_584")
+            say(f"Triton sparse_attn, {t} tokens x ({window} window + {entries} entries)")
 
 
 def pack_unpack():

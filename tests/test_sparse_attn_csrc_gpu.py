@@ -1,6 +1,6 @@
 """GPU (sm_90): the CUDA C++ sparse_attn kernel (csrc/sparse_attn/, launcher dsv4ops/sparse_attn/cuda.py)
-against the float64 reference within the bf16 budget (a bf16 run of the reference). The arch table
-does not select it yet: these tests call its launcher. Decode tokens of separate requests (split-KV
+against the float64 reference within the bf16 budget (a bf16 run of the reference), through its
+launcher (the arch table selects it on sm_90, so the op-level tiers run it too). Decode tokens of separate requests (split-KV
 and the combine kernel) and a prefill chunk (one split), windows cut short below position 127, -1
 entries and shortened comp_lens, padding tokens, draft-block window ends, head counts that leave a
 CTA partly empty; outputs poisoned with NaN before the call."""

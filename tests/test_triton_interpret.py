@@ -687,12 +687,17 @@ def test_arch_table_never_picks_an_sm90a_only_backend_on_sm100(op):
 
 
 def test_attention_ops_run_triton_on_sm90_and_sm100():
+    """Triton everywhere but sparse_attn on sm_90: the CUDA C++ launcher (Triton for what it does not serve)."""
     from dsv4ops import backends
+    from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
 
     for op in backends.TRITON_LAUNCHERS:
-        assert _arch.backends(op, (9, 0)) == ("triton",)
+        sm90 = ("csrc", "triton") if op in backends.CSRC_LAUNCHERS else ("triton",)
+        assert _arch.backends(op, (9, 0)) == sm90
         assert _arch.backends(op, (10, 0)) == ("triton",)
+        assert backends.resolve(op, (10, 0)) is backends.triton_launcher(op)
         assert backends.resolve(op, (8, 0)) is getattr(dsv4ops.ops, op)._init_fn  # no row: the reference
+    assert backends.resolve("sparse_attn", (9, 0)) is sparse_attn_cuda.sparse_attn
 
 
 def test_import_binds_cuda_kernels_without_triton():

@@ -3,9 +3,8 @@ V4's layout (fp8_584 window and compressed pools, bf16 q and out, int32 comp_idx
 kernel for every other case (V4.1 formats, exact pools, fp32 or fp16 activations). Same arguments
 as the op.
 
-Not selected by the arch table yet (dsv4ops/_arch.py keeps Triton on sm_90): it agreed with the
-Triton kernel on every FlashMLA comparison shape of the bench (H200) but the GPU test tiers have not
-run with it selected. Call it directly (tests/test_sparse_attn_csrc_gpu.py does).
+The arch table selects it on sm_90 (dsv4ops/_arch.py); the sm_100a build of csrc/ compiles the
+kernel to a trap, and sm_100 runs the Triton kernel.
 
 The C++ kernel takes a token x 64 heads x one split of its key list per CTA; a batch that would
 leave SMs idle splits each list, and a second kernel merges the splits' partial outputs with the
