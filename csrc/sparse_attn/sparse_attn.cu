@@ -179,13 +179,15 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
   // 32-bit division, not the ~4x longer 64-bit one, in the per-key address math.
   const uint8_t* pool = p.window_cache;
   int64_t page = p.window_page_bytes;
-  uint32_t slot = 0, block = p.window_block;
+  uint32_t slot = 0;
+  FastDiv block = p.window_block;
   bool valid = false;
   if (j < end) {
     if (j < p.window_keys) {
       const int wpos = position - p.window + 1 + j;
       valid = j < p.window && wpos >= 0;
-      slot = static_cast<uint32_t>(req) * p.ring_size + static_cast<uint32_t>(wpos) % p.ring_size;
+      const uint32_t ring = p.ring_size.d, lap = p.ring_size.div(static_cast<uint32_t>(wpos));
+      slot = static_cast<uint32_t>(req) * ring + static_cast<uint32_t>(wpos) - lap * ring;
     } else {
       valid = idx >= 0;
       slot = static_cast<uint32_t>(idx), pool = p.comp_cache, page = p.comp_page_bytes, block = p.comp_block;
@@ -194,17 +196,18 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
   if (sub == 0) sm.valid[stage][row] = valid;
   const uint32_t dst = smem_addr(sm.raw[stage]) + row * kRawRow;
   if (!valid) {
+#pragma unroll
     for (int c = sub; c < kRawRow / 16; c += 8) {
       *reinterpret_cast<uint4*>(sm.raw[stage] + row * kRawRow + c * 16) = uint4{};
     }
     return;
   }
-  const uint32_t blk = slot / block, off = slot - blk * block;
+  const uint32_t blk = block.div(slot), off = slot - blk * block.d;
   const uint8_t* base = pool + blk * page;
   const uint8_t* data = base + static_cast<int64_t>(off) * kEntryData;
 #pragma unroll
   for (int c = sub; c < kEntryData / 16; c += 8) cp_async16(dst + c * 16, data + c * 16);
-  if (sub == 4) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block) * kEntryData + off * kEntryScale);
+  if (sub == 4) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block.d) * kEntryData + off * kEntryScale);
 }
 
 // Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask. Thread t
@@ -328,7 +331,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       fence_registers(s);
 #pragma unroll
       for (int n = 0; n < 4; ++n) sm.s[warp][n][lane] = make_float4(s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3]);
-      __syncthreads();
+      // Only warps w and w ^ 4 exchange: a 64-thread named barrier per pair (barrier 0 is
+      // __syncthreads), so a pair need not wait for the slowest warp of the CTA.
+      asm volatile("bar.sync %0, 64;\n" ::"r"(1 + group) : "memory");
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const float4 o = sm.s[warp ^ 4][n][lane];

@@ -67,6 +67,9 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
              "] fp32, got shape ", sinks.sizes());
   DSV4_CHECK(splits >= 1 && split_keys % 32 == 0 && window_keys % 32 == 0 && window_keys >= window,
              "splits / split_keys / window_keys: expected whole 32-key tiles");
+  DSV4_CHECK(ring_size > 0 && ring_size < (int64_t{1} << 31) && window_block > 0 && comp_block > 0 &&
+                 window_block < (int64_t{1} << 31) && comp_block < (int64_t{1} << 31),
+             "ring_size / window_block / comp_block: expected positive 32-bit sizes");
   if (splits > 1) {
     DSV4_CHECK_DTYPE(partial, at::kFloat);
     DSV4_CHECK_DTYPE(lse, at::kFloat);
@@ -89,8 +92,8 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.comp_cache = comp_cache.const_data_ptr<uint8_t>();
   p.window_page_bytes = window_page_bytes;
   p.comp_page_bytes = comp_page_bytes;
-  p.window_block = static_cast<int>(window_block);
-  p.comp_block = static_cast<int>(comp_block);
+  p.window_block = FastDiv(static_cast<uint32_t>(window_block));
+  p.comp_block = FastDiv(static_cast<uint32_t>(comp_block));
   p.window_ends = window_ends.const_data_ptr<int32_t>();
   p.req_slots = req_slots.const_data_ptr<int32_t>();
   p.comp_idx = comp_idx.const_data_ptr<int32_t>();
@@ -106,7 +109,7 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.heads = static_cast<int>(heads);
   p.n_idx = static_cast<int>(comp_idx.size(1));
   p.window = static_cast<int>(window);
-  p.ring_size = static_cast<int>(ring_size);
+  p.ring_size = FastDiv(static_cast<uint32_t>(ring_size));
   p.window_keys = static_cast<int>(window_keys);
   p.split_keys = static_cast<int>(split_keys);
   p.splits = static_cast<int>(splits);
