@@ -43,10 +43,14 @@ CSRC_LAUNCHERS: dict[str, tuple[str, str]] = {
 }
 
 
+def _launcher(table: dict[str, tuple[str, str]], op: str):
+    module, name = table[op]
+    return getattr(importlib.import_module(module), name)
+
+
 def triton_launcher(op: str):
     """The Triton launcher of `op` (imports triton)."""
-    module, name = TRITON_LAUNCHERS[op]
-    return getattr(importlib.import_module(module), name)
+    return _launcher(TRITON_LAUNCHERS, op)
 
 
 @functools.cache
@@ -57,8 +61,7 @@ def resolve(op: str, capability: tuple[int, int] | None):
     if backend == "triton":
         return triton_launcher(op)
     if backend == "csrc" and op in CSRC_LAUNCHERS:
-        module, name = CSRC_LAUNCHERS[op]
-        return getattr(importlib.import_module(module), name)
+        return _launcher(CSRC_LAUNCHERS, op)
     if backend == "reference":
         return getattr(ops, op)._init_fn  # the op's own body: metadata checks + reference kernel
     raise NotImplementedError(f"op: dsv4::{op} has no {backend!r} backend; the arch table names {chosen}")

@@ -175,8 +175,8 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
                                             int req, int idx) {
   const int row = threadIdx.x >> 3, sub = threadIdx.x & 7;
   const int j = j0 + row;
-  // Slots fit 32 bits (int32 comp_idx; a pool of 2^31 584-B entries would be 1.2 TB): unsigned
-  // 32-bit division, not the ~4x longer 64-bit one, in the per-key address math.
+  // Slots fit 32 bits (int32 comp_idx; a pool of 2^31 584-B entries would be 1.2 TB), so the ring
+  // and page divisions are FastDiv's 32-bit multiply-high.
   const uint8_t* pool = p.window_cache;
   int64_t page = p.window_page_bytes;
   uint32_t slot = 0;
