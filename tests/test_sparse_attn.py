@@ -233,3 +233,13 @@ def test_split_rule_fills_the_sms_once():
     assert split_rule(1, 640, 32, 132) == 20  # CSA 1 x 4K: one 32-key tile per split
     assert split_rule(32, 128 + 8192, 32, 132) == 9  # HCA 32 x 1M: one split per 1024 keys
     assert split_rule(8, 128, 32, 132) == 4  # never a split without a whole tile
+
+
+def test_csrc_split_count_fills_one_wave():
+    from dsv4ops.sparse_attn.cuda import split_count
+
+    assert split_count(128, 640, 132) == 1  # CSA 128 x 4K: the CTAs already fill the GPU
+    assert split_count(1, 640, 132) == 20  # CSA 1 x 4K: one 32-key tile per split
+    assert split_count(32, 640, 132) == 4  # CSA 32 x 4K: 128 CTAs, 5 tiles each
+    assert split_count(32, 128 + 8192, 132) == 4  # HCA 32 x 1M: one wave of 65 tiles, not 3 waves of 29
+    assert split_count(8, 128, 132) == 4  # never a split without a whole tile

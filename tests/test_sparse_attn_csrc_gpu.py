@@ -11,7 +11,6 @@ import torch
 from dsv4ops import testing
 from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
 from dsv4ops.sparse_attn import reference as sparse_attn_ref
-from dsv4ops.sparse_attn.triton import split_rule
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -48,7 +47,7 @@ def test_matches_the_reference(heads, prefill):
     ctas = t * -(-heads // sparse_attn_cuda.HEADS_PER_CTA)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # decode runs the split-KV path (partials + combine kernel), prefill the single-split one
-    assert (split_rule(ctas, 128 + 512, sparse_attn_cuda.KEYS_PER_TILE, sms) > 1) == (not prefill)
+    assert (sparse_attn_cuda.split_count(ctas, 128 + 512, sms) > 1) == (not prefill)
     _check(case)
 
 

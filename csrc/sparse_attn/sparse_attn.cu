@@ -2,18 +2,21 @@
 // sm_90 kernel of `dsv4::sparse_attn` for V4's fp8_584 pools with bf16 queries (the specification is
 // dsv4ops/sparse_attn/reference.py; the Triton kernel serves every other case).
 //
-// One CTA = one token x 64 heads x one split of the token's key list [window | entries], two
-// warpgroups. K = V is one shared 512-d head (MQA), so a key tile is gathered and dequantized once
-// for all 64 heads. Per tile of 32 keys:
-//   - cp.async brings the raw 584-B entries (576 data + 8 scale bytes) into a 4-stage ring, three
-//     tiles ahead of the one being multiplied: the gather's DRAM latency hides behind the math;
-//   - all threads dequantize the next tile (e4m3 x UE8M0 -> bf16 is exact, see the Triton kernel's
-//     docstring) into one of two bf16 tiles while the tensor cores run this tile's P V (wgmma is
-//     asynchronous, so the dequantization needs no warps of its own);
-//   - warpgroup h owns output dims 256h..256h+255 for all 64 heads: its accumulator is 64 x 256 fp32,
-//     128 registers a thread (the Triton kernel holds 64 x 512 on 8 warps and spills). S = q k^T is
-//     split the same way over dims: the two warpgroups add their partial S through shared memory, so
-//     both hold the same S (a + b == b + a in IEEE) and run the same online softmax.
+// One CTA = one token x 64 heads x one split of the token's key list [window | entries], three
+// warpgroups specialized by role. K = V is one shared 512-d head (MQA), so a key tile of 32 keys is
+// gathered and dequantized once for all 64 heads:
+//   - the producer warpgroup (warps 8-11) issues cp.async for the raw 584-B entries (576 data + 8
+//     scale bytes) into a 4-stage ring, three tiles ahead, and dequantizes each landed tile (e4m3 x
+//     UE8M0 -> bf16 is exact, see the Triton kernel's docstring) into one of two bf16 tiles;
+//   - consumer warpgroup h (warps 4h..4h+3) owns output dims 256h..256h+255 for all 64 heads: its
+//     accumulator is 64 x 256 fp32, 128 registers a thread. S = q k^T is split the same way over
+//     dims: the two add their partial S through shared memory, so both hold the same S (a + b == b +
+//     a in IEEE) and run the same online softmax, then P V.
+// The roles overlap: while the tensor cores and the softmax work on tile i, the producers convert
+// tile i + 1 (H100, CSA 128 x 4K: one set of 8 warps doing both spent 41% of its samples in the
+// gather and dequantization and 35% in S and the softmax, one after the other). Named barriers hand
+// the two bf16 tiles over (FULL: producer -> consumers; EMPTY: consumers -> producer), and
+// setmaxnreg moves registers from the producer (120) to the consumers (192).
 // wgmma (sm_90a): S from q and k in shared memory (K-major), P V with P from registers and the same
 // k tile read MN-major. q and k tiles are stored as 8 blocks of 64 dims, each [rows][128 B] with the
 // 128-B swizzle (16-B chunk c of row r at c ^ (r % 8)), the layout wgmma's descriptors name.
@@ -34,8 +37,13 @@ constexpr int kDim = 512;        // head dim: 448 e4m3 + 64 bf16 rope dims
 [[maybe_unused]] constexpr int kEntryScale = 8;   // 7 UE8M0 scales (one per 64 dims) + 1 pad byte
 constexpr int kHeads = 64;       // heads per CTA
 constexpr int kKeys = 32;        // keys per tile
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
+constexpr int kConsumers = 256;          // warps 0-7: two warpgroups of P V
+constexpr int kProducers = 128;          // warps 8-11: the gather and dequantization
+constexpr int kThreads = kConsumers + kProducers;
+[[maybe_unused]] constexpr int kKeyLanes = kProducers / kKeys;  // producer threads per key
+// setmaxnreg moves registers within the CTA's own allocation (168 x 384 at launch), so 120 + 2 x 192
+// = 3 x 168: asking for more than the producer gave back blocks the consumers for good.
+[[maybe_unused]] constexpr int kProducerRegs = 120, kConsumerRegs = 192;
 constexpr int kRawStages = 4;
 constexpr int kRawRow = 592;         // raw entry in shared memory: 576 + 8 + 8 pad (16-B rows)
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
@@ -45,7 +53,7 @@ struct Smem {
   alignas(1024) uint8_t q[kHeads * kDim * 2];           // 64 KiB
   alignas(1024) uint8_t k[2][kKeys * kDim * 2];         // 64 KiB
   alignas(128) uint8_t raw[kRawStages][kKeys * kRawRow]; // 74 KiB
-  float4 s[kWarps][4][32];                               // partial S exchange, 16 KiB
+  float4 s[kConsumers / 32][4][32];                      // partial S exchange, 16 KiB
   uint8_t valid[kRawStages][kKeys];
   uint32_t mask[2];  // valid keys of each bf16 tile
 };
@@ -92,10 +100,30 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Named barriers (0 is __syncthreads): 1-4 the S exchange of warps w and w + 4; FULL / EMPTY of each
+// bf16 tile; the producer's own; the consumers' own.
+[[maybe_unused]] constexpr int kFull = 5, kEmpty = 7, kProducerBar = 9, kConsumerBar = 10;
+__device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// A warpgroup's registers a thread, from the launch's 64 K / kThreads = 168.
+template <int N>
+__device__ __forceinline__ void shrink_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void grow_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N of this warpgroup's wgmma groups are pending (they complete in order).
+template <int N = 0>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Keeps the compiler from moving register accesses across an asynchronous wgmma's issue or wait.
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&d)[N]) {
@@ -159,22 +187,26 @@ __device__ __forceinline__ uint32_t dequant2(uint32_t codes, float scale) {
   return bf16x2(f.x * scale, f.y * scale);
 }
 
-// This thread's key of the tile starting at key j0 (8 threads per key): its comp_idx entry, read one
-// tile before `gather_tile` needs it, so the load's L2 latency (~600 cycles) is off the tile's
-// critical path. Window keys and keys past `end` read nothing.
-__device__ __forceinline__ int entry_of(const Params& p, int64_t token, int j0, int end) {
-  const int j = j0 + (threadIdx.x >> 3);
+// Producer thread t (0..127) handles key t / kKeyLanes of a tile, lane t % kKeyLanes of it.
+struct Lane {
+  int row, sub;
+};
+
+// This lane's key of the tile starting at key j0: its comp_idx entry, read one tile before
+// `gather_tile` needs it, so the load's L2 latency (~600 cycles) is off the tile's critical path.
+// Window keys and keys past `end` read nothing.
+__device__ __forceinline__ int entry_of(const Params& p, int64_t token, int j0, int end, Lane l) {
+  const int j = j0 + l.row;
   return j < end && j >= p.window_keys ? p.comp_idx[token * p.comp_idx_stride + (j - p.window_keys)] : -1;
 }
 
-// Gathers the tile starting at key j0 into raw stage `stage` (`idx`: this thread's `entry_of`): 8
-// threads per key, each copying its 16-B chunks (thread 4 of a key also its 8 scale bytes). Keys
-// that are not valid get zero bytes instead (stale bytes may hold NaN codes, and 0 x NaN is NaN in
-// P V), so the dequantization needs no per-key branch.
+// Gathers the tile starting at key j0 into raw stage `stage` (`idx`: this lane's `entry_of`):
+// kKeyLanes lanes per key, each copying every kKeyLanes-th 16-B chunk (lane 1 also the 8 scale
+// bytes). Keys that are not valid get zero bytes instead (stale bytes may hold NaN codes, and 0 x NaN
+// is NaN in P V), so the dequantization needs no per-key branch.
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage, int j0, int end, int position,
-                                            int req, int idx) {
-  const int row = threadIdx.x >> 3, sub = threadIdx.x & 7;
-  const int j = j0 + row;
+                                            int req, int idx, Lane l) {
+  const int j = j0 + l.row;
   // Slots fit 32 bits (int32 comp_idx; a pool of 2^31 584-B entries would be 1.2 TB), so the ring
   // and page divisions are FastDiv's 32-bit multiply-high.
   const uint8_t* pool = p.window_cache;
@@ -193,12 +225,12 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
       slot = static_cast<uint32_t>(idx), pool = p.comp_cache, page = p.comp_page_bytes, block = p.comp_block;
     }
   }
-  if (sub == 0) sm.valid[stage][row] = valid;
-  const uint32_t dst = smem_addr(sm.raw[stage]) + row * kRawRow;
+  if (l.sub == 0) sm.valid[stage][l.row] = valid;
+  const uint32_t dst = smem_addr(sm.raw[stage]) + l.row * kRawRow;
   if (!valid) {
 #pragma unroll
-    for (int c = sub; c < kRawRow / 16; c += 8) {
-      *reinterpret_cast<uint4*>(sm.raw[stage] + row * kRawRow + c * 16) = uint4{};
+    for (int c = l.sub; c < kRawRow / 16; c += kKeyLanes) {
+      *reinterpret_cast<uint4*>(sm.raw[stage] + l.row * kRawRow + c * 16) = uint4{};
     }
     return;
   }
@@ -206,35 +238,67 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
   const uint8_t* base = pool + blk * page;
   const uint8_t* data = base + static_cast<int64_t>(off) * kEntryData;
 #pragma unroll
-  for (int c = sub; c < kEntryData / 16; c += 8) cp_async16(dst + c * 16, data + c * 16);
-  if (sub == 4) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block.d) * kEntryData + off * kEntryScale);
+  for (int c = l.sub; c < kEntryData / 16; c += kKeyLanes) cp_async16(dst + c * 16, data + c * 16);
+  if (l.sub == 1) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block.d) * kEntryData + off * kEntryScale);
 }
 
-// Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask. Thread t
-// converts row t / 8: quantized chunk t % 8 of each 64-dim block (so one 8-B load brings the row's
-// seven scales) and rope chunk t % 8. Rows that were not gathered hold zeros (`gather_tile`).
-__device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf) {
-  const int row = threadIdx.x >> 3, sub = threadIdx.x & 7;
-  const uint8_t* src = sm.raw[stage] + row * kRawRow;
+// Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask. A lane
+// converts parts q = sub, sub + kKeyLanes, ... (of 8) of its row: quantized chunk q of each 64-dim
+// block (so one 8-B load brings the row's seven scales) and rope chunk q. Rows that were not
+// gathered hold zeros (`gather_tile`).
+__device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf, Lane l, int producer_thread) {
+  const uint8_t* src = sm.raw[stage] + l.row * kRawRow;
   const uint2 scales = *reinterpret_cast<const uint2*>(src + kEntryData);
   uint8_t* dst = sm.k[buf];
 #pragma unroll
-  for (int m = 0; m < kQuantChunks / 8; ++m) {
-    const int c = 8 * m + sub;
-    const uint2 codes = *reinterpret_cast<const uint2*>(src + c * 8);
-    // UE8M0 byte e -> 2^(e - 127): e in fp32's exponent field.
-    const uint32_t e = ((m < 4 ? scales.x >> (8 * m) : scales.y >> (8 * (m - 4)))) & 0xffu;
-    const float scale = __uint_as_float(e << 23);
-    *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(row, c)) =
-        make_uint4(dequant2(codes.x & 0xffff, scale), dequant2(codes.x >> 16, scale),
-                   dequant2(codes.y & 0xffff, scale), dequant2(codes.y >> 16, scale));
+  for (int part = 0; part < 8; part += kKeyLanes) {
+    const int q = l.sub + part;
+#pragma unroll
+    for (int m = 0; m < kQuantChunks / 8; ++m) {
+      const int c = 8 * m + q;
+      const uint2 codes = *reinterpret_cast<const uint2*>(src + c * 8);
+      // UE8M0 byte e -> 2^(e - 127): e in fp32's exponent field.
+      const uint32_t e = ((m < 4 ? scales.x >> (8 * m) : scales.y >> (8 * (m - 4)))) & 0xffu;
+      const float scale = __uint_as_float(e << 23);
+      *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(l.row, c)) =
+          make_uint4(dequant2(codes.x & 0xffff, scale), dequant2(codes.x >> 16, scale),
+                     dequant2(codes.y & 0xffff, scale), dequant2(codes.y >> 16, scale));
+    }
+    *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(l.row, kQuantChunks + q)) =
+        *reinterpret_cast<const uint4*>(src + 448 + q * 16);
   }
-  *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(row, kQuantChunks + sub)) =
-      *reinterpret_cast<const uint4*>(src + 448 + sub * 16);
   fence_async_shared();  // these generic-proxy writes are read by wgmma (the async proxy)
-  if (threadIdx.x < 32) {
-    const uint32_t m = __ballot_sync(0xffffffffu, sm.valid[stage][threadIdx.x]);
-    if (threadIdx.x == 0) sm.mask[buf] = m;
+  if (producer_thread < 32) {
+    const uint32_t m = __ballot_sync(0xffffffffu, sm.valid[stage][producer_thread]);
+    if (producer_thread == 0) sm.mask[buf] = m;
+  }
+}
+
+// The producer warpgroup: gathers tile i + 3 and dequantizes tile i into bf16 tile i % 2 once the
+// consumers have released it (EMPTY), then hands it over (FULL).
+__device__ __forceinline__ void produce(Smem& sm, const Params& p, int64_t token, int begin, int end, int tiles,
+                                        int position, int req) {
+  const int pt = threadIdx.x - kConsumers;
+  const Lane l{pt / kKeyLanes, pt % kKeyLanes};
+#pragma unroll
+  for (int s = 0; s < kRawStages - 1; ++s) {
+    const int j0 = begin + s * kKeys;
+    if (s < tiles) gather_tile(sm, p, s, j0, end, position, req, entry_of(p, token, j0, end, l), l);
+    cp_commit();
+  }
+  int idx = entry_of(p, token, begin + (kRawStages - 1) * kKeys, end, l);  // of the tile gathered next
+  for (int i = 0; i < tiles; ++i) {
+    cp_wait<kRawStages - 2>();  // this lane's copies of tile i have landed
+    // All lanes' copies of tile i are in, and all lanes are done converting tile i - 1, whose raw
+    // stage the gather below reuses.
+    bar_sync(kProducerBar, kProducers);
+    const int next = i + kRawStages - 1;
+    if (next < tiles) gather_tile(sm, p, next % kRawStages, begin + next * kKeys, end, position, req, idx, l);
+    cp_commit();
+    idx = entry_of(p, token, begin + (next + 1) * kKeys, end, l);
+    if (i >= 2) bar_sync(kEmpty + (i & 1), kThreads);  // the consumers are done with tile i - 2
+    dequant_tile(sm, i % kRawStages, i & 1, l, pt);
+    bar_arrive(kFull + (i & 1), kThreads);
   }
 }
 
@@ -248,10 +312,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int head0 = blockIdx.y * kHeads;
   const int split = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // The warpgroup index through a shuffle: the compiler then knows it is warp-uniform and keeps the
-  // wgmma descriptors in uniform registers (computed from threadIdx, they cost ~15 instructions per
-  // wgmma in vector registers).
-  const int group = warp & 3, half = __shfl_sync(0xffffffffu, warp >> 2, 0);
 
   const int req = p.req_slots[token];
   int position = 0, end = 0;
@@ -263,28 +323,16 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   }
   const int tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
 
-  // q -> shared memory (rows of heads past the last, or of a padding token, are zeros); it lands
-  // with the first key tile's copy group.
-  const auto* q = static_cast<const __nv_bfloat16*>(p.q) + token * p.q_stride_token;
-  for (int it = threadIdx.x; it < kHeads * 64; it += kThreads) {
-    const int row = it >> 6, c = it & 63;
-    const int head = head0 + row;
-    if (head < p.heads && req >= 0) {
-      cp_async16(smem_addr(sm.q) + swizzled<kHeads>(row, c), q + head * p.q_stride_head + c * 8);
-    } else {
-      *reinterpret_cast<uint4*>(sm.q + swizzled<kHeads>(row, c)) = make_uint4(0, 0, 0, 0);
-    }
+  if (warp >= kConsumers / 32) {
+    shrink_registers<kProducerRegs>();
+    produce(sm, p, token, begin, end, tiles, position, req);
+    return;
   }
-#pragma unroll
-  for (int s = 0; s < kRawStages - 1; ++s) {
-    const int j0 = begin + s * kKeys;
-    if (s < tiles) gather_tile(sm, p, s, j0, end, position, req, entry_of(p, token, j0, end));
-    cp_commit();
-  }
-  cp_wait<kRawStages - 2>();
-  fence_async_shared();
-  __syncthreads();
-  if (tiles > 0) dequant_tile(sm, 0, 0);
+  grow_registers<kConsumerRegs>();
+  // The warpgroup index through a shuffle: the compiler then knows it is warp-uniform and keeps the
+  // wgmma descriptors in uniform registers (computed from threadIdx, they cost ~15 instructions per
+  // wgmma in vector registers).
+  const int group = warp & 3, half = __shfl_sync(0xffffffffu, warp >> 2, 0);
 
   // Rows r = lane / 4 and r + 8 of the warp's 16 heads; the sink opens the online softmax (running
   // max s_h, running sum e^0 = 1 on one lane of the row's quad, no value) when there is one split.
@@ -300,114 +348,127 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       row_sum[h] = 0.f;
     }
   }
+  // q -> shared memory (rows of heads past the last, or of a padding token, are zeros).
+  const auto* q = static_cast<const __nv_bfloat16*>(p.q) + token * p.q_stride_token;
+  for (int it = threadIdx.x; it < kHeads * 64; it += kConsumers) {
+    const int row = it >> 6, c = it & 63;
+    const int head = head0 + row;
+    if (head < p.heads && req >= 0) {
+      cp_async16(smem_addr(sm.q) + swizzled<kHeads>(row, c), q + head * p.q_stride_head + c * 8);
+    } else {
+      *reinterpret_cast<uint4*>(sm.q + swizzled<kHeads>(row, c)) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  cp_commit();
+
   float acc[128];  // acc[4n + v]: the m16n8 C fragment of dims 8n .. 8n + 7 of this warpgroup's 256
 #pragma unroll
   for (int n = 0; n < 128; ++n) acc[n] = 0.f;
+  cp_wait<0>();
+  fence_async_shared();
+  bar_sync(kConsumerBar, kConsumers);
 
   const uint64_t q_desc = descriptor(smem_addr(sm.q) + half * 4 * (kHeads * 128), 16, 1024);
-  int idx = entry_of(p, token, begin + (kRawStages - 1) * kKeys, end);  // of the tile gathered next
   for (int i = 0; i < tiles; ++i) {
-    // Tile i + 3 is gathered during this iteration, after the wait: tiles <= i + 1 have landed.
-    cp_wait<kRawStages - 3>();
-    __syncthreads();  // tile i + 1's raw bytes and tile i's bf16 rows are in; tile i - 1 is done
+    // Tile i's bf16 rows are in. Every consumer thread passes here each tile, so this also orders
+    // the reuse of sm.s: tile i - 1's partial S has been read by the other warp of each pair.
+    bar_sync(kFull + (i & 1), kThreads);
     const uint32_t mask = sm.mask[i & 1];
     const uint32_t k_base = smem_addr(sm.k[i & 1]);
-    if (mask != 0) {
-      // Partial S over this warpgroup's 256 dims (4 blocks of 64, 4 k-steps of 16 each).
-      float s[16];
+    // Partial S over this warpgroup's 256 dims (4 blocks of 64, 4 k-steps of 16 each). A tile with no
+    // valid key (a window cut short, -1 entries) still runs: its P is zeros.
+    float s[16];
 #pragma unroll
-      for (int n = 0; n < 16; ++n) s[n] = 0.f;
-      fence_registers(s);
-      wgmma_fence();
-      const uint64_t k_desc = descriptor(k_base + half * 4 * (kKeys * 128), 16, 1024);
-      const uint64_t v_desc = descriptor(k_base + half * 4 * (kKeys * 128), kKeys * 128, 1024);
+    for (int n = 0; n < 16; ++n) s[n] = 0.f;
+    fence_registers(s);
+    wgmma_fence();
+    const uint64_t k_desc = descriptor(k_base + half * 4 * (kKeys * 128), 16, 1024);
+    const uint64_t v_desc = descriptor(k_base + half * 4 * (kKeys * 128), kKeys * 128, 1024);
 #pragma unroll
-      for (int kk = 0; kk < 16; ++kk) {
-        wgmma_s(s, advance(q_desc, (kk >> 2) * (kHeads * 128) + (kk & 3) * 32),
-                advance(k_desc, (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
-      }
-      wgmma_commit();
-      wgmma_wait();
-      fence_registers(s);
-#pragma unroll
-      for (int n = 0; n < 4; ++n) sm.s[warp][n][lane] = make_float4(s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3]);
-      // Only warps w and w ^ 4 exchange: a 64-thread named barrier per pair (barrier 0 is
-      // __syncthreads), so a pair need not wait for the slowest warp of the CTA.
-      asm volatile("bar.sync %0, 64;\n" ::"r"(1 + group) : "memory");
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const float4 o = sm.s[warp ^ 4][n][lane];
-        s[4 * n] += o.x, s[4 * n + 1] += o.y, s[4 * n + 2] += o.z, s[4 * n + 3] += o.w;
-      }
-
-      // Online softmax in the log2 domain; s[4n + v] is key 8n + 2(lane % 4) + v % 2 of row
-      // lane / 4 + 8 (v / 2) of the warp's 16 heads.
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const int key = n * 8 + 2 * (lane & 3) + (v & 1);
-          s[4 * n + v] = (mask >> key) & 1 ? s[4 * n + v] * p.scale_log2 : -INFINITY;
-          tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[4 * n + v]);
-        }
-      }
-      // The running max moves only when a score passes it by more than kMaxSlack (P <= 2^8 in
-      // bf16 loses nothing): the sum, the output and the sink all use the same max, so the result
-      // is the same, and most tiles skip rescaling the 128 accumulators.
-      float alpha[2], base[2];
-      bool moved = false;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        alpha[h] = 1.f;
-        if (tile_max[h] > row_max[h] + kMaxSlack) {
-          alpha[h] = exp2_fast(row_max[h] - tile_max[h]);
-          row_max[h] = tile_max[h];
-          moved = true;
-        }
-        base[h] = row_max[h] == -INFINITY ? 0.f : row_max[h];  // no key and no sink seen yet
-      }
-      float tile_sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-        s[n] = exp2_fast(s[n] - base[(n >> 1) & 1]);
-        tile_sum[(n >> 1) & 1] += s[n];
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int n = 0; n < 128; ++n) acc[n] *= alpha[(n >> 1) & 1];
-      }
-
-      // O[:, 256h .. 256h + 255] += P V, P in bf16 (DeepSeek's kernel) straight from S's registers;
-      // asynchronous: the next tile's gather and dequantization run meanwhile.
-      uint32_t a[2][4];
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        a[kk][0] = bf16x2(s[8 * kk], s[8 * kk + 1]);
-        a[kk][1] = bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
-        a[kk][2] = bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
-        a[kk][3] = bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
-      }
-      fence_registers(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        wgmma_o(acc, a[kk], advance(v_desc, kk * 16 * 128));
-      }
-      wgmma_commit();
+    for (int kk = 0; kk < 16; ++kk) {
+      wgmma_s(s, advance(q_desc, (kk >> 2) * (kHeads * 128) + (kk & 3) * 32),
+              advance(k_desc, (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
     }
-    const int next = i + kRawStages - 1;
-    if (next < tiles) gather_tile(sm, p, next % kRawStages, begin + next * kKeys, end, position, req, idx);
-    cp_commit();
-    idx = entry_of(p, token, begin + (next + 1) * kKeys, end);
-    if (i + 1 < tiles) dequant_tile(sm, (i + 1) % kRawStages, (i + 1) & 1);
-    wgmma_wait();
+    wgmma_commit();
+    // P V of tile i - 1 was issued before S: once it is done, its bf16 tile may be refilled.
+    wgmma_wait<1>();
     fence_registers(acc);
+    if (i >= 1 && i + 1 < tiles) bar_arrive(kEmpty + ((i - 1) & 1), kThreads);
+    wgmma_wait<0>();
+    fence_registers(s);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) sm.s[warp][n][lane] = make_float4(s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3]);
+    // Only warps w and w ^ 4 exchange: a 64-thread named barrier per pair, so a pair need not wait
+    // for the slowest warp.
+    bar_sync(1 + group, 64);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const float4 o = sm.s[warp ^ 4][n][lane];
+      s[4 * n] += o.x, s[4 * n + 1] += o.y, s[4 * n + 2] += o.z, s[4 * n + 3] += o.w;
+    }
+
+    // Online softmax in the log2 domain; s[4n + v] is key 8n + 2(lane % 4) + v % 2 of row
+    // lane / 4 + 8 (v / 2) of the warp's 16 heads.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int key = n * 8 + 2 * (lane & 3) + (v & 1);
+        s[4 * n + v] = (mask >> key) & 1 ? s[4 * n + v] * p.scale_log2 : -INFINITY;
+        tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[4 * n + v]);
+      }
+    }
+    // The running max moves only when a score passes it by more than kMaxSlack (P <= 2^8 in bf16
+    // loses nothing): the sum, the output and the sink all use the same max, so the result is the
+    // same, and most tiles skip rescaling the 128 accumulators.
+    float alpha[2], base[2];
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+      alpha[h] = 1.f;
+      if (tile_max[h] > row_max[h] + kMaxSlack) {
+        alpha[h] = exp2_fast(row_max[h] - tile_max[h]);
+        row_max[h] = tile_max[h];
+        moved = true;
+      }
+      base[h] = row_max[h] == -INFINITY ? 0.f : row_max[h];  // no key and no sink seen yet
+    }
+    float tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      s[n] = exp2_fast(s[n] - base[(n >> 1) & 1]);
+      tile_sum[(n >> 1) & 1] += s[n];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * alpha[h] + tile_sum[h];
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int n = 0; n < 128; ++n) acc[n] *= alpha[(n >> 1) & 1];
+    }
+
+    // O[:, 256h .. 256h + 255] += P V, P in bf16 (DeepSeek's kernel) straight from S's registers;
+    // left running while the next tile's S is issued (the tensor cores take them in order).
+    uint32_t a[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      a[kk][0] = bf16x2(s[8 * kk], s[8 * kk + 1]);
+      a[kk][1] = bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+      a[kk][2] = bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+      a[kk][3] = bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    fence_registers(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      wgmma_o(acc, a[kk], advance(v_desc, kk * 16 * 128));
+    }
+    wgmma_commit();
   }
+  wgmma_wait<0>();
+  fence_registers(acc);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -418,8 +479,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     const int dim0 = half * 256 + 2 * (lane & 3);
     const float inv = 1.f / (sum > 0.f ? sum : 1.f);
     if (p.splits == 1) {
-      // Into the output tile in shared memory (q's buffer: every wgmma has completed): 16-B chunk c
-      // of head row r at r * 1024 + (c ^ (r % 8)) * 16, so the 8 rows of a store hit 32 banks.
+      // Into the output tile in shared memory (q's buffer: the last S wgmma of both warpgroups has
+      // completed, as each warp passed its pair barrier after its own): 16-B chunk c of head row r
+      // at r * 1024 + (c ^ (r % 8)) * 16, so the 8 rows of a store hit 32 banks.
       const int r = group * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
@@ -440,9 +502,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   }
   if (p.splits == 1) {
     // Whole 16-B chunks, a row's 1 KiB contiguous: global stores of 4 B each throttled the LSU.
-    __syncthreads();
+    bar_sync(kConsumerBar, kConsumers);
     auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
-    for (int it = threadIdx.x; it < kHeads * 64; it += kThreads) {
+    for (int it = threadIdx.x; it < kHeads * 64; it += kConsumers) {
       const int r = it >> 6, c = it & 63;
       if (head0 + r < p.heads) {
         *reinterpret_cast<uint4*>(out + ((head0 + r) * p.out_stride_head + c * 8) * 2) =

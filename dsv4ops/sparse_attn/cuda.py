@@ -6,9 +6,10 @@ as the op.
 The arch table selects it on sm_90 (dsv4ops/_arch.py); the sm_100a build of csrc/ compiles the
 kernel to a trap, and sm_100 runs the Triton kernel.
 
-The C++ kernel takes a token x 64 heads x one split of its key list per CTA; a batch that would
-leave SMs idle splits each list, and a second kernel merges the splits' partial outputs with the
-sink (workspace allocated per call from static sizes, so the call stays CUDA-graph safe)."""
+The C++ kernel takes a token x 64 heads x one split of its key list per CTA (one CTA per SM: 218 KiB
+of shared memory); a batch that would leave SMs idle splits each list (`split_count`), and a second
+kernel merges the splits' partial outputs with the sink (workspace allocated per call from static
+sizes, so the call stays CUDA-graph safe)."""
 
 import torch
 
@@ -27,6 +28,20 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
             and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous())
 
 
+def split_count(ctas: int, keys: int, sms: int) -> int:
+    """Splits of each key list for `ctas` CTAs of one split each: none once they fill half the SMs
+    (a second split would only add a wave and the combine), else the count with the least time on
+    the busiest SM: whole waves of (tiles of a split + one tile's worth for the CTA's start and
+    end), the smaller count on a tie. HCA 32 x 1M (8320 keys, 132 SMs): 4 splits, one wave of 65
+    tiles a CTA, where one split per 1024 keys (the Triton kernel's rule, 9) made 3 waves of 29
+    (H100: 211 us)."""
+    if ctas >= sms // 2:
+        return 1
+    tiles = -(-keys // KEYS_PER_TILE)
+    cost = {s: -(-ctas * s // sms) * (-(-tiles // s) + 1) for s in range(1, tiles + 1)}
+    return min(cost, key=lambda s: (cost[s], s))
+
+
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
@@ -43,7 +58,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     window_keys = -(-window // tile) * tile
     keys = window_keys + comp_idx.shape[1]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    n_split = _triton.split_rule(t * -(-h // HEADS_PER_CTA), keys, tile, sms)
+    n_split = split_count(t * -(-h // HEADS_PER_CTA), keys, sms)
     per_split = -(-keys // n_split)
     split_keys = -(-per_split // tile) * tile
     n_split = -(-keys // split_keys)
