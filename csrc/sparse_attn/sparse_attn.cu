@@ -5,7 +5,7 @@
 // One CTA = one token x 64 heads x one split of the token's key list [window | entries], three
 // warpgroups specialized by role. K = V is one shared 512-d head (MQA), so a key tile of 32 keys is
 // gathered and dequantized once for all 64 heads:
-//   - the producer warpgroup (warps 8-11) issues cp.async for the raw 584-B entries (576 data + 8
+//   - two producer warpgroups (warps 8-15) issue cp.async for the raw 584-B entries (576 data + 8
 //     scale bytes) into a 4-stage ring, three tiles ahead, and dequantizes each landed tile (e4m3 x
 //     UE8M0 -> bf16 is exact, see the Triton kernel's docstring) into one of two bf16 tiles;
 //   - consumer warpgroup h (warps 4h..4h+3) owns output dims 256h..256h+255 for all 64 heads: its
@@ -14,9 +14,10 @@
 //     a in IEEE) and run the same online softmax, then P V.
 // The roles overlap: while the tensor cores and the softmax work on tile i, the producers convert
 // tile i + 1 (H100, CSA 128 x 4K: one set of 8 warps doing both spent 41% of its samples in the
-// gather and dequantization and 35% in S and the softmax, one after the other). Named barriers hand
-// the two bf16 tiles over (FULL: producer -> consumers; EMPTY: consumers -> producer), and
-// setmaxnreg moves registers from the producer (120) to the consumers (192).
+// gather and dequantization and 35% in S and the softmax, one after the other; one producer
+// warpgroup, a warp per scheduler, left the consumers waiting for tiles 23% of their time). Named
+// barriers hand the two bf16 tiles over (FULL: producers -> consumers; EMPTY: consumers ->
+// producers), and setmaxnreg moves registers from the producers (64) to the consumers (192).
 // wgmma (sm_90a): S from q and k in shared memory (K-major), P V with P from registers and the same
 // k tile read MN-major. q and k tiles are stored as 8 blocks of 64 dims, each [rows][128 B] with the
 // 128-B swizzle (16-B chunk c of row r at c ^ (r % 8)), the layout wgmma's descriptors name.
@@ -38,12 +39,12 @@ constexpr int kDim = 512;        // head dim: 448 e4m3 + 64 bf16 rope dims
 constexpr int kHeads = 64;       // heads per CTA
 constexpr int kKeys = 32;        // keys per tile
 constexpr int kConsumers = 256;          // warps 0-7: two warpgroups of P V
-constexpr int kProducers = 128;          // warps 8-11: the gather and dequantization
+constexpr int kProducers = 256;          // warps 8-15: the gather and dequantization
 constexpr int kThreads = kConsumers + kProducers;
 [[maybe_unused]] constexpr int kKeyLanes = kProducers / kKeys;  // producer threads per key
-// setmaxnreg moves registers within the CTA's own allocation (168 x 384 at launch), so 120 + 2 x 192
-// = 3 x 168: asking for more than the producer gave back blocks the consumers for good.
-[[maybe_unused]] constexpr int kProducerRegs = 120, kConsumerRegs = 192;
+// setmaxnreg moves registers within the CTA's own allocation (128 x 512 at launch), so 64 + 192 =
+// 2 x 128: asking for more than the producers gave back blocks the consumers for good.
+[[maybe_unused]] constexpr int kProducerRegs = 64, kConsumerRegs = 192;
 constexpr int kRawStages = 4;
 constexpr int kRawRow = 592;         // raw entry in shared memory: 576 + 8 + 8 pad (16-B rows)
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
@@ -107,7 +108,7 @@ __device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.
 __device__ __forceinline__ void bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
-// A warpgroup's registers a thread, from the launch's 64 K / kThreads = 168.
+// A warpgroup's registers a thread, from the launch's 64 K / kThreads = 128.
 template <int N>
 __device__ __forceinline__ void shrink_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
@@ -119,11 +120,7 @@ __device__ __forceinline__ void grow_registers() {
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-// Waits until at most N of this warpgroup's wgmma groups are pending (they complete in order).
-template <int N = 0>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // Keeps the compiler from moving register accesses across an asynchronous wgmma's issue or wait.
 template <int N>
 __device__ __forceinline__ void fence_registers(float (&d)[N]) {
@@ -139,34 +136,13 @@ __device__ __forceinline__ void wgmma_s(float (&d)[16], uint64_t a, uint64_t b) 
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(a), "l"(b));
 }
-// d[64 x 256] += A[64 x 16] B[16 x 256]: A from registers (the m16n8k16 A layout per warp), B in
-// shared memory, MN-major.
-__device__ __forceinline__ void wgmma_o(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+// d[64 x 128] += A[64 x 16] B[16 x 128]: A from registers (the m16n8k16 A layout per warp), B in
+// shared memory, MN-major. (m64n256 would need more registers than the launch's 128 a thread, which
+// ptxas checks for each instruction whatever setmaxnreg grants.)
+__device__ __forceinline__ void wgmma_o(float* d, const uint32_t (&a)[4], uint64_t b) {
   asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
-      "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
-      "%31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, "
-      "%51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, "
-      "%71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, "
-      "%91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, "
-      "%109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, "
-      "%125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 // 2^x with MUFU.EX2 alone (exp2f adds a denormal-range fix-up; -inf still gives +0).
@@ -187,7 +163,7 @@ __device__ __forceinline__ uint32_t dequant2(uint32_t codes, float scale) {
   return bf16x2(f.x * scale, f.y * scale);
 }
 
-// Producer thread t (0..127) handles key t / kKeyLanes of a tile, lane t % kKeyLanes of it.
+// Producer thread t (0..255) handles key t / kKeyLanes of a tile, lane t % kKeyLanes of it.
 struct Lane {
   int row, sub;
 };
@@ -201,7 +177,7 @@ __device__ __forceinline__ int entry_of(const Params& p, int64_t token, int j0, 
 }
 
 // Gathers the tile starting at key j0 into raw stage `stage` (`idx`: this lane's `entry_of`):
-// kKeyLanes lanes per key, each copying every kKeyLanes-th 16-B chunk (lane 1 also the 8 scale
+// kKeyLanes lanes per key, each copying every kKeyLanes-th 16-B chunk (lane 4 also the 8 scale
 // bytes). Keys that are not valid get zero bytes instead (stale bytes may hold NaN codes, and 0 x NaN
 // is NaN in P V), so the dequantization needs no per-key branch.
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage, int j0, int end, int position,
@@ -239,7 +215,7 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
   const uint8_t* data = base + static_cast<int64_t>(off) * kEntryData;
 #pragma unroll
   for (int c = l.sub; c < kEntryData / 16; c += kKeyLanes) cp_async16(dst + c * 16, data + c * 16);
-  if (l.sub == 1) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block.d) * kEntryData + off * kEntryScale);
+  if (l.sub == 4) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block.d) * kEntryData + off * kEntryScale);
 }
 
 // Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask. A lane
@@ -274,8 +250,8 @@ __device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf, Lane 
   }
 }
 
-// The producer warpgroup: gathers tile i + 3 and dequantizes tile i into bf16 tile i % 2 once the
-// consumers have released it (EMPTY), then hands it over (FULL).
+// The producer warpgroups: gather tile i + 3 and dequantize tile i into bf16 tile i % 2 once the
+// consumers have released it (EMPTY), then hand it over (FULL).
 __device__ __forceinline__ void produce(Smem& sm, const Params& p, int64_t token, int begin, int end, int tiles,
                                         int position, int req) {
   const int pt = threadIdx.x - kConsumers;
@@ -390,11 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
               advance(k_desc, (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
     }
     wgmma_commit();
-    // P V of tile i - 1 was issued before S: once it is done, its bf16 tile may be refilled.
-    wgmma_wait<1>();
-    fence_registers(acc);
-    if (i >= 1 && i + 1 < tiles) bar_arrive(kEmpty + ((i - 1) & 1), kThreads);
-    wgmma_wait<0>();
+    wgmma_wait();
     fence_registers(s);
 #pragma unroll
     for (int n = 0; n < 4; ++n) sm.s[warp][n][lane] = make_float4(s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3]);
@@ -449,8 +421,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       for (int n = 0; n < 128; ++n) acc[n] *= alpha[(n >> 1) & 1];
     }
 
-    // O[:, 256h .. 256h + 255] += P V, P in bf16 (DeepSeek's kernel) straight from S's registers;
-    // left running while the next tile's S is issued (the tensor cores take them in order).
+    // O[:, 256h .. 256h + 255] += P V, P in bf16 (DeepSeek's kernel) straight from S's registers.
+    // (Leaving it running while the next tile's S is issued makes ptxas serialize every wgmma: it
+    // cannot tell which group a wait_group 1 retires.)
     uint32_t a[2][4];
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
@@ -464,11 +437,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       wgmma_o(acc, a[kk], advance(v_desc, kk * 16 * 128));
+      wgmma_o(acc + 64, a[kk], advance(v_desc, kk * 16 * 128 + 2 * kKeys * 128));
     }
     wgmma_commit();
+    wgmma_wait();
+    fence_registers(acc);
+    if (i + 2 < tiles) bar_arrive(kEmpty + (i & 1), kThreads);  // the producers may refill tile i % 2
   }
-  wgmma_wait<0>();
-  fence_registers(acc);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
