@@ -78,3 +78,37 @@ def test_other_formats_run_the_triton_kernel():
     wc, cc = case[1], case[2]
     assert not sparse_attn_cuda.serves(case[0], wc, cc, case[5], "exact", "exact")
     _check(case, fmt="exact")
+
+
+@pytest.mark.parametrize("tokens", [16, 132], ids=["split", "one-split"])
+def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens):
+    """Each token sees one key (position 0, no entries), q = 0 and no sink (-inf): its softmax weight
+    is exactly 1, so its output is that key's row, and the kernel's e4m3 x UE8M0 -> bf16 conversion
+    must equal the reference unpack bit for bit: every e4m3 code but the NaNs, subnormals included,
+    in every dim, at scales 2^-27 .. 2^13 (bytes 100 .. 140)."""
+    from dsv4ops.quant import formats
+    from dsv4ops.quant.reference import unpack_kv
+
+    heads, f = 64, formats.get(FMT)
+    slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
+    wc = testing.fill_pool(testing.page_pool(tokens * RING // BS, BS, 512, testing.FP8, device="cuda"), 512,
+                           testing.FP8)
+    rows = torch.arange(tokens, device="cuda")[:, None]
+    codes = (torch.arange(448, device="cuda") + 37 * rows) % 256
+    codes = torch.where(codes % 128 == 127, codes - 1, codes).to(torch.uint8)  # 0x7f / 0xff are NaN
+    scales = (100 + (rows * 7 + torch.arange(8, device="cuda")) * 3 % 41).to(torch.uint8)
+    page = wc.view(wc.shape[0], -1)
+    blk, off = (slots // BS).long(), (slots % BS).long()
+    page[blk[:, None], off[:, None] * f.data_bytes + torch.arange(448, device="cuda")] = codes
+    page[blk[:, None], BS * f.data_bytes + off[:, None] * f.scale_bytes + torch.arange(8, device="cuda")] = scales
+    expected = torch.empty(tokens, 512, dtype=torch.float32, device="cuda")
+    unpack_kv(wc, slots, expected, FMT)
+    expected = expected.bfloat16()
+    assert expected.isfinite().all() and (expected[:, :448] == 0).float().mean() < 0.05
+
+    q = torch.zeros(tokens, heads, 512, dtype=torch.bfloat16, device="cuda")
+    pos = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+    idx = torch.empty(tokens, 0, dtype=torch.int32, device="cuda")
+    sinks = torch.full((heads,), float("-inf"), device="cuda")
+    out = _run(sparse_attn_cuda.sparse_attn, torch.bfloat16, q, wc, wc, pos, slots // RING, idx, pos, sinks)
+    assert torch.equal(out, expected[:, None].expand_as(out))
