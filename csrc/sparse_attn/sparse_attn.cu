@@ -2,22 +2,23 @@
 // sm_90 kernel of `dsv4::sparse_attn` for V4's fp8_584 pools with bf16 queries (the specification is
 // dsv4ops/sparse_attn/reference.py; the Triton kernel serves every other case).
 //
-// One CTA = one token x 64 heads x one split of the token's key list [window | entries], three
+// One CTA = one token x 64 heads x one split of the token's key list [window | entries], four
 // warpgroups specialized by role. K = V is one shared 512-d head (MQA), so a key tile of 32 keys is
 // gathered and dequantized once for all 64 heads:
 //   - two producer warpgroups (warps 8-15) issue cp.async for the raw 584-B entries (576 data + 8
-//     scale bytes) into a 4-stage ring, three tiles ahead, and dequantizes each landed tile (e4m3 x
+//     scale bytes) into a 4-stage ring, three tiles ahead, and dequantize each landed tile (e4m3 x
 //     UE8M0 -> bf16 is exact, see the Triton kernel's docstring) into one of two bf16 tiles;
 //   - consumer warpgroup h (warps 4h..4h+3) owns output dims 256h..256h+255 for all 64 heads: its
-//     accumulator is 64 x 256 fp32, 128 registers a thread. S = q k^T is split the same way over
-//     dims: the two add their partial S through shared memory, so both hold the same S (a + b == b +
-//     a in IEEE) and run the same online softmax, then P V.
+//     accumulator is 64 x 256 fp32, 128 registers a thread (P V as two m64n128 wgmmas). S = q k^T
+//     is split the same way over dims: the two add their partial S through shared memory, so both
+//     hold the same S (a + b == b + a in IEEE) and run the same online softmax, then P V.
 // The roles overlap: while the tensor cores and the softmax work on tile i, the producers convert
-// tile i + 1 (H100, CSA 128 x 4K: one set of 8 warps doing both spent 41% of its samples in the
-// gather and dequantization and 35% in S and the softmax, one after the other; one producer
-// warpgroup, a warp per scheduler, left the consumers waiting for tiles 23% of their time). Named
-// barriers hand the two bf16 tiles over (FULL: producers -> consumers; EMPTY: consumers ->
-// producers), and setmaxnreg moves registers from the producers (64) to the consumers (192).
+// tile i + 1. H100, CSA 128 x 4K: one set of 8 warps doing both spent 41% of its samples in the
+// gather and dequantization and 35% in S and the softmax, one after the other (53.8 us); one
+// producer warpgroup, a warp per scheduler, left the consumers waiting for tiles 23% of their time
+// (50.3 us); two: 43.3 us. Named barriers hand the two bf16 tiles over (FULL: producers ->
+// consumers; EMPTY: consumers -> producers), and setmaxnreg moves registers from the producers (64)
+// to the consumers (192).
 // wgmma (sm_90a): S from q and k in shared memory (K-major), P V with P from registers and the same
 // k tile read MN-major. q and k tiles are stored as 8 blocks of 64 dims, each [rows][128 B] with the
 // 128-B swizzle (16-B chunk c of row r at c ^ (r % 8)), the layout wgmma's descriptors name.
