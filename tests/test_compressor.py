@@ -101,15 +101,15 @@ def test_entries_equal_the_stateless_oracle(kind, steps, slack):
     stream = Stream(w, xs, slack=slack)
     for new in steps[kind]:
         stream.step(new)
+    w64 = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in w.items()}
     for r, x in xs.items():
-        expect = _oracle(x, w)
+        expect = _oracle(x.double(), w64)
         # One step: entries closing in it pool rows of the step (the state is NaN-poisoned and never
-        # read); chunked: rows of earlier steps come from the state ring. Bit equality holds: the op
-        # and the oracle pool the same fp32 rows (the state ring holds the a and z + ape values the
-        # oracle computes, bit for bit) with the same reference.functional steps over the same
-        # [entries, 2m or m, width] layout, so each element sees the same operations in the same
-        # order; only the number of entries differs.
-        assert torch.equal(stream.entries(r, expect.shape[0]), expect), f"request {r}"
+        # read); chunked: rows of earlier steps come from the state ring. Within the fp32 oracle's own
+        # error, not bit for bit: the op pools [entries, 2m or m, width] with a different number of
+        # entries than the oracle, and torch's CPU reductions may then vectorize differently (AMD
+        # EPYC, HCA's 128-row pools: 1 fp32 ulp apart).
+        T.assert_close_to_ref(stream.entries(r, expect.shape[0]), expect, _oracle(x, w), what=f"request {r}")
     written = torch.zeros(stream.cache.shape[:2], dtype=torch.bool).view(-1)
     for r, x in xs.items():
         written[r * stream.per_request: r * stream.per_request + x.shape[0] // w["ratio"]] = True
