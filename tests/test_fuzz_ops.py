@@ -169,7 +169,7 @@ def test_sparse_attn(h, window, data):
     win_rows = unpack_kv(window_cache, torch.arange(requests * ring, dtype=I32), dim, torch.float32, "exact")
     comp_rows = unpack_kv(comp_cache, torch.arange(n_comp, dtype=I32), dim, torch.float32, "exact")
 
-    def expected(dtype):
+    def expected(dtype, order=1):
         outs = []
         for i, (p, r) in enumerate(zip(pos.tolist(), req.tolist())):
             if r < 0:
@@ -177,12 +177,17 @@ def test_sparse_attn(h, window, data):
                 continue
             keys = [win_rows[r * ring + s % ring] for s in range(max(0, p - window + 1), p + 1)]
             keys += [comp_rows[j] for j in comp_idx[i, :comp_lens[i]].tolist() if j >= 0]
+            keys = keys[::order]
             outs.append(_dense_sink_attention(q[i].to(dtype), torch.stack(keys).to(dtype), sinks, dim**-0.5))
         return torch.stack(outs) if outs else torch.zeros(0, h, dim, dtype=dtype)
 
     assert out.shape == (t, h, dim)
     if t:
-        T.assert_close_to_ref(out, expected(torch.float64), expected(torch.float32), what="sparse_attn")
+        # Two fp32 runs, the keys in both orders (attention does not depend on it): with a few keys
+        # one order can land within an ulp of float64 by chance, which left a budget below the
+        # kernel's own rounding (ATEN_CPU_CAPABILITY=default, 3 keys: 5.1e-7 against 4.8e-7).
+        T.assert_close_to_ref(out, expected(torch.float64), [expected(torch.float32), expected(torch.float32, -1)],
+                              what="sparse_attn")
 
 
 @FUZZ
