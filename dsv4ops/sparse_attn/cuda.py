@@ -11,6 +11,8 @@ of shared memory); a batch that would leave SMs idle splits each list (`split_co
 kernel merges the splits' partial outputs with the sink (workspace allocated per call from static
 sizes, so the call stays CUDA-graph safe)."""
 
+import functools
+
 import torch
 
 from dsv4ops import csrc
@@ -28,6 +30,7 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
             and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous())
 
 
+@functools.cache  # launch-time Python: up to a few hundred candidate counts per shape
 def split_count(ctas: int, keys: int, sms: int) -> int:
     """Splits of each key list for `ctas` CTAs of one split each: none once they fill half the SMs
     (a second split would only add a wave and the combine), else the count with the least time on
