@@ -17,7 +17,8 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     "compressor_update": {9: ("triton",), 10: ("triton",)},
     "indexer_q_prep": {9: ("triton",), 10: ("triton",)},
     "indexer_k_prep": {9: ("triton",), 10: ("triton",)},
-    "indexer_topk": {9: ("triton",), 10: ("triton",)},
+    # sm_90: Triton scoring, then the radix select of csrc/indexer/ (the Triton select where k > 8192).
+    "indexer_topk": {9: ("csrc", "triton"), 10: ("triton",)},
     # sm_90: the warp-specialized wgmma kernel of csrc/sparse_attn/ for V4's fp8_584 pools with bf16
     # q (1.4-3.1x the Triton kernel on the H100 bench shapes), Triton for every other format and dtype.
     "sparse_attn": {9: ("csrc", "triton"), 10: ("triton",)},

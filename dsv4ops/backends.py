@@ -39,6 +39,7 @@ TRITON_LAUNCHERS: dict[str, tuple[str, str]] = {
 # op -> (module, launcher) of the ops whose arch-table row starts with "csrc": the launcher picks the
 # CUDA C++ kernel where it serves the arguments and the op's Triton kernel elsewhere.
 CSRC_LAUNCHERS: dict[str, tuple[str, str]] = {
+    "indexer_topk": ("dsv4ops.indexer.cuda", "indexer_topk"),
     "sparse_attn": ("dsv4ops.sparse_attn.cuda", "sparse_attn"),
 }
 

@@ -1,6 +1,7 @@
 """Builds (JIT, on first use) and loads the CUDA C++ kernels of csrc/: the router kernels bind
-themselves to the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key, and the sm_90 sparse
-attention kernel is `dsv4_csrc::sparse_attn`, called by dsv4ops/sparse_attn/cuda.py. Nothing else is
+themselves to the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key; the sm_90 sparse
+attention kernel is `dsv4_csrc::sparse_attn`, called by dsv4ops/sparse_attn/cuda.py, and the
+indexer's top-k select `dsv4_csrc::topk_select`, called by dsv4ops/indexer/cuda.py. Nothing else is
 registered here; a failure raises (no silent fallback)."""
 
 import functools
@@ -11,8 +12,9 @@ import sys
 import torch
 
 _CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = ("dsv4ops.cpp", "router/api.cpp", "router/gate_topk.cu", "router/hash_route.cu",
-            "sparse_attn/sparse_attn_api.cpp", "sparse_attn/sparse_attn.cu")
+_SOURCES = ("dsv4ops.cpp", "indexer/topk_select_api.cpp", "indexer/topk_select.cu", "router/api.cpp",
+            "router/gate_topk.cu", "router/hash_route.cu", "sparse_attn/sparse_attn_api.cpp",
+            "sparse_attn/sparse_attn.cu")
 # Explicit -gencode pairs: without them cpp_extension derives the archs from the visible GPUs, and the
 # `-arch=sm_90a` shorthand was reported to add a plain sm_90 pass. sm_100a needs nvcc >= 12.8.
 _GENCODE = ("-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a")

@@ -468,8 +468,10 @@ def _warps(block: int) -> int:
 
 
 def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
-                 ratio: int, cand_block: int, fmt: str) -> None:
-    """Launcher of `dsv4::indexer_topk` (same arguments). No host sync: every size is static."""
+                 ratio: int, cand_block: int, fmt: str, select=None) -> None:
+    """Launcher of `dsv4::indexer_topk` (same arguments). No host sync: every size is static.
+    `select`: the launches of the selection (`select_tree`'s arguments; default `select_tree`)."""
+    select = select or select_tree
     _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
                          ratio, cand_block, fmt)
     code = fmt_code("indexer_topk", "fmt", fmt)
@@ -510,7 +512,7 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
                     SOFT=INTERPRET), num_warps=SCORE_WARPS)
         common = (positions, req_slots, block_table, cand_t, idx_out, workspace, t0, block_table.stride(0), s_cand,
                   n_cand, cb, idx_out.stride(0), n_entries, ratio, bs, row_words)
-        _select_tree(n, n_row, k, 0, common, mode, nc)
+        select(n, n_row, k, 0, common, mode, nc)
         if cand_out is not None:
             bb = 128
             gb = max(1, min(triton.cdiv(n_blocks, bb), 4 * _ws.SMS // n))
@@ -519,26 +521,21 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
                    dict(CB=triton.next_power_of_2(cb), BB=bb, G=gb), num_warps=4)
             common = (positions, req_slots, block_table, cand_t, cand_out, workspace, t0, block_table.stride(0),
                       s_cand, n_cand, cb, cand_out.stride(0), n_entries, ratio, bs, row_words)
-            _select_tree(n, n_blocks, keep, block_at, common, 2, nc)
+            select(n, n_blocks, keep, block_at, common, 2, nc)
 
 
-def _select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
+def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
     """Launches selecting the top k of each token's row of n_row columns (its keys at keys_at of
     the workspace row; MODE and the output as _select_kernel): the chunks, then a tree of merges
-    while a token has more than one list."""
+    while a token has more than one list (workspace.merge_levels)."""
     ch = _ws.chunk(n_row, k)
-    chunks = triton.cdiv(n_row, ch)
-    region_a, region_b, _ = _ws.merge_regions(n_row, k)
-    region_a, region_b = region_a + keys_at, region_b + keys_at
+    region_a = _ws.merge_regions(n_row, k)[0] + keys_at
     gs = _ws.merge_group(k)
     mch = triton.next_power_of_2(gs * k)
     head = common[:-1] + (k, common[-1])  # ..., n_entries, ratio, block_size, k, row_words
-    gc = select_programs(n, chunks)
+    gc = select_programs(n, triton.cdiv(n_row, ch))
     launch(_select_kernel, (n, gc), head + (keys_at, region_a), dict(CH=ch, GC=gc, MODE=mode, NC=nc),
            num_warps=_warps(ch))
-    lists, level = chunks, 0
-    while lists > 1:  # a tree of merges: each level divides a token's lists by gs
-        regions = (region_a, region_b) if level % 2 == 0 else (region_b, region_a)
-        launch(_merge_kernel, (n, triton.cdiv(lists, gs)), head + regions + (level,),
+    for level, (a, b, programs) in enumerate(_ws.merge_levels(n_row, k)):
+        launch(_merge_kernel, (n, programs), head + (a + keys_at, b + keys_at, level),
                dict(CH=ch, GS=gs, MCH=mch, MODE=mode, NC=nc), num_warps=_warps(mch))
-        lists, level = triton.cdiv(lists, gs), level + 1

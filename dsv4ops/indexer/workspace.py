@@ -10,10 +10,13 @@ source) the row continues with the same layout over block keys (one per cand_blo
 
 # SM count of an H100 SXM: the launch sizes aim at a few programs per SM.
 SMS = 132
-# Keys a select program holds in registers: 1024 on one warp (H100: 10 us for a 1024-key chunk,
-# 19 us for 4096 on 4 warps), at least 2k for a chunk to have candidates to drop; a merge block.
-CHUNK = 1024
-MERGE_BLOCK = 4096
+# Keys one select program holds: at least 2k (a chunk must have candidates to drop), at most 16384
+# (csrc/indexer: 1024 threads x 16 keys in registers). Chunks of 1024 with k = 512 kept half their
+# keys, so a 64K-context row (16384 entries) went through two merge levels: H100, V4-Flash CSA, 128
+# tokens, 131 us of select and merges; with 16384 a row up to 64K context is one chunk, 1M positions
+# (262144 entries) 16 chunks and one merge.
+CHUNK = 16384
+MERGE_BLOCK = 16384
 
 
 def chunk(n_entries: int, k: int) -> int:
@@ -44,6 +47,18 @@ def row_words(n_entries: int, k: int) -> int:
         return n_entries
     a, b, lst = merge_regions(n_entries, k)
     return b + -(-chunks // merge_group(k)) * lst
+
+
+def merge_levels(n_entries: int, k: int) -> list[tuple[int, int, int]]:
+    """(input region, output region, programs per token) of each merge level of a row of n_entries
+    keys, in launch order: each level divides a token's lists by merge_group(k), until one is left."""
+    a, b, _ = merge_regions(n_entries, k)
+    lists, levels = -(-n_entries // chunk(n_entries, k)), []
+    while lists > 1:
+        regions = (a, b) if len(levels) % 2 == 0 else (b, a)
+        lists = -(-lists // merge_group(k))
+        levels.append((*regions, lists))
+    return levels
 
 
 def layout(n_entries: int, k: int, cand_cols: int = 0, keep: int = 0, cand_block: int = 1) -> tuple[int, int, int, int]:

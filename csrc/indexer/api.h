@@ -1,0 +1,15 @@
+// SPDX-License-Identifier: MIT
+// Host entry of the indexer top-k select kernel, registered as `dsv4_csrc::topk_select` in dsv4ops.cpp
+// and called by dsv4ops/indexer/cuda.py after the Triton scoring kernel has written the keys.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+namespace dsv4::indexer {
+
+void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, const at::Tensor& block_table,
+                      const at::Tensor& cand, at::Tensor& out, at::Tensor& workspace, int64_t t0, int64_t tokens,
+                      int64_t row_words, int64_t keys_at, int64_t in_at, int64_t out_at, int64_t level,
+                      int64_t programs, int64_t n_entries, int64_t ratio, int64_t block_size, int64_t cand_block,
+                      int64_t chunk, int64_t group, int64_t mode);
+
+}  // namespace dsv4::indexer

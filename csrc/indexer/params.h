@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: MIT
+// Arguments of the indexer top-k select kernel (topk_select.cu), filled by topk_select_api.cpp.
+#pragma once
+#include <cstdint>
+
+namespace dsv4::indexer {
+
+// Keys one CTA selects from: 1024 threads x 16 keys in registers. dsv4ops/indexer/workspace.py sizes
+// its chunks and merge groups to at most this (CHUNK, MERGE_BLOCK).
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxItems = 16;
+constexpr int kMaxBlock = kMaxThreads * kMaxItems;
+
+// What a selected column becomes in the final row (dsv4ops/indexer/triton.py `_select_block` OUT):
+// 0 the global pool slot of entry = column, 1 of entry cand[c / cb] * cb + c % cb, 2 the column.
+enum Mode : int { kEntries = 0, kCandidateEntries = 1, kBlocks = 2 };
+
+struct SelectParams {
+  const int32_t* positions;
+  const int32_t* req_slots;
+  const int32_t* block_table;
+  const int32_t* cand;  // kCandidateEntries only
+  int32_t* out;         // [tokens, k] final rows
+  int32_t* ws;          // one row of row_words int32 per token of the launch
+  int64_t t0;           // first token of the launch (ws row 0)
+  int64_t bt_stride, cand_stride, out_stride, row_words;
+  int64_t keys_at;  // chunk pass: the row's keys; merge pass: unused
+  int64_t in_at;    // merge pass: the lists it reads; chunk pass: where its lists go
+  int64_t out_at;   // merge pass: where its lists go
+  int level;        // -1: the chunk pass; >= 0: merge level
+  int n_cand, cb, n_entries, ratio, block_size, k;
+  int chunk;  // keys per chunk (a power of two)
+  int group;  // lists per merge program
+};
+
+}  // namespace dsv4::indexer

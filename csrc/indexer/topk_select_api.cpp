@@ -1,0 +1,93 @@
+// SPDX-License-Identifier: MIT
+// Host side of the indexer top-k select: layout checks -> params -> launch on the current stream. The
+// values (positions, request slots, block tables, candidate lists) were checked by the op in Python;
+// these checks guard the indexing the kernel relies on (dtypes, contiguous rows, the workspace's size).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common/checks.h"
+#include "api.h"
+#include "params.h"
+
+namespace dsv4::indexer {
+
+void launch_select(const SelectParams& p, int mode, int tokens, int programs, int threads, int items,
+                   cudaStream_t stream);
+
+namespace {
+
+void check_rows(const at::Tensor& x, const at::Tensor& out, const char* name) {
+  DSV4_CHECK(x.device() == out.device(), name, ": expected a tensor on ", out.device(), ", got ", x.device());
+  DSV4_CHECK(x.scalar_type() == at::kInt, name, ": expected int32, got ", x.scalar_type());
+  DSV4_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, ": expected a contiguous last dim, got shape ", x.sizes());
+}
+
+}  // namespace
+
+void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, const at::Tensor& block_table,
+                      const at::Tensor& cand, at::Tensor& out, at::Tensor& workspace, int64_t t0, int64_t tokens,
+                      int64_t row_words, int64_t keys_at, int64_t in_at, int64_t out_at, int64_t level,
+                      int64_t programs, int64_t n_entries, int64_t ratio, int64_t block_size, int64_t cand_block,
+                      int64_t chunk, int64_t group, int64_t mode) {
+  for (const auto& [x, name] : {std::pair{&positions, "positions"}, {&req_slots, "req_slots"},
+                                {&block_table, "block_table"}, {&cand, "cand"}, {&out, "out"},
+                                {&workspace, "workspace"}}) {
+    check_rows(*x, out, name);
+  }
+  DSV4_CHECK_CUDA(out);
+  DSV4_CHECK(out.dim() == 2 && block_table.dim() == 2 && cand.dim() == 2, "out / block_table / cand: expected 2-D");
+  const int64_t k = out.size(1);
+  DSV4_CHECK(tokens >= 0 && t0 >= 0 && t0 + tokens <= positions.numel() && t0 + tokens <= out.size(0) &&
+                 positions.numel() == req_slots.numel(),
+             "t0 / tokens: expected a range of the step's tokens, got ", t0, " + ", tokens, " of ", out.size(0));
+  DSV4_CHECK(workspace.is_contiguous() && workspace.numel() >= tokens * row_words, "workspace: expected ",
+             tokens * row_words, " contiguous int32 words, got ", workspace.numel());
+  DSV4_CHECK(chunk >= 1 && chunk <= kMaxBlock && (chunk & (chunk - 1)) == 0, "chunk: expected a power of two <= ",
+             kMaxBlock, ", got ", chunk);
+  DSV4_CHECK(k >= 1 && group >= 1 && group * k <= kMaxBlock, "group x k: expected at most ", kMaxBlock,
+             " keys a merge program, got ", group, " x ", k);
+  DSV4_CHECK(mode >= kEntries && mode <= kBlocks && programs >= 1 && programs < 65536 && ratio >= 1 &&
+                 block_size >= 1 && cand_block >= 1 && n_entries >= 0 && n_entries < (int64_t{1} << 31),
+             "mode / programs / ratio / block_size / cand_block / n_entries: out of range");
+  if (tokens == 0) return;
+  const int64_t block = level < 0 ? chunk : group * k;
+  int64_t keys = 32;  // a power of two: whole warps, and items of 1 .. 16 per thread
+  while (keys < block) keys *= 2;
+  // 4 keys a thread up to 4096 keys (small CTAs: several share an SM, and each of the select's
+  // ~15 barriers waits for fewer warps), then up to 16 on 1024 threads.
+  const int64_t threads = std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, keys / 4));
+
+  const c10::cuda::CUDAGuard guard(out.device());
+  SelectParams p{};
+  p.positions = positions.const_data_ptr<int32_t>();
+  p.req_slots = req_slots.const_data_ptr<int32_t>();
+  p.block_table = block_table.const_data_ptr<int32_t>();
+  p.cand = cand.const_data_ptr<int32_t>();
+  p.out = out.mutable_data_ptr<int32_t>();
+  p.ws = workspace.mutable_data_ptr<int32_t>();
+  p.t0 = t0;
+  p.bt_stride = block_table.stride(0);
+  p.cand_stride = cand.stride(0);
+  p.out_stride = out.stride(0);
+  p.row_words = row_words;
+  p.keys_at = keys_at;
+  p.in_at = in_at;
+  p.out_at = out_at;
+  p.level = static_cast<int>(level);
+  p.n_cand = mode == kCandidateEntries ? static_cast<int>(cand.size(1)) : 0;
+  p.cb = static_cast<int>(cand_block);
+  p.n_entries = static_cast<int>(n_entries);
+  p.ratio = static_cast<int>(ratio);
+  p.block_size = static_cast<int>(block_size);
+  p.k = static_cast<int>(k);
+  p.chunk = static_cast<int>(chunk);
+  p.group = static_cast<int>(group);
+  launch_select(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(programs),
+                static_cast<int>(threads), static_cast<int>(keys / threads),
+                c10::cuda::getCurrentCUDAStream(out.get_device()).stream());
+}
+
+}  // namespace dsv4::indexer

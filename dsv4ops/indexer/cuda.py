@@ -1,0 +1,48 @@
+"""sm_90 launcher of `dsv4::indexer_topk`: the Triton scoring kernel writes each token's keys into
+the workspace (dsv4ops/indexer/triton.py), then the radix select of csrc/indexer/ picks the top k
+(one CTA per chunk of up to 16384 keys, and per group of candidate lists in each merge level). Same
+arguments and results as the op; the Triton select serves a k whose chunk exceeds the kernel's 16384
+keys (k > 8192).
+
+H100, V4-Flash CSA (k = 512), graph-timed selection alone against the Triton binary-search select of
+the same layout: see the table in dsv4ops/indexer/workspace.py's CHUNK comment and README."""
+
+import torch
+
+from dsv4ops import csrc
+from dsv4ops.indexer import triton as _triton
+from dsv4ops.indexer import workspace as _ws
+
+MAX_BLOCK = 16384  # csrc/indexer/params.h kMaxBlock
+
+
+def serves(n_row: int, k: int) -> bool:
+    """Whether the C++ select serves top-k of rows of n_row columns (every chunk and merge group fits a CTA)."""
+    return _ws.chunk(n_row, k) <= MAX_BLOCK and _ws.merge_group(k) * k <= MAX_BLOCK
+
+
+def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
+    """`triton.select_tree` with the C++ kernel: same workspace layout, launches and results."""
+    if not serves(n_row, k):
+        _triton.select_tree(n, n_row, k, keys_at, common, mode, nc)
+        return
+    positions, req_slots, block_table, cand, out, workspace, t0 = common[:7]
+    n_entries, ratio, block_size, row_words = common[12:16]
+    cb = common[10]
+    ch, gs = _ws.chunk(n_row, k), _ws.merge_group(k)
+    region_a = _ws.merge_regions(n_row, k)[0] + keys_at
+    sizes = (n_entries, ratio, block_size, cb, ch, gs, mode)
+    programs = _triton.select_programs(n, -(-n_row // ch))
+    torch.ops.dsv4_csrc.topk_select(positions, req_slots, block_table, cand, out, workspace, t0, n, row_words, keys_at,
+                                    region_a, 0, -1, programs, *sizes)
+    for level, (a, b, programs) in enumerate(_ws.merge_levels(n_row, k)):
+        torch.ops.dsv4_csrc.topk_select(positions, req_slots, block_table, cand, out, workspace, t0, n, row_words, 0,
+                                        a + keys_at, b + keys_at, level, programs, *sizes)
+
+
+def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
+                 ratio: int, cand_block: int, fmt: str) -> None:
+    """Launcher of `dsv4::indexer_topk` (same arguments)."""
+    csrc.load()
+    _triton.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
+                         ratio, cand_block, fmt, select=select_tree)

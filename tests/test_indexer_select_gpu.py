@@ -1,0 +1,104 @@
+"""GPU (sm_90): the radix top-k select of csrc/indexer/ (launcher dsv4ops/indexer/cuda.py) and the
+Triton select it replaces there, on keys written straight into the workspace, against an independent
+formulation (a stable sort by key, then by column). Key sets built to stress a radix select: every key
+distinct, few distinct values (ties across the k-th), keys differing only in their lowest byte, the
+top key 0xffffffff, most keys 0 (no entry), rows shorter than k, padding tokens; one chunk, chunks
+with one merge, and small chunks forcing two merge levels. Outputs poisoned before each call."""
+
+import pytest
+import torch
+
+from dsv4ops import csrc
+from dsv4ops.indexer import cuda as indexer_cuda
+from dsv4ops.indexer import triton as indexer_tt
+from dsv4ops.indexer import workspace as ws
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                 reason="needs an sm_90 GPU (the arch table's csrc select)")]
+
+DEV = "cuda"
+SELECTS = {"csrc": indexer_cuda.select_tree, "triton": indexer_tt.select_tree}
+
+
+def _keys(kind: str, t: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """int64 [t, n] of uint32 key values (0 = no entry)."""
+    def rand(lo, hi):
+        return torch.randint(lo, hi, (t, n), device=DEV, generator=g)
+    if kind == "distinct":
+        return torch.stack([torch.randperm(n, device=DEV, generator=g) for _ in range(t)]) * 4099 % (1 << 32) + 1
+    if kind == "few-values":
+        return torch.tensor([0, 0x80000000, 0x80000000, 0xC0400000, 0xC0800000], device=DEV)[rand(0, 5)]
+    if kind == "low-byte":
+        return 0x80000000 + rand(0, 256)
+    if kind == "top-key":
+        return torch.where(rand(0, 8) == 0, 0xFFFFFFFF, rand(1, 1 << 32))
+    if kind == "sparse":
+        return torch.where(rand(0, 64) == 0, rand(1, 1 << 32), 0)
+    raise KeyError(kind)
+
+
+def _expected(keys: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
+    out = torch.full((keys.shape[0], k), -1, dtype=torch.int32, device=DEV)
+    for i in range(keys.shape[0]):
+        row = keys[i, :lens[i]]
+        cols = (row != 0).nonzero().flatten()
+        order = torch.argsort(-row[cols], stable=True)  # descending key; equal keys keep column order
+        best = cols[order[:k]].sort().values
+        out[i, :best.numel()] = best.to(torch.int32)
+    return out
+
+
+def _run(select, keys: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor:
+    """The select as indexer_topk launches it for V4.1's candidate blocks (output = column, one block
+    per entry, ratio 1), over a row of keys.shape[1] columns; lens 0 = a padding token."""
+    t, n = keys.shape
+    row_words = ws.layout(n, k)[3]
+    work = torch.full((t * row_words,), 0x5A5A5A5A, dtype=torch.int32, device=DEV)
+    work.view(t, row_words)[:, :n] = (keys - (keys >> 31 << 32)).to(torch.int32)  # the same 32 bits, signed
+    pos = (lens - 1).clamp(min=0).to(torch.int32)
+    req = torch.where(lens > 0, 0, -1).to(torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    out = torch.full((t, k), 12345, dtype=torch.int32, device=DEV)
+    common = (pos, req, table, table, out, work, 0, table.stride(0), 0, 0, 1, out.stride(0), n, 1, 1, row_words)
+    select(t, n, k, 0, common, 2, 1)
+    return out
+
+
+@pytest.mark.parametrize("select", sorted(SELECTS))
+@pytest.mark.parametrize("kind", ["distinct", "few-values", "low-byte", "top-key", "sparse"])
+@pytest.mark.parametrize("n,k", [(300, 512), (1000, 64), (5000, 512), (40000, 512), (70000, 1024)],
+                         ids=["shorter-than-k", "one-chunk", "one-chunk-5000", "merge", "merge-top1024"])
+def test_select_equals_a_stable_sort(select, kind, n, k):
+    csrc.load()
+    g = torch.Generator(device=DEV).manual_seed(n + k)
+    t = 6
+    keys = _keys(kind, t, n, g)
+    lens = torch.tensor([n, n - 1, n // 2, min(k, n) - 1, 1, 0], device=DEV)  # last: a padding token
+    got = _run(SELECTS[select], keys, lens, k)
+    assert torch.equal(got, _expected(keys, lens, k))
+
+
+@pytest.mark.parametrize("select", sorted(SELECTS))
+def test_two_merge_levels(select, monkeypatch):
+    # 1024-key chunks and merge groups of 4 lists: 16384 columns -> 16 lists -> 4 -> 1.
+    csrc.load()
+    monkeypatch.setattr(ws, "CHUNK", 1024)
+    monkeypatch.setattr(ws, "MERGE_BLOCK", 2048)
+    n, k = 16384, 512
+    assert len(ws.merge_levels(n, k)) == 2
+    g = torch.Generator(device=DEV).manual_seed(7)
+    keys = torch.cat([_keys("few-values", 2, n, g), _keys("distinct", 2, n, g)])
+    lens = torch.tensor([n, 9000, n, 3000], device=DEV)
+    assert torch.equal(_run(SELECTS[select], keys, lens, k), _expected(keys, lens, k))
+
+
+def test_csrc_select_is_bitwise_deterministic():
+    csrc.load()
+    g = torch.Generator(device=DEV).manual_seed(3)
+    n, k = 1 << 18, 512
+    keys = _keys("few-values", 2, n, g)
+    lens = torch.tensor([n, n // 3], device=DEV)
+    first = _run(indexer_cuda.select_tree, keys, lens, k)
+    for _ in range(3):
+        assert torch.equal(_run(indexer_cuda.select_tree, keys, lens, k), first)
