@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // Binds the CUDA kernels of csrc/ to the `dsv4::` ops defined in Python (dsv4ops/ops.py), and defines
-// the kernels that sm_90 Python launchers call: `dsv4_csrc::sparse_attn` (dsv4ops/sparse_attn/cuda.py,
+// the kernels that Python launchers call: `dsv4_csrc::sparse_attn` (dsv4ops/sparse_attn/cuda.py,
 // for the cases it serves) and `dsv4_csrc::topk_select` (dsv4ops/indexer/cuda.py, the selection of
 // `dsv4::indexer_topk`). Loaded as a plain shared library by dsv4ops/csrc.py.
 #include <torch/library.h>

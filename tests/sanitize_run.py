@@ -10,7 +10,7 @@ projections launch: 60 on the H100 with CUDA 13.0. Read its report for dsv4ops k
 (prints one line per kernel and path it ran). Paths: the layers' serving steps (qkv_prep,
 compressor_update, indexer_q_prep, indexer_topk, sparse_attn, inv_rope) in FP8 and bf16 pools,
 prefill chunks and padded decode steps; indexer_topk with one chunk, several chunks and one merge
-level, and two merge levels; sparse_attn with one split (many tokens) and split-KV with the combine
+level, and three merge levels (small chunks); sparse_attn with one split (many tokens) and split-KV with the combine
 (decode over a long list), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
 through the Triton kernel; pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
 fp8_linear with and without split-K, both scale types; the
@@ -86,9 +86,14 @@ def _fp8_pool(blocks: int, dim: int, fmt: str) -> torch.Tensor:
 
 
 def topk():
-    """Visible entries 40 (one chunk), 5000 (5 chunks, one merge level), 40000 with k = 512 (40
-    chunks, merge groups of 8: two merge levels); two tokens, one of them padding."""
-    for visible, k in ((40, 8), (5000, 8), (40000, 512)):
+    """Visible entries 40 (one chunk), 40000 with k = 512 (3 chunks of 16384, one merge level), and
+    40000 again with 1024-key chunks and merge groups of 4 (40 lists -> 10 -> 3 -> 1: three merge
+    levels); two tokens, one of them padding."""
+    from dsv4ops.indexer import workspace
+
+    default = workspace.CHUNK, workspace.MERGE_BLOCK
+    for visible, k, sizes in ((40, 8, default), (40000, 512, default), (40000, 512, (1024, 2048))):
+        workspace.CHUNK, workspace.MERGE_BLOCK = sizes
         blocks = -(-visible // 64)
         cache = _fp8_pool(blocks, 128, "fp8_132")
         table = torch.randperm(blocks, device=DEV).to(I32)[None]
@@ -96,7 +101,8 @@ def topk():
         pos = torch.tensor([4 * visible - 1, 0], dtype=I32, device=DEV)
         q8, w8 = indexer_q_prep(q, w, pos, testing.rope_table(64).to(DEV), fmt="fp8_132")
         indexer_topk(q8, w8, pos, torch.tensor([0, -1], dtype=I32, device=DEV), cache, table, k, 4, "fp8_132")
-        say(f"indexer_topk, {visible} visible entries, k {k}")
+        say(f"indexer_topk, {visible} visible entries, k {k}, {len(workspace.merge_levels(visible, k))} merge levels")
+    workspace.CHUNK, workspace.MERGE_BLOCK = default
 
 
 def attention():

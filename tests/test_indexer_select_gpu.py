@@ -102,3 +102,14 @@ def test_csrc_select_is_bitwise_deterministic():
     first = _run(indexer_cuda.select_tree, keys, lens, k)
     for _ in range(3):
         assert torch.equal(_run(indexer_cuda.select_tree, keys, lens, k), first)
+
+
+@pytest.mark.parametrize("select", sorted(SELECTS))
+def test_prefill_sized_launch(select):
+    # 600 tokens: enough CTAs that the csrc launch takes its throughput shape (16 keys a thread)
+    csrc.load()
+    g = torch.Generator(device=DEV).manual_seed(11)
+    n, k = 3000, 512
+    keys = torch.cat([_keys("few-values", 300, n, g), _keys("top-key", 300, n, g)])
+    lens = torch.randint(0, n + 1, (600,), device=DEV, generator=g)
+    assert torch.equal(_run(SELECTS[select], keys, lens, k), _expected(keys, lens, k))

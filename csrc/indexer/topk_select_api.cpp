@@ -2,6 +2,7 @@
 // Host side of the indexer top-k select: layout checks -> params -> launch on the current stream. The
 // values (positions, request slots, block tables, candidate lists) were checked by the op in Python;
 // these checks guard the indexing the kernel relies on (dtypes, contiguous rows, the workspace's size).
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -56,9 +57,13 @@ void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, 
   const int64_t block = level < 0 ? chunk : group * k;
   int64_t keys = 32;  // a power of two: whole warps, and items of 1 .. 16 per thread
   while (keys < block) keys *= 2;
-  // 4 keys a thread up to 4096 keys (small CTAs: several share an SM, and each of the select's
-  // ~15 barriers waits for fewer warps), then up to 16 on 1024 threads.
-  const int64_t threads = std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, keys / 4));
+  // A launch of a few CTAs an SM (decode) is latency-bound: 4 keys a thread (up to 16 on 1024
+  // threads), so each of the select's ~15 barriers has little work between. A launch of more (a
+  // prefill chunk) is throughput-bound: 16 keys a thread, smaller CTAs, more of them resident.
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, out.get_device()));
+  const int64_t per_thread = tokens * programs >= 4 * sms ? kMaxItems : 4;
+  const int64_t threads = std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, keys / per_thread));
 
   const c10::cuda::CUDAGuard guard(out.device());
   SelectParams p{};

@@ -11,10 +11,12 @@ source) the row continues with the same layout over block keys (one per cand_blo
 # SM count of an H100 SXM: the launch sizes aim at a few programs per SM.
 SMS = 132
 # Keys one select program holds: at least 2k (a chunk must have candidates to drop), at most 16384
-# (csrc/indexer: 1024 threads x 16 keys in registers). Chunks of 1024 with k = 512 kept half their
-# keys, so a 64K-context row (16384 entries) went through two merge levels: H100, V4-Flash CSA, 128
-# tokens, 131 us of select and merges; with 16384 a row up to 64K context is one chunk, 1M positions
-# (262144 entries) 16 chunks and one merge.
+# (csrc/indexer: 1024 threads x 16 keys in registers). With 1024-key chunks and k = 512 a chunk kept
+# half its keys and long rows went through merge levels; with 16384 a row up to 64K context is one
+# chunk and 1M positions (262144 entries) 16 chunks and one merge. H100, V4-Flash CSA, whole
+# indexer_topk with the csrc select, 1024 -> 16384: 32 x 64K 117.9 -> 76.3 us, 128 x 64K 307.9 ->
+# 223.0, 1 x 1M 102.4 -> 67.9 (the Triton select got slower with the larger chunks on the same
+# layout: 149.9, 299.4, 232.6).
 CHUNK = 16384
 MERGE_BLOCK = 16384
 
