@@ -9,7 +9,7 @@
 // how many keys equal to T are taken. One block-wide scan then places the keys above T and the
 // lowest-column keys equal to T in ascending column order: exact ties go to the lower entry and the
 // result is bitwise deterministic (no atomic decides a position). The Triton select this replaces on
-// sm_90 ran a 32-step binary search over 1024-key chunks: H100, V4-Flash CSA, 128 tokens x 64K,
+// sm_90 and sm_100 ran a 32-step binary search over 1024-key chunks: H100, V4-Flash CSA, 128 tokens x 64K,
 // select + merges 131 us of the op's 300.
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
@@ -30,11 +30,10 @@ struct Shared {
   int digit;
   int want;      // keys still to select at the current digit (0: all nonzero keys are selected)
   int selected;  // min(k, nonzero keys)
-  int listed;    // candidate blocks of the token (kCandidateEntries)
 };
 
 // Columns of token t's row and its request (dsv4ops/indexer/triton.py `_row_len`): 0 for padding.
-__device__ int row_columns(const SelectParams& p, int64_t t, int mode, int& req, Shared& sh) {
+__device__ int row_columns(const SelectParams& p, int64_t t, int mode, int& req) {
   req = p.req_slots[t];
   const int64_t n_vis =
       req >= 0 ? min((static_cast<int64_t>(p.positions[t]) + 1) / p.ratio, static_cast<int64_t>(p.n_entries)) : 0;
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(kMaxThreads) topk_select_kernel(const SelectPa
   __shared__ Shared sh;
   const int64_t tc = blockIdx.x, t = p.t0 + tc;
   int req;
-  const int n = row_columns(p, t, mode, req, sh);
+  const int n = row_columns(p, t, mode, req);
   int32_t* row = p.ws + tc * p.row_words;
   const int list_words = 2 * p.k + 1;
   uint32_t key[ITEMS];

@@ -35,10 +35,10 @@ class CacheConfig:
     (sizes the compressed pools; defaults to max_requests x max_context). topk_tokens: tokens one
     launch of the indexer's top-k serves (sizes its workspace, one row of max_context / 4 keys per
     token, shared by the CSA layers; defaults to max_step_tokens, at most max(256, 2^25 / max_context)
-    (32 MiB of keys): a decode batch in one launch, a long prefill chunk in a few). max_draft_tokens: the most tokens `rewind` may drop
-    (the largest draft a verify step checks; 0: no speculative decoding): it sizes the window ring
-    and the compressor-state rings (`ring_size`, `state_rows`), and bounds how far behind its
-    parent a fork may start.
+    (32 MiB of keys): a decode batch in one launch, a long prefill chunk in a few). max_draft_tokens:
+    the most tokens `rewind` may drop (the largest draft a verify step checks; 0: no speculative
+    decoding): it sizes the window ring and the compressor-state rings (`ring_size`, `state_rows`),
+    and bounds how far behind its parent a fork may start.
     """
 
     max_requests: int

@@ -23,7 +23,9 @@ def serves(n_row: int, k: int) -> bool:
 
 
 def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
-    """`triton.select_tree` with the C++ kernel: same workspace layout, launches and results."""
+    """`triton.select_tree` with the C++ kernel: same workspace layout, launches and results. `common`
+    is the tuple triton.indexer_topk builds: (positions, req_slots, block_table, cand, out, workspace,
+    t0, 4 strides and counts, cand_block, out stride, n_entries, ratio, block_size, row_words)."""
     if not serves(n_row, k):
         _triton.select_tree(n, n_row, k, keys_at, common, mode, nc)
         return
