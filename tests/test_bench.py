@@ -28,6 +28,7 @@ def test_attention_case_core_is_the_layer_step(kind, monkeypatch):
     assert len([r for r in rows if "reference_us" in r]) == expect
     assert ops[-3:] == ["attention core (all ops)", "projection GEMMs + norms (layer - core)", "whole layer"]
     assert all(r["pct_ceiling"] > 0 for r in rows if "pct_ceiling" in r)
+    assert [r["torch_topk_us"] for r in rows if r["op"] == "indexer_topk"] == ([1.0] if kind == CSA else [])
 
 
 # ---- the CLI: shapes, JSON, the roofline chart ----------------------------------------------------

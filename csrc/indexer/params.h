@@ -33,4 +33,21 @@ struct SelectParams {
   int group;  // lists per merge program
 };
 
+// Arguments of the scoring kernel (score.cu): V4's fp8_132 key pages (per page: block_size entries of 128
+// e4m3 codes, then their block_size fp32 power-of-two scales) and e4m3 queries (the UE8M0 scale of
+// each (token, head) folded into its weight by `dsv4::indexer_q_prep`).
+struct ScoreParams {
+  const uint8_t* q;  // [tokens, heads, 128] e4m3 codes
+  const float* w;    // [tokens, heads]
+  const int32_t* positions;
+  const int32_t* req_slots;
+  const int32_t* block_table;
+  const int32_t* cand;  // kCandidateEntries only
+  const uint8_t* cache;
+  int32_t* ws;  // one row of row_words int32 per token of the launch; keys at its start
+  int64_t t0;
+  int64_t q_stride, q_head_stride, w_stride, bt_stride, cand_stride, row_words;
+  int n_cand, cb, heads, n_entries, ratio, block_size;
+};
+
 }  // namespace dsv4::indexer

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 
+#include "../common/sm90.cuh"
 #include "params.h"
 
 namespace dsv4::sparse_attn {
@@ -61,47 +62,15 @@ struct Smem {
 };
 static_assert(sizeof(Smem) <= 227 * 1024, "shared memory of one CTA on sm_90");
 
-// wgmma exists on sm_90a only: the device pass of any other arch (the extension also builds sm_100a)
-// compiles kernels that trap; the launcher picks them on sm_90 only.
-#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define DSV4_SM90_BODY 1
-#endif
-
 #ifdef DSV4_SM90_BODY
+using namespace ::dsv4::sm90;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 // Byte offset of 16-B chunk `chunk` (dims 8 chunk .. 8 chunk + 7) of row `row` in a tile of `rows`
 // rows: block chunk / 8 of 64 dims, then the row's 128 B with the 128-B swizzle.
 template <int kRows>
 __device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
   return (chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
-// wgmma shared-memory descriptor, 128-B swizzle: start address, leading and stride byte offsets
-// (K-major: stride = 1024 B between 8-row groups; MN-major: leading = between 64-wide blocks along
-// N, stride = between 8-row groups along K).
-__device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t leading, uint32_t stride) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(leading >> 4) << 16 |
-         static_cast<uint64_t>(stride >> 4) << 32 | 1ull << 62;
-}
-// The descriptor of the operand `bytes` further on: a 32-bit add to the address field (16-B units),
-// which cannot carry into the leading offset (shared addresses stay below 2^18).
-__device__ __forceinline__ uint64_t advance(uint64_t desc, uint32_t bytes) {
-  return (desc & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(desc) + (bytes >> 4));
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // Named barriers (0 is __syncthreads): 1-4 the S exchange of warps w and w + 4; FULL / EMPTY of each
 // bf16 tile; the producer's own; the consumers' own.
 [[maybe_unused]] constexpr int kFull = 5, kEmpty = 7, kProducerBar = 9, kConsumerBar = 10;
@@ -117,16 +86,6 @@ __device__ __forceinline__ void shrink_registers() {
 template <int N>
 __device__ __forceinline__ void grow_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// Keeps the compiler from moving register accesses across an asynchronous wgmma's issue or wait.
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // d[64 x 32] += A[64 x 16] B[16 x 32]: A and B in shared memory, both K-major.
 __device__ __forceinline__ void wgmma_s(float (&d)[16], uint64_t a, uint64_t b) {

@@ -184,6 +184,13 @@ class Case:
     def layer_fn(self):
         return lambda: self.layer(self.x, self.step)
 
+    def torch_topk_call(self):
+        """The baseline of indexer_topk's selection: torch.topk of k over a float32 score row per token,
+        as wide as the longest real row of the step (random scores; same k as the layer)."""
+        n = int(((self.step.positions.long() + 1) // self.model.csa_ratio).max().item())
+        scores = torch.randn(self.x.shape[0], max(n, self.model.index_topk), device=self.x.device)
+        return lambda: torch.topk(scores, self.model.index_topk, dim=1)
+
     def flashmla_call(self):
         """FlashMLA's kernel on this case's pools and indices (decode, or sparse prefill on the keys
         gathered to bf16), or None where it cannot run: not installed, or heads other than 64 / 128."""
@@ -196,7 +203,8 @@ class Case:
                   self.model.head_dim**-0.5, self.model.window, cache.ring_size)
 
 
-def _row(case: Case, op: str, us: float, mode: str, baseline_us: float | None, flashmla_us: float | None = None) -> dict:
+def _row(case: Case, op: str, us: float, mode: str, baseline_us: float | None, flashmla_us: float | None = None,
+         topk_us: float | None = None) -> dict:
     nbytes, flops, ceiling = case.work(op)
     c = ceilings()[ceiling]
     rate = flops / (us * 1e-6) if ceiling == "bf16" else nbytes / (us * 1e-6)
@@ -205,6 +213,7 @@ def _row(case: Case, op: str, us: float, mode: str, baseline_us: float | None, f
         "us": us, "timing": mode, "GB/s": nbytes / (us * 1e-6) / 1e9, "TFLOP/s": flops / (us * 1e-6) / 1e12,
         "ceiling": ceiling, "pct_ceiling": 100.0 * rate / c, "reference_us": baseline_us,
         "flashmla_us": flashmla_us, "vs_flashmla": None if flashmla_us is None else us / flashmla_us,
+        "torch_topk_us": topk_us,
     }
 
 
@@ -231,7 +240,8 @@ def bench_case(case: Case, with_reference: bool) -> list[dict]:
         if with_reference:
             with _reference_backend():
                 ref = eager_time_us(call, iters=3)
-        rows.append(_row(case, op, us, "graph", ref, _flashmla_us(case) if op == "sparse_attn" else None))
+        topk = graph_time_us(case.torch_topk_call()) if op == "indexer_topk" else None
+        rows.append(_row(case, op, us, "graph", ref, _flashmla_us(case) if op == "sparse_attn" else None, topk))
     core = graph_time_us(case.core())
     total = graph_time_us(case.layer_fn())
     base = {"layer": case.kind, "batch": case.batch, "context": case.context, "tokens": case.new_tokens}

@@ -95,7 +95,7 @@ def main(argv=None):
         out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
                                          cases=args.case, model=MODELS[args.model]())
         print(table(out["attention"], ["layer", "batch", "context", "tokens", "op", "us", "GB/s", "TFLOP/s",
-                                       "ceiling", "pct_ceiling", "reference_us", "flashmla_us"]))
+                                       "ceiling", "pct_ceiling", "reference_us", "flashmla_us", "torch_topk_us"]))
     if "flashmla" in parts:
         from dsv4ops.bench import attention, flashmla
 

@@ -1,8 +1,11 @@
-"""sm_90 / sm_100 launcher of `dsv4::indexer_topk`: the Triton scoring kernel writes each token's keys into
-the workspace (dsv4ops/indexer/triton.py), then the radix select of csrc/indexer/ picks the top k
-(one CTA per chunk of up to 16384 keys, and per group of candidate lists in each merge level). Same
-arguments, workspace layout and results as the Triton launcher; the Triton select serves a k whose
-chunk exceeds the kernel's 16384 keys (k > 8192).
+"""sm_90 / sm_100 launcher of `dsv4::indexer_topk`: a scoring kernel writes each token's keys into the
+workspace, then the radix select of csrc/indexer/ picks the top k (one CTA per chunk of up to 16384
+keys, and per group of candidate lists in each merge level). Same arguments, workspace layout and
+results as the Triton launcher (dsv4ops/indexer/triton.py).
+
+Scoring: on sm_90, the wgmma kernel of csrc/indexer/score.cu for V4's fp8_132 pages with e4m3
+queries; the Triton scoring kernel for every other case (and on sm_100: the C++ kernel's sm_100a
+build is a trap). Select: the C++ kernel wherever a chunk fits it, the Triton select for k > 8192.
 
 H100, V4-Flash CSA (k = 512), graph-timed indexer_topk, the Triton select -> the csrc select on the
 same layout: 1 x 4K 12.5 -> 9.6 us, 128 x 4K 22.5 -> 20.2, 32 x 64K 149.9 -> 76.3, 128 x 64K 299.4 ->
@@ -10,16 +13,50 @@ same layout: 1 x 4K 12.5 -> 9.6 us, 128 x 4K 22.5 -> 20.2, 32 x 64K 149.9 -> 76.
 
 import torch
 
-from dsv4ops import csrc
+from dsv4ops import _arch, csrc
 from dsv4ops.indexer import triton as _triton
 from dsv4ops.indexer import workspace as _ws
 
 MAX_BLOCK = 16384  # csrc/indexer/params.h kMaxBlock
+SCORE_TILE = 64  # csrc/indexer/score.cu kTile
 
 
 def serves(n_row: int, k: int) -> bool:
     """Whether the C++ select serves top-k of rows of n_row columns (every chunk and merge group fits a CTA)."""
     return _ws.chunk(n_row, k) <= MAX_BLOCK and _ws.merge_group(k) * k <= MAX_BLOCK
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    return x.data_ptr() % 16 == 0
+
+
+def score_serves(q, weights, cache, fmt: str, block_size: int) -> bool:
+    """Whether the C++ scoring kernel serves these arguments: sm_90, fp8_132 pages of a multiple of 4
+    entries (16-B aligned rows), e4m3 queries of 16-B aligned rows, float32 weights."""
+    cap = _arch.capability()
+    return (cap is not None and cap[0] == 9 and fmt == "fp8_132" and q.dtype == torch.float8_e4m3fn
+            and q.stride(2) == 1 and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0 and _aligned(q)
+            and weights.stride(1) == 1 and cache.dtype == torch.uint8 and cache.is_contiguous() and _aligned(cache)
+            and block_size % 4 == 0)
+
+
+def score_ctas_per_sm(heads: int) -> int:
+    """Scoring CTAs resident on an SM (shared memory: a 4-stage ring of 8 KiB tiles and the query,
+    41 KiB at <= 64 heads, 49 KiB at 128), each with 3 tiles' gathers in flight."""
+    return 5 if heads <= 64 else 4
+
+
+def score(q, weights, positions, req_slots, cache, block_table, cand, workspace, fmt: str, t0: int, n: int,
+          n_row: int, row_words: int, n_entries: int, ratio: int, block_size: int, cb: int, mode: int) -> bool:
+    """The C++ scoring of one launch of n tokens (`triton.indexer_topk`'s `score` hook); False where it
+    does not serve the arguments. Programs per token: one wave of resident CTAs over the launch, at most
+    one per tile (each walks tiles g, g + G, ... of its token's real row)."""
+    if not score_serves(q, weights, cache, fmt, block_size):
+        return False
+    programs = max(1, min(-(-n_row // SCORE_TILE), score_ctas_per_sm(q.shape[1]) * _ws.SMS // n))
+    torch.ops.dsv4_csrc.topk_score(q, weights, positions, req_slots, cache, block_table, cand, workspace, t0, n,
+                                   row_words, programs, n_entries, ratio, block_size, cb, mode)
+    return True
 
 
 def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
@@ -48,4 +85,4 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
     """Launcher of `dsv4::indexer_topk` (same arguments)."""
     csrc.load()
     _triton.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
-                         ratio, cand_block, fmt, select=select_tree)
+                         ratio, cand_block, fmt, select=select_tree, score=score)

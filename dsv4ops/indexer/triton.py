@@ -468,9 +468,13 @@ def _warps(block: int) -> int:
 
 
 def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
-                 ratio: int, cand_block: int, fmt: str, select=None) -> None:
+                 ratio: int, cand_block: int, fmt: str, select=None, score=None) -> None:
     """Launcher of `dsv4::indexer_topk` (same arguments). No host sync: every size is static.
-    `select`: the launches of the selection (`select_tree`'s arguments; default `select_tree`)."""
+    `select`: the launches of the selection (`select_tree`'s arguments; default `select_tree`);
+    `score`: another scoring kernel, called as score(q, weights, positions, req_slots, cache,
+    block_table, cand, workspace, fmt, t0, tokens, n_row, row_words, n_entries, ratio, block_size,
+    cand_block, mode) before each launch's scoring; it returns False where it does not serve the
+    arguments (then `_score_kernel` runs)."""
     select = select or select_tree
     _checks.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
                          ratio, cand_block, fmt)
@@ -504,12 +508,15 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
     for t0 in range(0, t, rows):
         n = min(rows, t - t0)
         g = score_programs(n, triton.cdiv(n_row, bn))
-        launch(_score_kernel, (n, g),
-               (qa, weights, positions, req_slots, cache, block_table, cand_t, workspace, t0, q.stride(0),
-                q.stride(1), weights.stride(0), block_table.stride(0), s_cand, n_cand, cb, h, n_entries, ratio, bs,
-                row_words),
-               dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, CAND=mode, NC=nc, STAGES=SCORE_STAGES,
-                    SOFT=INTERPRET), num_warps=SCORE_WARPS)
+        served = score is not None and score(q, weights, positions, req_slots, cache, block_table, cand_t, workspace,
+                                             fmt, t0, n, n_row, row_words, n_entries, ratio, bs, cb, mode)
+        if not served:
+            launch(_score_kernel, (n, g),
+                   (qa, weights, positions, req_slots, cache, block_table, cand_t, workspace, t0, q.stride(0),
+                    q.stride(1), weights.stride(0), block_table.stride(0), s_cand, n_cand, cb, h, n_entries, ratio,
+                    bs, row_words),
+                   dict(D=d, HP=hp, BN=bn, G=g, FMT=code, Q_FP8=q_fp8, DOT=dot, CAND=mode, NC=nc,
+                        STAGES=SCORE_STAGES, SOFT=INTERPRET), num_warps=SCORE_WARPS)
         common = (positions, req_slots, block_table, cand_t, idx_out, workspace, t0, block_table.stride(0), s_cand,
                   n_cand, cb, idx_out.stride(0), n_entries, ratio, bs, row_words)
         select(n, n_row, k, 0, common, mode, nc)

@@ -1,0 +1,248 @@
+// SPDX-License-Identifier: MIT
+// sm_90 scoring kernel of `dsv4::indexer_topk` for V4's fp8_132 key pages and e4m3 queries (the
+// specification is dsv4ops/indexer/reference.py; dsv4ops/indexer/triton.py `_score_kernel` serves
+// every other case). It writes each scored column's uint32 key (ordered like the score, 0 = no
+// entry) into the token's workspace row, for the select of topk_select.cu.
+//
+// CTA (token, g) of one warpgroup scores the token's 64-column tiles g, g + G, ...: score = sum_h w_h
+// relu(q_h . k_e scale_e) of the column's entry e. The 132-B entries are gathered through the block
+// table by cp.async into a 4-stage ring (three tiles in flight while the tensor cores work on one):
+// the Triton kernel this replaces issued each tile's gather only when it needed the tile, and ran
+// the paged key read at 1.41 TB/s (H100, 128 tokens x 64K context; ncu: DRAM 38% busy, 25.6%
+// occupancy). S = K Q^T is one m64nNk32 e4m3 wgmma chain (entries x heads, K = 128 in four steps)
+// from shared memory, both operands K-major with the 128-B swizzle; the head sum stays inside each
+// quad of lanes (the accumulator's row layout).
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/sm90.cuh"
+#include "params.h"
+#include "rows.cuh"
+
+namespace dsv4::indexer {
+namespace {
+
+constexpr int kTile = 64;  // columns a tile: the wgmma's M
+constexpr int kThreads = 128;
+constexpr int kStages = 4;
+constexpr int kDim = 128;  // bytes of an entry's codes = the dot's K
+[[maybe_unused]] constexpr int kEntryBytes = kDim + 4;  // codes + fp32 scale (the page holds them apart)
+
+template <int kN>
+struct ScoreSmem {
+  alignas(1024) uint8_t k[kStages][kTile * kDim];  // 32 KiB of swizzled key rows
+  alignas(1024) uint8_t q[kN * kDim];             // the token's query, kN heads (zero-padded)
+  float scale[kStages][kTile];
+  uint8_t valid[kStages][kTile];
+};
+
+#ifdef DSV4_SM90_BODY
+using namespace ::dsv4::sm90;
+
+// d[64 x kN] += A[64 x 32] B[32 x kN], e4m3 x e4m3 -> fp32, A and B in shared memory, K-major.
+template <int kN>
+__device__ __forceinline__ void wgmma_fp8(float (&d)[kN / 2], uint64_t a, uint64_t b);
+template <>
+__device__ __forceinline__ void wgmma_fp8<16>(float (&d)[8], uint64_t a, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_fp8<32>(float (&d)[16], uint64_t a, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_fp8<64>(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void wgmma_fp8<128>(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b));
+}
+
+// uint32 key ordered like the fp32 score, -0.0 == +0.0; 0 is never a score's key (triton.py `_key_of`).
+__device__ __forceinline__ int32_t key_of(float s) {
+  const uint32_t bits = s == 0.f ? 0u : __float_as_uint(s);
+  return static_cast<int32_t>(bits ^ (static_cast<uint32_t>(static_cast<int32_t>(bits) >> 31) | 0x80000000u));
+}
+#endif  // DSV4_SM90_BODY
+
+template <int kN, bool kCand>
+__global__ void __launch_bounds__(kThreads) topk_score_kernel(const __grid_constant__ ScoreParams p) {
+#ifdef DSV4_SM90_BODY
+  extern __shared__ __align__(1024) uint8_t smem[];
+  auto& sm = *reinterpret_cast<ScoreSmem<kN>*>(smem);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t tc = blockIdx.x, t = p.t0 + tc;
+  int req;
+  const int n = row_columns(p, t, kCand ? kCandidateEntries : kEntries, req);
+  const int first = blockIdx.y * kTile, step = gridDim.y * kTile;
+  if (first >= n) return;
+  const int tiles = (n - first + step - 1) / step;
+  const int n_vis = visible_entries(p, t, req);
+
+  // The gather of tile i: thread tid fetches half of row tid / 2 (4 of its 8 16-B chunks) and, for
+  // the even thread, the entry's scale. A column without a visible, allocated entry fetches nothing
+  // and is marked invalid (its key is 0 whatever its rows of S hold). The row's entry is located
+  // (candidate list, block table) one tile before its gather is issued: with the page number used
+  // right after its load, that L2 round trip was the kernel's top stall (H200, 128 x 64K: 13.7% of
+  // the samples) and sat in every tile's critical path.
+  const int row = tid >> 1, half = tid & 1;
+  const int64_t page_bytes = static_cast<int64_t>(p.block_size) * kEntryBytes;
+  const int bs_shift = (p.block_size & (p.block_size - 1)) == 0 ? __ffs(p.block_size) - 1 : -1;
+  struct Source {
+    int blk;  // the entry's page; -1: no entry
+    int at;   // its row in the page
+  };
+  auto locate = [&](int i) -> Source {
+    const int c = first + i * step + row;
+    int e = c;
+    bool vis = i < tiles && c < n;
+    if constexpr (kCand) {
+      const int cblk = vis ? p.cand[t * p.cand_stride + c / p.cb] : -1;
+      e = cblk * p.cb + c % p.cb;
+      vis = vis && cblk >= 0 && e < n_vis;
+    }
+    // Shifts for a power-of-two page (V4: 64 entries): integer division was ~40 instructions a row.
+    const int page = bs_shift >= 0 ? e >> bs_shift : e / p.block_size;
+    const int at = bs_shift >= 0 ? e & (p.block_size - 1) : e % p.block_size;
+    return {vis ? p.block_table[req * p.bt_stride + page] : -1, at};
+  };
+  // The loaded page number is first used here, a tile after its load was issued.
+  auto issue = [&](int i, Source src) {
+    if (i < tiles) {
+      const int stage = i % kStages;
+      if (src.blk >= 0) {
+        const uint8_t* page = p.cache + src.blk * page_bytes;
+        const uint32_t dst = smem_addr(sm.k[stage]) + row * kDim;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int chunk = half * 4 + j;
+          cp_async16(dst + ((chunk ^ (row & 7)) << 4), page + src.at * kDim + chunk * 16);
+        }
+        if (half == 0) cp_async4(smem_addr(&sm.scale[stage][row]), page + p.block_size * kDim + src.at * 4);
+      }
+      if (half == 0) sm.valid[stage][row] = src.blk >= 0;
+    }
+    cp_commit();  // one group a tile, empty ones too: cp_wait counts groups
+  };
+  Source next = locate(0);
+  for (int i = 0; i < kStages - 1; ++i) {
+    issue(i, next);
+    next = locate(i + 1);
+  }
+
+  const uint8_t* q = p.q + t * p.q_stride;
+  for (int i = tid; i < kN * 8; i += kThreads) {
+    const int h = i >> 3, chunk = i & 7;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (h < p.heads) v = *reinterpret_cast<const uint4*>(q + h * p.q_head_stride + chunk * 16);
+    *reinterpret_cast<uint4*>(sm.q + h * kDim + ((chunk ^ (h & 7)) << 4)) = v;
+  }
+  // The accumulator's layout: lane holds rows warp * 16 + lane / 4 (+ 8) and, of each 8 columns
+  // (heads) j, the two at 8 j + 2 (lane % 4).
+  float w[kN / 4];
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int h = 8 * j + 2 * (lane & 3) + b;
+      w[2 * j + b] = h < p.heads ? p.w[t * p.w_stride + h] : 0.f;
+    }
+  }
+  const uint64_t q_desc = descriptor(smem_addr(sm.q), 16, 1024);
+  const uint32_t k_base = smem_addr(sm.k[0]);
+  int32_t* out = p.ws + tc * p.row_words;
+  const int r = warp * 16 + (lane >> 2);
+  for (int i = 0; i < tiles; ++i) {
+    cp_wait<kStages - 2>();  // tile i has landed (this thread's part)
+    fence_async_shared();
+    __syncthreads();  // every part of tile i; every thread is done with tile i - 1's stage
+    issue(i + kStages - 1, next);
+    next = locate(i + kStages);
+    const int stage = i % kStages;
+    float d[kN / 2];
+#pragma unroll
+    for (int x = 0; x < kN / 2; ++x) d[x] = 0.f;
+    wgmma_fence();
+    const uint64_t k_desc = descriptor(k_base + stage * (kTile * kDim), 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_fp8<kN>(d, advance(k_desc, kk * 32), advance(q_desc, kk * 32));
+    wgmma_commit();
+    wgmma_wait();
+    fence_registers(d);
+    // relu(d s) = relu(d) s for the entry's power-of-two scale s > 0 (exact), so s multiplies the
+    // row's sum once: two instructions an element (max, fma) instead of three.
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      a0 = fmaf(fmaxf(d[4 * j], 0.f), w[2 * j], a0);
+      a0 = fmaf(fmaxf(d[4 * j + 1], 0.f), w[2 * j + 1], a0);
+      a1 = fmaf(fmaxf(d[4 * j + 2], 0.f), w[2 * j], a1);
+      a1 = fmaf(fmaxf(d[4 * j + 3], 0.f), w[2 * j + 1], a1);
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o *= 2) {
+      a0 += __shfl_xor_sync(0xffffffffu, a0, o);
+      a1 += __shfl_xor_sync(0xffffffffu, a1, o);
+    }
+    a0 *= sm.scale[stage][r];
+    a1 *= sm.scale[stage][r + 8];
+    const int quad = lane & 3;
+    if (quad < 2) {  // lane 4 m writes row r, lane 4 m + 1 row r + 8
+      const int rr = r + 8 * quad, c = first + i * step + rr;
+      if (c < n) out[c] = sm.valid[stage][rr] ? key_of(quad ? a1 : a0) : 0;
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+template <int kN, bool kCand>
+void launch_with(const ScoreParams& p, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = static_cast<int>(sizeof(ScoreSmem<kN>));
+  // Per call (a host-side attribute): the opt-in above 48 KiB (kN = 128) is per device.
+  cudaFuncSetAttribute(topk_score_kernel<kN, kCand>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  topk_score_kernel<kN, kCand><<<grid, kThreads, bytes, stream>>>(p);
+}
+
+template <bool kCand>
+void launch_heads(const ScoreParams& p, dim3 grid, cudaStream_t stream) {
+  if (p.heads <= 16) {
+    launch_with<16, kCand>(p, grid, stream);
+  } else if (p.heads <= 32) {
+    launch_with<32, kCand>(p, grid, stream);
+  } else if (p.heads <= 64) {
+    launch_with<64, kCand>(p, grid, stream);
+  } else {
+    launch_with<128, kCand>(p, grid, stream);
+  }
+}
+
+}  // namespace
+
+void launch_score(const ScoreParams& p, int mode, int tokens, int programs, cudaStream_t stream) {
+  const dim3 grid(tokens, programs);
+  if (mode == kCandidateEntries) {
+    launch_heads<true>(p, grid, stream);
+  } else {
+    launch_heads<false>(p, grid, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace dsv4::indexer

@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: MIT
+// Host side of the indexer scoring kernel: layout checks -> params -> launch on the current stream. The
+// values (positions, request slots, block tables, candidate lists) were checked by the op in Python;
+// these checks guard what the kernel's addressing relies on (dtypes, 16-B aligned rows, sizes).
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdint>
+
+#include "../common/checks.h"
+#include "api.h"
+#include "params.h"
+
+namespace dsv4::indexer {
+
+void launch_score(const ScoreParams& p, int mode, int tokens, int programs, cudaStream_t stream);
+
+namespace {
+
+bool aligned16(const at::Tensor& x) { return reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0; }
+
+}  // namespace
+
+void topk_score_cuda(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& positions,
+                     const at::Tensor& req_slots, const at::Tensor& cache, const at::Tensor& block_table,
+                     const at::Tensor& cand, at::Tensor& workspace, int64_t t0, int64_t tokens, int64_t row_words,
+                     int64_t programs, int64_t n_entries, int64_t ratio, int64_t block_size, int64_t cand_block,
+                     int64_t mode) {
+  DSV4_CHECK_CUDA(q);
+  for (const auto& [x, name] : {std::pair{&weights, "weights"}, {&positions, "positions"}, {&req_slots, "req_slots"},
+                                {&cache, "cache"}, {&block_table, "block_table"}, {&cand, "cand"},
+                                {&workspace, "workspace"}}) {
+    DSV4_CHECK(x->device() == q.device(), name, ": expected a tensor on ", q.device(), ", got ", x->device());
+  }
+  DSV4_CHECK(q.scalar_type() == at::kFloat8_e4m3fn && q.dim() == 3 && q.size(2) == 128 && q.stride(2) == 1 &&
+                 q.stride(1) % 16 == 0 && q.stride(0) % 16 == 0 && aligned16(q) && q.size(1) >= 1 &&
+                 q.size(1) <= 128,
+             "q: expected e4m3 [tokens, 1..128 heads, 128] with 16-B aligned rows, got ", q.scalar_type(), " ",
+             q.sizes());
+  DSV4_CHECK(weights.scalar_type() == at::kFloat && weights.dim() == 2 && weights.size(1) == q.size(1) &&
+                 weights.stride(1) == 1,
+             "weights: expected float32 [tokens, heads] with contiguous heads, got ", weights.scalar_type(), " ",
+             weights.sizes());
+  DSV4_CHECK(cache.scalar_type() == at::kByte && cache.is_contiguous() && aligned16(cache),
+             "cache: expected a contiguous 16-B aligned uint8 pool, got ", cache.scalar_type());
+  for (const auto& [x, name] : {std::pair{&positions, "positions"}, {&req_slots, "req_slots"},
+                                {&block_table, "block_table"}, {&cand, "cand"}, {&workspace, "workspace"}}) {
+    DSV4_CHECK(x->scalar_type() == at::kInt && x->stride(-1) == 1, name, ": expected int32 with a contiguous last "
+               "dim, got ", x->scalar_type());
+  }
+  DSV4_CHECK(block_table.dim() == 2 && cand.dim() == 2, "block_table / cand: expected 2-D");
+  DSV4_CHECK(tokens >= 0 && t0 >= 0 && t0 + tokens <= q.size(0) && t0 + tokens <= weights.size(0) &&
+                 t0 + tokens <= positions.numel() && positions.numel() == req_slots.numel(),
+             "t0 / tokens: expected a range of the step's tokens, got ", t0, " + ", tokens, " of ", q.size(0));
+  DSV4_CHECK(workspace.is_contiguous() && workspace.numel() >= tokens * row_words, "workspace: expected ",
+             tokens * row_words, " contiguous int32 words, got ", workspace.numel());
+  // 16-B aligned entry rows: a page is block_size x 132 B.
+  DSV4_CHECK(block_size >= 4 && block_size % 4 == 0 && n_entries >= 0 && n_entries < (int64_t{1} << 31) &&
+                 block_table.size(1) * block_size >= n_entries && cache.numel() % (block_size * 132) == 0,
+             "block_size / n_entries: expected a multiple of 4 entries a page and a table covering n_entries, got ",
+             block_size, " and ", n_entries);
+  DSV4_CHECK((mode == kEntries || mode == kCandidateEntries) && programs >= 1 && programs < 65536 && ratio >= 1 &&
+                 cand_block >= 1,
+             "mode / programs / ratio / cand_block: out of range");
+  const int64_t columns = mode == kCandidateEntries ? cand.size(1) * cand_block : n_entries;
+  DSV4_CHECK(row_words >= columns, "row_words: expected room for a row of ", columns, " keys, got ", row_words);
+  if (tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  ScoreParams p{};
+  p.q = static_cast<const uint8_t*>(q.const_data_ptr());
+  p.w = weights.const_data_ptr<float>();
+  p.positions = positions.const_data_ptr<int32_t>();
+  p.req_slots = req_slots.const_data_ptr<int32_t>();
+  p.block_table = block_table.const_data_ptr<int32_t>();
+  p.cand = cand.const_data_ptr<int32_t>();
+  p.cache = cache.const_data_ptr<uint8_t>();
+  p.ws = workspace.mutable_data_ptr<int32_t>();
+  p.t0 = t0;
+  p.q_stride = q.stride(0);
+  p.q_head_stride = q.stride(1);
+  p.w_stride = weights.stride(0);
+  p.bt_stride = block_table.stride(0);
+  p.cand_stride = cand.stride(0);
+  p.row_words = row_words;
+  p.n_cand = mode == kCandidateEntries ? static_cast<int>(cand.size(1)) : 0;
+  p.cb = static_cast<int>(cand_block);
+  p.heads = static_cast<int>(q.size(1));
+  p.n_entries = static_cast<int>(n_entries);
+  p.ratio = static_cast<int>(ratio);
+  p.block_size = static_cast<int>(block_size);
+  launch_score(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(programs),
+               c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
+}
+
+}  // namespace dsv4::indexer
