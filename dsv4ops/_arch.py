@@ -17,9 +17,11 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     "compressor_update": {9: ("triton",), 10: ("triton",)},
     "indexer_q_prep": {9: ("triton",), 10: ("triton",)},
     "indexer_k_prep": {9: ("triton",), 10: ("triton",)},
-    # Triton scoring, then the radix select of csrc/indexer/ (the Triton select where k > 8192): plain
-    # CUDA, no wgmma or tcgen05, so sm_100 runs the same select (its sm_100a build has not run on a
-    # B200); on the H100 the op took 1.3-3.5x longer with the Triton select at 64K and 1M context.
+    # sm_90: the wgmma scoring kernel of csrc/indexer/ for fp8_132 keys with e4m3 queries (Triton
+    # scoring otherwise; H100, 128 x 64K: 114 us against 198), then the radix select of csrc/indexer/
+    # (the Triton select where k > 8192). sm_100: Triton scoring, the same select (plain CUDA, no
+    # wgmma or tcgen05; its sm_100a build has not run on a B200). On the H100 the op took 1.3-3.5x
+    # longer with the Triton select at 64K and 1M context.
     "indexer_topk": {9: ("csrc", "triton"), 10: ("csrc", "triton")},
     # sm_90: the warp-specialized wgmma kernel of csrc/sparse_attn/ for V4's fp8_584 pools with bf16
     # q (1.4-3.1x the Triton kernel on the H100 bench shapes), Triton for every other format and dtype.

@@ -7,9 +7,10 @@ Scoring: on sm_90, the wgmma kernel of csrc/indexer/score.cu for V4's fp8_132 pa
 queries; the Triton scoring kernel for every other case (and on sm_100: the C++ kernel's sm_100a
 build is a trap). Select: the C++ kernel wherever a chunk fits it, the Triton select for k > 8192.
 
-H100, V4-Flash CSA (k = 512), graph-timed indexer_topk, the Triton select -> the csrc select on the
-same layout: 1 x 4K 12.5 -> 9.6 us, 128 x 4K 22.5 -> 20.2, 32 x 64K 149.9 -> 76.3, 128 x 64K 299.4 ->
-223.0, 1 x 1M 181.7 -> 67.9, a 4096-token prefill 342.4 -> 220.3."""
+H100, V4-Flash CSA (k = 512), graph-timed indexer_topk with the csrc select, Triton -> csrc scoring:
+1 x 4K 9.8 -> 9.5 us, 128 x 4K 19.4 -> 17.3, 32 x 64K 75.4 -> 56.8, 128 x 64K 221.6 -> 138.8, 1 x 1M
+66.9 -> 57.0, a 4096-token prefill 220.0 -> 167.6 (the scoring alone at 128 x 64K: 198.1 -> 114.1).
+The Triton select on the same layout took 1.3-3.5x the csrc select's time at 64K and 1M context."""
 
 import torch
 
