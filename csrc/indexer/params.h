@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// Arguments of the indexer top-k select kernel (topk_select.cu), filled by topk_select_api.cpp.
+// Arguments of the indexer kernels: the top-k select (topk_select.cu, filled by topk_select_api.cpp)
+// and the scoring (score.cu, score_api.cpp).
 #pragma once
 #include <cstdint>
 
@@ -15,39 +16,40 @@ constexpr int kMaxBlock = kMaxThreads * kMaxItems;
 // 0 the global pool slot of entry = column, 1 of entry cand[c / cb] * cb + c % cb, 2 the column.
 enum Mode : int { kEntries = 0, kCandidateEntries = 1, kBlocks = 2 };
 
-struct SelectParams {
+// A token's workspace row as both kernels see it (rows.cuh), filled by row_params.h.
+struct RowParams {
   const int32_t* positions;
   const int32_t* req_slots;
   const int32_t* block_table;
   const int32_t* cand;  // kCandidateEntries only
-  int32_t* out;         // [tokens, k] final rows
   int32_t* ws;          // one row of row_words int32 per token of the launch
   int64_t t0;           // first token of the launch (ws row 0)
-  int64_t bt_stride, cand_stride, out_stride, row_words;
+  int64_t bt_stride, cand_stride, row_words;
+  int n_cand, cb, n_entries, ratio, block_size;
+};
+
+struct SelectParams : RowParams {
+  int32_t* out;  // [tokens, k] final rows
+  int64_t out_stride;
   int64_t keys_at;  // chunk pass: the row's keys; merge pass: unused
   int64_t in_at;    // merge pass: the lists it reads; chunk pass: where its lists go
   int64_t out_at;   // merge pass: where its lists go
   int level;        // -1: the chunk pass; >= 0: merge level
-  int n_cand, cb, n_entries, ratio, block_size, k;
+  int k;
   int chunk;  // keys per chunk (a power of two)
   int group;  // lists per merge program
 };
 
 // Arguments of the scoring kernel (score.cu): V4's fp8_132 key pages (per page: block_size entries of 128
 // e4m3 codes, then their block_size fp32 power-of-two scales) and e4m3 queries (the UE8M0 scale of
-// each (token, head) folded into its weight by `dsv4::indexer_q_prep`).
-struct ScoreParams {
+// each (token, head) folded into its weight by `dsv4::indexer_q_prep`). The keys go to the start of
+// each token's row.
+struct ScoreParams : RowParams {
   const uint8_t* q;  // [tokens, heads, 128] e4m3 codes
   const float* w;    // [tokens, heads]
-  const int32_t* positions;
-  const int32_t* req_slots;
-  const int32_t* block_table;
-  const int32_t* cand;  // kCandidateEntries only
   const uint8_t* cache;
-  int32_t* ws;  // one row of row_words int32 per token of the launch; keys at its start
-  int64_t t0;
-  int64_t q_stride, q_head_stride, w_stride, bt_stride, cand_stride, row_words;
-  int n_cand, cb, heads, n_entries, ratio, block_size;
+  int64_t q_stride, q_head_stride, w_stride;
+  int heads;
 };
 
 }  // namespace dsv4::indexer

@@ -10,6 +10,7 @@
 #include "../common/checks.h"
 #include "api.h"
 #include "params.h"
+#include "row_params.h"
 
 namespace dsv4::indexer {
 
@@ -67,27 +68,15 @@ void topk_score_cuda(const at::Tensor& q, const at::Tensor& weights, const at::T
   if (tokens == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   ScoreParams p{};
+  static_cast<RowParams&>(p) = row_params(positions, req_slots, block_table, cand, workspace, t0, row_words, n_entries,
+                                          ratio, block_size, cand_block, mode);
   p.q = static_cast<const uint8_t*>(q.const_data_ptr());
   p.w = weights.const_data_ptr<float>();
-  p.positions = positions.const_data_ptr<int32_t>();
-  p.req_slots = req_slots.const_data_ptr<int32_t>();
-  p.block_table = block_table.const_data_ptr<int32_t>();
-  p.cand = cand.const_data_ptr<int32_t>();
   p.cache = cache.const_data_ptr<uint8_t>();
-  p.ws = workspace.mutable_data_ptr<int32_t>();
-  p.t0 = t0;
   p.q_stride = q.stride(0);
   p.q_head_stride = q.stride(1);
   p.w_stride = weights.stride(0);
-  p.bt_stride = block_table.stride(0);
-  p.cand_stride = cand.stride(0);
-  p.row_words = row_words;
-  p.n_cand = mode == kCandidateEntries ? static_cast<int>(cand.size(1)) : 0;
-  p.cb = static_cast<int>(cand_block);
   p.heads = static_cast<int>(q.size(1));
-  p.n_entries = static_cast<int>(n_entries);
-  p.ratio = static_cast<int>(ratio);
-  p.block_size = static_cast<int>(block_size);
   launch_score(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(programs),
                c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
 }

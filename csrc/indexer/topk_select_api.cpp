@@ -12,6 +12,7 @@
 #include "../common/checks.h"
 #include "api.h"
 #include "params.h"
+#include "row_params.h"
 
 namespace dsv4::indexer {
 
@@ -67,26 +68,14 @@ void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, 
 
   const c10::cuda::CUDAGuard guard(out.device());
   SelectParams p{};
-  p.positions = positions.const_data_ptr<int32_t>();
-  p.req_slots = req_slots.const_data_ptr<int32_t>();
-  p.block_table = block_table.const_data_ptr<int32_t>();
-  p.cand = cand.const_data_ptr<int32_t>();
+  static_cast<RowParams&>(p) = row_params(positions, req_slots, block_table, cand, workspace, t0, row_words, n_entries,
+                                          ratio, block_size, cand_block, mode);
   p.out = out.mutable_data_ptr<int32_t>();
-  p.ws = workspace.mutable_data_ptr<int32_t>();
-  p.t0 = t0;
-  p.bt_stride = block_table.stride(0);
-  p.cand_stride = cand.stride(0);
   p.out_stride = out.stride(0);
-  p.row_words = row_words;
   p.keys_at = keys_at;
   p.in_at = in_at;
   p.out_at = out_at;
   p.level = static_cast<int>(level);
-  p.n_cand = mode == kCandidateEntries ? static_cast<int>(cand.size(1)) : 0;
-  p.cb = static_cast<int>(cand_block);
-  p.n_entries = static_cast<int>(n_entries);
-  p.ratio = static_cast<int>(ratio);
-  p.block_size = static_cast<int>(block_size);
   p.k = static_cast<int>(k);
   p.chunk = static_cast<int>(chunk);
   p.group = static_cast<int>(group);
