@@ -319,6 +319,54 @@ def test_indexer_topk_exact(q_dtype, pool, k):
     assert torch.equal(got, want)
 
 
+def test_indexer_topk_score_hook_replaces_the_triton_scoring_or_falls_back():
+    # The hook the sm_90 launcher passes (dsv4ops/indexer/cuda.py `score`): once per launch of tokens,
+    # with the launch's first token and count; declining runs the Triton scoring, serving replaces it
+    # (here a scoring that finds no entry: every row is the -1 fill).
+    q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
+    fmt = _fmt(cache, 128)
+    want = torch.empty(5, 4, dtype=torch.int32)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, fmt)
+    launches = []
+
+    def declines(*args):
+        launches.append(args[9:11])  # (t0, tokens)
+        return False
+
+    got = torch.full((5, 4), 99, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, testing.topk_workspace(2, 12, 4), 4, 0,
+                            fmt, score=declines)
+    assert torch.equal(got, want)
+    assert launches == [(0, 2), (2, 2), (4, 1)]
+
+    def serves_empty(*args):
+        args[7].zero_()  # the workspace: key 0 (no entry) in every column
+        return True
+
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, testing.topk_workspace(5, 12, 4), 4, 0,
+                            fmt, score=serves_empty)
+    assert (got == -1).all()
+
+
+def test_indexer_csrc_scoring_serves_sm90_fp8_pages_only(monkeypatch):
+    """The wgmma scoring kernel takes sm_90, fp8_132 pages of a multiple of 4 entries (16-B aligned
+    rows) and e4m3 queries of 16-B aligned rows; everything else, sm_100 included, keeps Triton's."""
+    from dsv4ops.indexer import cuda as indexer_cuda
+
+    q, w = torch.zeros(3, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(3, 64)
+    cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
+    shifted = torch.zeros(q.numel() + 16, dtype=torch.uint8)[1:1 + q.numel()].view(torch.float8_e4m3fn).view(q.shape)
+    monkeypatch.setenv("DSV4OPS_ARCH", "sm_90a")
+    assert indexer_cuda.score_serves(q, w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(q, w, cache, "fp8_132", 6)
+    assert not indexer_cuda.score_serves(shifted, w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(q.float(), w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(q, w, cache, "exact", 64)
+    assert not indexer_cuda.score_serves(q, w.t().contiguous().t(), cache, "fp8_132", 64)
+    monkeypatch.setenv("DSV4OPS_ARCH", "sm_100a")
+    assert not indexer_cuda.score_serves(q, w, cache, "fp8_132", 64)
+
+
 @pytest.mark.parametrize("chunk", [2048, 8], ids=["one-chunk", "2-chunks-merged"])
 def test_indexer_topk_chunks_tokens_and_entries(chunk, monkeypatch):
     # A workspace of one token's row: the launcher loops over 5 launches of one token. With 8-key
