@@ -1,13 +1,22 @@
 // SPDX-License-Identifier: MIT
-// Host side: the RowParams (params.h) of a launch of the indexer kernels, from the op's tensors.
+// Host side: the RowParams (params.h) of a launch of the indexer kernels, from the op's tensors, and
+// the check of the int32 index tensors they point to.
 #pragma once
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 
+#include "../common/checks.h"
 #include "params.h"
 
 namespace dsv4::indexer {
+
+// An int32 tensor with a contiguous last dim on `device` (the kernels index its rows directly).
+inline void check_int32_rows(const at::Tensor& x, const c10::Device& device, const char* name) {
+  DSV4_CHECK(x.device() == device, name, ": expected a tensor on ", device, ", got ", x.device());
+  DSV4_CHECK(x.scalar_type() == at::kInt, name, ": expected int32, got ", x.scalar_type());
+  DSV4_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, ": expected a contiguous last dim, got shape ", x.sizes());
+}
 
 inline RowParams row_params(const at::Tensor& positions, const at::Tensor& req_slots, const at::Tensor& block_table,
                             const at::Tensor& cand, at::Tensor& workspace, int64_t t0, int64_t row_words,

@@ -19,16 +19,6 @@ namespace dsv4::indexer {
 void launch_select(const SelectParams& p, int mode, int tokens, int programs, int threads, int items,
                    cudaStream_t stream);
 
-namespace {
-
-void check_rows(const at::Tensor& x, const at::Tensor& out, const char* name) {
-  DSV4_CHECK(x.device() == out.device(), name, ": expected a tensor on ", out.device(), ", got ", x.device());
-  DSV4_CHECK(x.scalar_type() == at::kInt, name, ": expected int32, got ", x.scalar_type());
-  DSV4_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, ": expected a contiguous last dim, got shape ", x.sizes());
-}
-
-}  // namespace
-
 void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, const at::Tensor& block_table,
                       const at::Tensor& cand, at::Tensor& out, at::Tensor& workspace, int64_t t0, int64_t tokens,
                       int64_t row_words, int64_t keys_at, int64_t in_at, int64_t out_at, int64_t level,
@@ -37,7 +27,7 @@ void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, 
   for (const auto& [x, name] : {std::pair{&positions, "positions"}, {&req_slots, "req_slots"},
                                 {&block_table, "block_table"}, {&cand, "cand"}, {&out, "out"},
                                 {&workspace, "workspace"}}) {
-    check_rows(*x, out, name);
+    check_int32_rows(*x, out.device(), name);
   }
   DSV4_CHECK_CUDA(out);
   DSV4_CHECK(out.dim() == 2 && block_table.dim() == 2 && cand.dim() == 2, "out / block_table / cand: expected 2-D");
