@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Binds the CUDA kernels of csrc/ to the `dsv4::` ops defined in Python (dsv4ops/ops.py), and defines
 // the kernels that Python launchers call: `dsv4_csrc::sparse_attn` (dsv4ops/sparse_attn/cuda.py,
-// for the cases it serves), `dsv4_csrc::topk_score` and `dsv4_csrc::topk_select` (dsv4ops/indexer/cuda.py,
-// the scoring and the selection of `dsv4::indexer_topk`). Loaded as a plain shared library by dsv4ops/csrc.py.
+// for the cases it serves), `dsv4_csrc::topk_score`, `dsv4_csrc::topk_select` and
+// `dsv4_csrc::topk_grid` (dsv4ops/indexer/cuda.py, the scoring and the two selects of
+// `dsv4::indexer_topk`). Loaded as a plain shared library by dsv4ops/csrc.py.
 #include <torch/library.h>
 
 #include "indexer/api.h"
@@ -28,10 +29,15 @@ TORCH_LIBRARY(dsv4_csrc, m) {
       "topk_select(Tensor positions, Tensor req_slots, Tensor block_table, Tensor cand, Tensor(a!) out, "
       "Tensor(b!) workspace, int t0, int tokens, int row_words, int keys_at, int in_at, int out_at, int level, "
       "int programs, int n_entries, int ratio, int block_size, int cand_block, int chunk, int group, int mode) -> ()");
+  m.def(
+      "topk_grid(Tensor positions, Tensor req_slots, Tensor block_table, Tensor cand, Tensor(a!) out, "
+      "Tensor(b!) workspace, int t0, int tokens, int row_words, int keys_at, int n_row, int n_entries, int ratio, "
+      "int block_size, int cand_block, int mode) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsv4_csrc, CUDA, m) {
   m.impl("sparse_attn", &dsv4::sparse_attn::sparse_attn_cuda);
   m.impl("topk_score", &dsv4::indexer::topk_score_cuda);
   m.impl("topk_select", &dsv4::indexer::topk_select_cuda);
+  m.impl("topk_grid", &dsv4::indexer::topk_grid_cuda);
 }

@@ -1,8 +1,8 @@
 """Builds (JIT, on first use) and loads the CUDA C++ kernels of csrc/: the router kernels bind
 themselves to the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key; the sm_90 sparse
 attention kernel is `dsv4_csrc::sparse_attn`, called by dsv4ops/sparse_attn/cuda.py, and the
-indexer's scoring and top-k select `dsv4_csrc::topk_score` / `dsv4_csrc::topk_select`, called by
-dsv4ops/indexer/cuda.py. Nothing else is registered here; a failure raises (no silent fallback)."""
+indexer's scoring and top-k selects `dsv4_csrc::topk_score` / `dsv4_csrc::topk_select` /
+`dsv4_csrc::topk_grid`, called by dsv4ops/indexer/cuda.py. Nothing else is registered here; a failure raises (no silent fallback)."""
 
 import functools
 import os
@@ -13,7 +13,7 @@ import torch
 
 _CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 _SOURCES = ("dsv4ops.cpp", "indexer/score_api.cpp", "indexer/score.cu", "indexer/topk_select_api.cpp",
-            "indexer/topk_select.cu", "router/api.cpp",
+            "indexer/topk_select.cu", "indexer/topk_grid.cu", "router/api.cpp",
             "router/gate_topk.cu", "router/hash_route.cu", "sparse_attn/sparse_attn_api.cpp",
             "sparse_attn/sparse_attn.cu")
 # Explicit -gencode pairs: without them cpp_extension derives the archs from the visible GPUs, and the

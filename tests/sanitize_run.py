@@ -86,15 +86,18 @@ def _fp8_pool(blocks: int, dim: int, fmt: str) -> torch.Tensor:
 
 
 def topk():
-    """Visible entries 40 (one chunk), 40000 with k = 512 (3 chunks of 16384, one merge level), and
-    40000 again with 1024-key chunks and merge groups of 4 (40 lists -> 10 -> 3 -> 1: three merge
-    levels); two tokens of 64 heads (on sm_90 the wgmma scoring kernel), one of them padding; the
-    40000-entry rows also restricted to candidate blocks (V4.1's reindex columns)."""
+    """Visible entries 40 (one chunk), 40000 with k = 512 (the grid select: 10 tiles), and 40000 again
+    through the chunk tree with 1024-key chunks and merge groups of 4 (40 lists -> 10 -> 3 -> 1: three
+    merge levels); two tokens of 64 heads (on sm_90 the wgmma scoring kernel), one of them padding;
+    the 40000-entry rows also restricted to candidate blocks (V4.1's reindex columns)."""
+    from dsv4ops.indexer import cuda as indexer_cuda
     from dsv4ops.indexer import workspace
 
     default = workspace.CHUNK, workspace.MERGE_BLOCK
+    grid_pays = indexer_cuda.grid_pays
     for visible, k, sizes in ((40, 8, default), (40000, 512, default), (40000, 512, (1024, 2048))):
         workspace.CHUNK, workspace.MERGE_BLOCK = sizes
+        indexer_cuda.grid_pays = grid_pays if sizes == default else lambda tokens, n_row: False
         blocks = -(-visible // 64)
         cache = _fp8_pool(blocks, 128, "fp8_132")
         table = torch.randperm(blocks, device=DEV).to(I32)[None]
@@ -103,12 +106,15 @@ def topk():
         req = torch.tensor([0, -1], dtype=I32, device=DEV)
         q8, w8 = indexer_q_prep(q, w, pos, testing.rope_table(64).to(DEV), fmt="fp8_132")
         indexer_topk(q8, w8, pos, req, cache, table, k, 4, "fp8_132")
-        say(f"indexer_topk, {visible} visible entries, k {k}, {len(workspace.merge_levels(visible, k))} merge levels")
+        path = "grid" if sizes == default and visible > workspace.GRID_TILE else \
+            f"{len(workspace.merge_levels(visible, k))} merge levels"
+        say(f"indexer_topk, {visible} visible entries, k {k}, {path}")
         if visible > k:
             cand = torch.arange(0, visible // 16, 2, dtype=I32, device=DEV).expand(2, -1).contiguous()
             indexer_topk(q8, w8, pos, req, cache, table, k, 4, "fp8_132", cand=cand, cand_block=16)
             say(f"indexer_topk, {cand.shape[1]} candidate blocks of 16 entries, k {k}")
     workspace.CHUNK, workspace.MERGE_BLOCK = default
+    indexer_cuda.grid_pays = grid_pays
 
 
 def attention():

@@ -1,9 +1,11 @@
-"""GPU (sm_90): the radix top-k select of csrc/indexer/ (launcher dsv4ops/indexer/cuda.py) and the
-Triton select it replaces there, on keys written straight into the workspace, against an independent
+"""GPU (sm_90): the radix top-k selects of csrc/indexer/ (launcher dsv4ops/indexer/cuda.py: the grid
+select of rows longer than a 4096-key tile, the one-CTA-a-chunk tree) and the Triton select they replace there, on keys written straight into the workspace, against an independent
 formulation (a stable sort by key, then by column). Key sets built to stress a radix select: every key
 distinct, few distinct values (ties across the k-th), keys differing only in their lowest byte, the
 top key 0xffffffff, most keys 0 (no entry), rows shorter than k, padding tokens; one chunk, chunks
-with one merge, and small chunks forcing two merge levels. Outputs poisoned before each call."""
+with one merge, and small chunks forcing two merge levels; grid rows of 1 to 64 tiles, a launch of
+as many tiles as the GPU holds at once, and the grid's largest k (the grid select's candidate list
+serves the spread kinds, its global levels the bunched ones: few-values, low-byte). Outputs poisoned before each call."""
 
 import pytest
 import torch
@@ -18,7 +20,22 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs an sm_90 GPU (the arch table's csrc select)")]
 
 DEV = "cuda"
-SELECTS = {"csrc": indexer_cuda.select_tree, "triton": indexer_tt.select_tree}
+
+
+def _grid_select(*args):
+    """indexer_cuda.select taking the grid select wherever the row holds its state (the launcher
+    itself also weighs the launch's size: grid_pays)."""
+    pays = indexer_cuda.grid_pays
+    indexer_cuda.grid_pays = lambda tokens, n_row: True
+    try:
+        indexer_cuda.select(*args)
+    finally:
+        indexer_cuda.grid_pays = pays
+
+
+# "csrc": the launcher's choice
+SELECTS = {"csrc": indexer_cuda.select, "csrc-grid": _grid_select, "csrc-tree": indexer_cuda.select_tree,
+           "triton": indexer_tt.select_tree}
 
 
 def _keys(kind: str, t: int, n: int, g: torch.Generator) -> torch.Tensor:
@@ -67,8 +84,10 @@ def _run(select, keys: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor
 
 @pytest.mark.parametrize("select", sorted(SELECTS))
 @pytest.mark.parametrize("kind", ["distinct", "few-values", "low-byte", "top-key", "sparse"])
-@pytest.mark.parametrize("n,k", [(300, 512), (1000, 64), (5000, 512), (40000, 512), (70000, 1024)],
-                         ids=["shorter-than-k", "one-chunk", "one-chunk-5000", "merge", "merge-top1024"])
+@pytest.mark.parametrize("n,k", [(300, 512), (1000, 64), (5000, 512), (40000, 512), (70000, 1024), (20000, 8192),
+                                 (262144, 512)],
+                         ids=["shorter-than-k", "one-chunk", "one-chunk-5000", "merge", "merge-top1024", "grid-max-k",
+                              "1m-positions"])
 def test_select_equals_a_stable_sort(select, kind, n, k):
     csrc.load()
     g = torch.Generator(device=DEV).manual_seed(n + k)
@@ -93,15 +112,56 @@ def test_two_merge_levels(select, monkeypatch):
     assert torch.equal(_run(SELECTS[select], keys, lens, k), _expected(keys, lens, k))
 
 
-def test_csrc_select_is_bitwise_deterministic():
+@pytest.mark.parametrize("select", ["csrc-grid", "csrc-tree"])
+def test_csrc_select_is_bitwise_deterministic(select):
     csrc.load()
     g = torch.Generator(device=DEV).manual_seed(3)
     n, k = 1 << 18, 512
     keys = _keys("few-values", 2, n, g)
     lens = torch.tensor([n, n // 3], device=DEV)
-    first = _run(indexer_cuda.select_tree, keys, lens, k)
+    first = _run(SELECTS[select], keys, lens, k)
     for _ in range(3):
-        assert torch.equal(_run(indexer_cuda.select_tree, keys, lens, k), first)
+        assert torch.equal(_run(SELECTS[select], keys, lens, k), first)
+
+
+def test_grid_select_over_a_full_gpu():
+    # As many tiles as CTAs fit at once (4 an SM; the launcher itself stops at 2): every CTA waits at
+    # the token barriers and look-backs while all others run. One token more is refused with an error.
+    csrc.load()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n, k = 16384, 512
+    t = 4 * sms // 4
+    g = torch.Generator(device=DEV).manual_seed(5)
+    keys = torch.cat([_keys("few-values", t // 2, n, g), _keys("distinct", t - t // 2, n, g)])
+    lens = torch.randint(0, n + 1, (t,), device=DEV, generator=g)
+    assert torch.equal(_run(_grid_select, keys, lens, k), _expected(keys, lens, k))
+    with pytest.raises(RuntimeError, match="exceed the resident CTAs"):
+        _run(_grid_select, torch.cat([keys, keys[:1]]), torch.cat([lens, lens[:1]]), k)
+
+
+def test_grid_select_replays_in_a_cuda_graph():
+    # The state words are zeroed by a memset node of each replay: new keys, the same graph, exact rows.
+    csrc.load()
+    g = torch.Generator(device=DEV).manual_seed(9)
+    t, n, k = 3, 40000, 512
+    row_words = ws.layout(n, k)[3]
+    work = torch.zeros(t * row_words, dtype=torch.int32, device=DEV)
+    lens = torch.tensor([n, 30000, 0], device=DEV)
+    pos = (lens - 1).clamp(min=0).to(torch.int32)
+    req = torch.where(lens > 0, 0, -1).to(torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    out = torch.full((t, k), 12345, dtype=torch.int32, device=DEV)
+    common = (pos, req, table, table, out, work, 0, table.stride(0), 0, 0, 1, out.stride(0), n, 1, 1, row_words)
+    _grid_select(t, n, k, 0, common, 2, 1)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _grid_select(t, n, k, 0, common, 2, 1)
+    for kind in ["distinct", "few-values", "top-key"]:
+        keys = _keys(kind, t, n, g)
+        work.view(t, row_words)[:, :n] = (keys - (keys >> 31 << 32)).to(torch.int32)
+        out.fill_(12345)
+        graph.replay()
+        assert torch.equal(out, _expected(keys, lens, k)), kind
 
 
 @pytest.mark.parametrize("select", sorted(SELECTS))

@@ -18,11 +18,11 @@
 
 #include "params.h"
 #include "rows.cuh"
+#include "select.cuh"
 
 namespace dsv4::indexer {
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kBins = 256;
 
 struct Shared {
@@ -130,18 +130,6 @@ __device__ void kth_key(const uint32_t (&key)[ITEMS], int k, Shared& sh, uint32_
   }
   T = prefix;
   take = sh.want;
-}
-
-// 32-bit entry arithmetic (entries < 2^31, checked by the host), shifts for a power-of-two page: the
-// 64-bit divisions this replaced ran ~70 instructions for each selected key of a warp's item slot.
-__device__ int32_t output_of(const SelectParams& p, int64_t t, int req, int col, int mode) {
-  if (mode == kBlocks) return col;
-  int e = col;
-  if (mode == kCandidateEntries) e = p.cand[t * p.cand_stride + col / p.cb] * p.cb + col % p.cb;
-  const bool pow2 = (p.block_size & (p.block_size - 1)) == 0;
-  const int page = pow2 ? e >> (__ffs(p.block_size) - 1) : e / p.block_size;
-  const int at = pow2 ? e & (p.block_size - 1) : e % p.block_size;
-  return p.block_table[req * p.bt_stride + page] * p.block_size + at;
 }
 
 // Selects the top min(k, nonzero keys) of the CTA's keys (thread i holds columns i * ITEMS ..,

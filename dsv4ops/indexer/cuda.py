@@ -1,7 +1,8 @@
 """sm_90 / sm_100 launcher of `dsv4::indexer_topk`: a scoring kernel writes each token's keys into the
-workspace, then the radix select of csrc/indexer/ picks the top k (one CTA per chunk of up to 16384
-keys, and per group of candidate lists in each merge level). Same arguments, workspace layout and
-results as the Triton launcher (dsv4ops/indexer/triton.py).
+workspace, then a radix select of csrc/indexer/ picks the top k: for a row of more than one 4096-key
+tile the grid select (topk_grid.cu: histogram levels and a look-back emit over many CTAs a token),
+else one CTA per chunk (topk_select.cu; also its tree of merges, kept for k > 8192). Same
+arguments, workspace layout and results as the Triton launcher (dsv4ops/indexer/triton.py).
 
 Scoring: on sm_90, the wgmma kernel of csrc/indexer/score.cu for V4's fp8_132 pages with e4m3
 queries; the Triton scoring kernel for every other case (and on sm_100: the C++ kernel's sm_100a
@@ -60,6 +61,27 @@ def score(q, weights, positions, req_slots, cache, block_table, cand, workspace,
     return True
 
 
+def grid_pays(tokens: int, n_row: int) -> bool:
+    """Whether the grid select (one 512-thread CTA a 4096-key tile of each token's row, all resident)
+    beats the chunk tree: at most 2 of its CTAs an SM. H100, V4-Flash CSA, whole op, grid / tree: 1 x 1M
+    (65 CTAs) 30.0 / 57.6 us, 32 x 64K (160) 54.0 / 57.6, 128 x 64K (384 CTAs of 8192-key tiles) 149.3 /
+    138.4: with several CTAs an SM its chain of barriers and L2 round trips stretches."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return tokens * -(-n_row // _ws.GRID_TILE) <= 2 * sms
+
+
+def select(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
+    """The selection hook of `triton.indexer_topk` (arguments as `select_tree`): the grid select where
+    the row holds its state and `grid_pays`, else `select_tree`."""
+    if not (_ws.has_grid(n_row, k) and grid_pays(n, n_row)):
+        select_tree(n, n_row, k, keys_at, common, mode, nc)
+        return
+    positions, req_slots, block_table, cand, out, workspace, t0 = common[:7]
+    n_entries, ratio, block_size, row_words = common[12:16]
+    torch.ops.dsv4_csrc.topk_grid(positions, req_slots, block_table, cand, out, workspace, t0, n, row_words, keys_at,
+                                  n_row, n_entries, ratio, block_size, common[10], mode)
+
+
 def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
     """`triton.select_tree` with the C++ kernel: same workspace layout, launches and results. `common`
     is the tuple triton.indexer_topk builds: (positions, req_slots, block_table, cand, out, workspace,
@@ -86,4 +108,4 @@ def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx
     """Launcher of `dsv4::indexer_topk` (same arguments)."""
     csrc.load()
     _triton.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
-                         ratio, cand_block, fmt, select=select_tree, score=score)
+                         ratio, cand_block, fmt, select=select, score=score)

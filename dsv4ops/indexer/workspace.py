@@ -4,7 +4,9 @@ so the cache can size and account for it anywhere).
 One row per token of a launch: the uint32 key of each scored column (the request's n_entries
 entries; with V4.1's `cand`, the candidate blocks' cand_blocks x cand_block columns); when a row is
 longer than one chunk, then the candidate lists [count, k entries, k keys] of its chunks, and of
-the merge levels (two regions used in turn: see `merge_regions`). With `cand_out` (V4.1's candidate
+the merge levels (two regions used in turn: see `merge_regions`); when a row is longer than one grid
+tile, the same words after the keys also hold the grid select's state (`grid_words`: whichever of
+the two is longer sets the row's size; a launch uses one of them). With `cand_out` (V4.1's candidate
 source) the row continues with the same layout over block keys (one per cand_block entries, top
 `keep`): see `layout`."""
 
@@ -29,6 +31,24 @@ def chunk(n_entries: int, k: int) -> int:
     return c
 
 
+# The grid select (csrc/indexer/topk_grid.cu, params.h GridParams): rows of more than one GRID_TILE
+# keys and k <= GRID_MAX_K; per row GRID_STATE words (histograms of 2048 + 2048 + 1024 bins, three
+# counters, a list of 4096 candidate keys) and a look-back word a tile.
+GRID_TILE = 4096
+GRID_STATE = 2051 + 3072 + 4096
+GRID_MAX_K = 8192
+
+
+def has_grid(n_entries: int, k: int) -> bool:
+    """Whether a row of n_entries keys holds the grid select's state (so it may use that select)."""
+    return n_entries > GRID_TILE and k <= GRID_MAX_K
+
+
+def grid_words(n_entries: int) -> int:
+    """The grid select's state words after a row of n_entries keys."""
+    return GRID_STATE + -(-n_entries // GRID_TILE)
+
+
 def merge_group(k: int) -> int:
     """Candidate lists one merge program selects from: as many k-lists as fit MERGE_BLOCK, at least 2."""
     return max(2, MERGE_BLOCK // k)
@@ -45,10 +65,13 @@ def merge_regions(n_entries: int, k: int) -> tuple[int, int, int]:
 def row_words(n_entries: int, k: int) -> int:
     """int32 words of one token's row."""
     chunks = -(-n_entries // chunk(n_entries, k))
-    if chunks == 1:
-        return n_entries
-    a, b, lst = merge_regions(n_entries, k)
-    return b + -(-chunks // merge_group(k)) * lst
+    words = n_entries
+    if chunks > 1:
+        a, b, lst = merge_regions(n_entries, k)
+        words = b + -(-chunks // merge_group(k)) * lst
+    if has_grid(n_entries, k):
+        words = max(words, n_entries + grid_words(n_entries))
+    return words
 
 
 def merge_levels(n_entries: int, k: int) -> list[tuple[int, int, int]]:
