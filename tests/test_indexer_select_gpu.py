@@ -2,10 +2,12 @@
 select of rows longer than a 4096-key tile, the one-CTA-a-chunk tree) and the Triton select they replace there, on keys written straight into the workspace, against an independent
 formulation (a stable sort by key, then by column). Key sets built to stress a radix select: every key
 distinct, few distinct values (ties across the k-th), keys differing only in their lowest byte, the
-top key 0xffffffff, most keys 0 (no entry), rows shorter than k, padding tokens; one chunk, chunks
+top key 0xffffffff, most keys 0 (no entry), k-th key tied within a small bin, rows shorter than k,
+padding tokens; one chunk, chunks
 with one merge, and small chunks forcing two merge levels; grid rows of 1 to 64 tiles, a launch of
 as many tiles as the GPU holds at once, and the grid's largest k (the grid select's candidate list
-serves the spread kinds, its global levels the bunched ones: few-values, low-byte). Outputs poisoned before each call."""
+serves the spread kinds, ranked in one warp for rank-ties, its global levels the bunched ones:
+few-values, low-byte). Outputs poisoned before each call."""
 
 import pytest
 import torch
@@ -52,6 +54,12 @@ def _keys(kind: str, t: int, n: int, g: torch.Generator) -> torch.Tensor:
         return torch.where(rand(0, 8) == 0, 0xFFFFFFFF, rand(1, 1 << 32))
     if kind == "sparse":
         return torch.where(rand(0, 64) == 0, rand(1, 1 << 32), 0)
+    if kind == "rank-ties":  # 500 keys in 100 high bins, 20 equal keys in one lower bin, the rest low
+        m = min(520, n)
+        j = torch.arange(m, device=DEV)
+        planted = torch.where(j < 500, (2047 - j % 100) << 21 | j, 1900 << 21 | 77).expand(t, -1)
+        cols = torch.argsort(torch.rand(t, n, device=DEV, generator=g), dim=1)[:, :m]
+        return rand(1, 1 << 30).scatter(1, cols, planted)
     raise KeyError(kind)
 
 
@@ -83,7 +91,7 @@ def _run(select, keys: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor
 
 
 @pytest.mark.parametrize("select", sorted(SELECTS))
-@pytest.mark.parametrize("kind", ["distinct", "few-values", "low-byte", "top-key", "sparse"])
+@pytest.mark.parametrize("kind", ["distinct", "few-values", "low-byte", "top-key", "sparse", "rank-ties"])
 @pytest.mark.parametrize("n,k", [(300, 512), (1000, 64), (5000, 512), (40000, 512), (70000, 1024), (20000, 8192),
                                  (262144, 512)],
                          ids=["shorter-than-k", "one-chunk", "one-chunk-5000", "merge", "merge-top1024", "grid-max-k",
