@@ -1,13 +1,12 @@
 """GPU (sm_90): the radix top-k selects of csrc/indexer/ (launcher dsv4ops/indexer/cuda.py: the grid
-select of rows longer than a 4096-key tile, the one-CTA-a-chunk tree) and the Triton select they replace there, on keys written straight into the workspace, against an independent
-formulation (a stable sort by key, then by column). Key sets built to stress a radix select: every key
-distinct, few distinct values (ties across the k-th), keys differing only in their lowest byte, the
-top key 0xffffffff, most keys 0 (no entry), k-th key tied within a small bin, rows shorter than k,
-padding tokens; one chunk, chunks
-with one merge, and small chunks forcing two merge levels; grid rows of 1 to 64 tiles, a launch of
+select of rows longer than a 4096-key tile, the one-CTA-a-chunk tree) and the Triton select they
+replace there, on keys written straight into the workspace, against an independent formulation (a
+stable sort by key, then by column). Key sets built to stress a radix select: every key distinct,
+few distinct values (ties across the k-th), keys differing only in their lowest byte, the top key
+0xffffffff, most keys 0 (no entry), the k-th key tied within a small bin, rows shorter than k,
+padding tokens; one chunk, chunks with one merge, and small chunks forcing two merge levels; grid rows of 1 to 64 tiles, a launch of
 as many tiles as the GPU holds at once, and the grid's largest k (the grid select's candidate list
-serves the spread kinds, ranked in one warp for rank-ties, its global levels the bunched ones:
-few-values, low-byte). Outputs poisoned before each call."""
+serves the spread kinds and rank-ties, its global levels the bunched ones: few-values, low-byte). Outputs poisoned before each call."""
 
 import pytest
 import torch
@@ -54,10 +53,15 @@ def _keys(kind: str, t: int, n: int, g: torch.Generator) -> torch.Tensor:
         return torch.where(rand(0, 8) == 0, 0xFFFFFFFF, rand(1, 1 << 32))
     if kind == "sparse":
         return torch.where(rand(0, 64) == 0, rand(1, 1 << 32), 0)
-    if kind == "rank-ties":  # 500 keys in 100 high bins, 20 equal keys in one lower bin, the rest low
-        m = min(520, n)
+    if kind == "rank-ties":
+        # 500 keys in 100 high bins; in one lower bin 5 keys, then 20 equal keys (the 512th largest
+        # is the 12th of the bin: 7 of the 20 are taken), then 5; the rest low
+        m = min(530, n)
         j = torch.arange(m, device=DEV)
-        planted = torch.where(j < 500, (2047 - j % 100) << 21 | j, 1900 << 21 | 77).expand(t, -1)
+        planted = torch.where(j < 500, (2047 - j % 100) << 21 | j,
+                              torch.where(j < 505, 1900 << 21 | (200 + j), torch.where(j < 525, 1900 << 21 | 77,
+                                                                                       1900 << 21 | (j - 520))))
+        planted = planted.expand(t, -1)
         cols = torch.argsort(torch.rand(t, n, device=DEV, generator=g), dim=1)[:, :m]
         return rand(1, 1 << 30).scatter(1, cols, planted)
     raise KeyError(kind)

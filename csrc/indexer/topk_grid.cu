@@ -10,11 +10,10 @@
 // its row (kItems keys a thread, loaded once) and:
 //   1. adds its nonzero keys' top 11 bits to the token's global histogram; after a barrier of the
 //      token's CTAs, each reads it and finds T's bin and the keys still wanted there;
-//   2. unless T's bin is taken whole: when it holds at most kGridCand keys (the usual case), appends
-//      its keys of the bin to the token's candidate list; after a second barrier every CTA loads the
-//      list and finds T from it alone (ranks in one warp up to 32 keys, else two shared-memory
-//      histogram levels). Otherwise two more global levels as in 1 (bits 20..10, then 9..0 of the
-//      keys sharing T's bits so far);
+//   2. when that bin holds at most kGridCand keys (the usual case), appends its keys of the bin to
+//      the token's candidate list; after a second barrier every CTA loads the list and finds T's
+//      lower 21 bits from it alone (two shared-memory histogram levels). Otherwise two more global
+//      levels as in 1 (bits 20..10, then 9..0 of the keys sharing T's bits so far);
 //   3. counts its keys above T and equal to T, learns the counts of the tiles before it by a
 //      decoupled look-back, and writes its selected keys' outputs at their final positions.
 // No atomic decides a position: the result is bitwise deterministic.
@@ -214,32 +213,6 @@ __device__ void cand_histogram(int m, int level, Shared& sh) {
   __syncthreads();
 }
 
-// T from at most 32 candidates (sh.cand, T's bin): lane i's candidate is T if fewer than want
-// candidates are above it and at least want at or above it. One warp and ~m shared-memory reads a
-// lane, in place of two histogram levels (H100, 1 x 1M positions: ~4200 cycles of the CTA's ~26000).
-__device__ void rank_candidates(int m, Shared& sh) {
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x, want = sh.want;
-    const uint32_t x = lane < m ? sh.cand[lane] : 0u;
-    int above = 0, at_or_above = 0;
-    for (int j = 0; j < m; ++j) {
-      const uint32_t y = sh.cand[j];
-      above += y > x;
-      at_or_above += y >= x;
-    }
-    const unsigned is_t = __ballot_sync(kFull, lane < m && above < want && want <= at_or_above);
-    const int src = __ffs(is_t) - 1;
-    const uint32_t T = __shfl_sync(kFull, x, src);
-    const int take = want - __shfl_sync(kFull, above, src);
-    if (lane == 0) {
-      sh.T = T;
-      sh.take = take;
-      sh.resolved = true;
-    }
-  }
-  __syncthreads();
-}
-
 // T's digit of `level` from a complete histogram (the token's global one: L2Counts; or sh.hist).
 // Every thread calls it.
 template <typename H>
@@ -338,13 +311,9 @@ __global__ void __launch_bounds__(kThreads, 4) grid_select_kernel(const GridPara
     const int m = sh.bin_count;
     for (int i = threadIdx.x; i < m; i += kThreads) sh.cand[i] = __ldcg(list + i);
     __syncthreads();
-    if (m <= 32) {
-      rank_candidates(m, sh);
-    } else {
-      for (int level = 1; !sh.resolved; ++level) {
-        cand_histogram(m, level, sh);
-        resolve(level, sh.hist, sh);
-      }
+    for (int level = 1; !sh.resolved; ++level) {
+      cand_histogram(m, level, sh);
+      resolve(level, sh.hist, sh);
     }
   } else {
     for (int level = 1; !sh.resolved; ++level) {
