@@ -4,9 +4,10 @@ replace there, on keys written straight into the workspace, against an independe
 stable sort by key, then by column). Key sets built to stress a radix select: every key distinct,
 few distinct values (ties across the k-th), keys differing only in their lowest byte, the top key
 0xffffffff, most keys 0 (no entry), the k-th key tied within a small bin, rows shorter than k,
-padding tokens; one chunk, chunks with one merge, and small chunks forcing two merge levels; grid rows of 1 to 64 tiles, a launch of
-as many tiles as the GPU holds at once, and the grid's largest k (the grid select's candidate list
-serves the spread kinds and rank-ties, its global levels the bunched ones: few-values, low-byte). Outputs poisoned before each call."""
+padding tokens; one chunk, chunks with one merge, and small chunks forcing two merge levels; grid
+rows of 1 to 64 tiles, a launch of as many tiles as the GPU holds at once, a CUDA-graph replay, and
+the grid's largest k (its candidate list serves the spread kinds and rank-ties, its global levels
+the bunched ones: few-values, low-byte). Outputs poisoned before each call."""
 
 import pytest
 import torch
