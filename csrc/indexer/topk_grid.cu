@@ -10,10 +10,12 @@
 // its row (kItems keys a thread, loaded once) and:
 //   1. adds its nonzero keys' top 11 bits to the token's global histogram; after a barrier of the
 //      token's CTAs, each reads it and finds T's bin and the keys still wanted there;
-//   2. when that bin holds at most kGridCand keys (the usual case), appends its keys of the bin to
-//      the token's candidate list; after a second barrier every CTA loads the list and finds T's
-//      lower 21 bits from it alone (two shared-memory histogram levels). Otherwise two more global
-//      levels as in 1 (bits 20..10, then 9..0 of the keys sharing T's bits so far);
+//   2. unless that bin is taken whole (then T = its lowest key - 1, no tie to break): when it holds
+//      at most kGridCand keys (the usual case; 200-450 in the bench at 64K and 1M), appends its
+//      keys of the bin to the token's candidate list; after a second barrier every CTA loads the
+//      list and finds T's lower 21 bits from it alone (two shared-memory histogram levels).
+//      Otherwise two more global levels as in 1 (bits 20..10, then 9..0 of the keys sharing T's
+//      bits so far);
 //   3. counts its keys above T and equal to T, learns the counts of the tiles before it by a
 //      decoupled look-back, and writes its selected keys' outputs at their final positions.
 // No atomic decides a position: the result is bitwise deterministic.
