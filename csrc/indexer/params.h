@@ -28,18 +28,21 @@ struct RowParams {
   int n_cand, cb, n_entries, ratio, block_size;
 };
 
-struct SelectParams : RowParams {
+// What both selects write and read besides the token's row: the final rows, the row's keys, k.
+struct SelectRowParams : RowParams {
   int32_t* out;  // [tokens, k] final rows
   int64_t out_stride;
-  int64_t keys_at;  // chunk pass: the row's keys; merge pass: unused
-  int64_t in_at;    // merge pass: the lists it reads; chunk pass: where its lists go
-  int64_t out_at;   // merge pass: where its lists go
-  int level;        // -1: the chunk pass; >= 0: merge level
+  int64_t keys_at;  // the row's keys (the tree's merge passes: unused)
   int k;
-  int chunk;  // keys per chunk (a power of two)
-  int group;  // lists per merge program
 };
 
+struct SelectParams : SelectRowParams {
+  int64_t in_at;   // merge pass: the lists it reads; chunk pass: where its lists go
+  int64_t out_at;  // merge pass: where its lists go
+  int level;       // -1: the chunk pass; >= 0: merge level
+  int chunk;       // keys per chunk (a power of two)
+  int group;       // lists per merge program
+};
 // The grid select (topk_grid.cu) of a row of more than one tile. Its state words per token row, at
 // state_at: level 0's histogram (2048 bins), the barrier arrivals, the candidate count, the nonzero
 // keys' count, a look-back
@@ -52,15 +55,10 @@ constexpr int kGridHead = 2051;     // level 0's histogram, barrier arrivals, ca
 constexpr int kGridLevels12 = 3072;  // level 1's and level 2's histograms
 constexpr int kMaxGridK = 8192;  // the look-back words hold counts below 2^15
 
-struct GridParams : RowParams {
-  int32_t* out;  // [tokens, k] final rows
-  int64_t out_stride;
-  int64_t keys_at;  // the row's keys
+struct GridParams : SelectRowParams {
   int64_t state_at;
   int zero_words;  // kGridHead + 4096-key tiles of the longest row
-  int k;
 };
-
 // Arguments of the scoring kernel (score.cu): V4's fp8_132 key pages (per page: block_size entries of 128
 // e4m3 codes, then their block_size fp32 power-of-two scales) and e4m3 queries (the UE8M0 scale of
 // each (token, head) folded into its weight by `dsv4::indexer_q_prep`). The keys go to the start of

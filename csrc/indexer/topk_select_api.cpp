@@ -46,6 +46,20 @@ int64_t check_select(const at::Tensor& positions, const at::Tensor& req_slots, c
   return out.size(1);
 }
 
+SelectRowParams select_row_params(const at::Tensor& positions, const at::Tensor& req_slots,
+                                  const at::Tensor& block_table, const at::Tensor& cand, at::Tensor& out,
+                                  at::Tensor& workspace, int64_t t0, int64_t row_words, int64_t keys_at, int64_t n_entries,
+                                  int64_t ratio, int64_t block_size, int64_t cand_block, int64_t mode) {
+  SelectRowParams p{};
+  static_cast<RowParams&>(p) = row_params(positions, req_slots, block_table, cand, workspace, t0, row_words, n_entries,
+                                          ratio, block_size, cand_block, mode);
+  p.out = out.mutable_data_ptr<int32_t>();
+  p.out_stride = out.stride(0);
+  p.keys_at = keys_at;
+  p.k = static_cast<int>(out.size(1));
+  return p;
+}
+
 }  // namespace
 
 void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, const at::Tensor& block_table,
@@ -73,15 +87,12 @@ void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, 
 
   const c10::cuda::CUDAGuard guard(out.device());
   SelectParams p{};
-  static_cast<RowParams&>(p) = row_params(positions, req_slots, block_table, cand, workspace, t0, row_words, n_entries,
-                                          ratio, block_size, cand_block, mode);
-  p.out = out.mutable_data_ptr<int32_t>();
-  p.out_stride = out.stride(0);
-  p.keys_at = keys_at;
+  static_cast<SelectRowParams&>(p) = select_row_params(positions, req_slots, block_table, cand, out, workspace, t0,
+                                                       row_words, keys_at, n_entries, ratio, block_size, cand_block,
+                                                       mode);
   p.in_at = in_at;
   p.out_at = out_at;
   p.level = static_cast<int>(level);
-  p.k = static_cast<int>(k);
   p.chunk = static_cast<int>(chunk);
   p.group = static_cast<int>(group);
   launch_select(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(programs),
@@ -114,14 +125,11 @@ void topk_grid_cuda(const at::Tensor& positions, const at::Tensor& req_slots, co
   DSV4_CHECK(tokens * ctas <= static_cast<int64_t>(grid_ctas_per_sm()) * sms, "tokens x tiles: ", tokens, " x ", ctas,
              " CTAs exceed the resident CTAs of the GPU");
   GridParams p{};
-  static_cast<RowParams&>(p) = row_params(positions, req_slots, block_table, cand, workspace, t0, row_words, n_entries,
-                                          ratio, block_size, cand_block, mode);
-  p.out = out.mutable_data_ptr<int32_t>();
-  p.out_stride = out.stride(0);
-  p.keys_at = keys_at;
+  static_cast<SelectRowParams&>(p) = select_row_params(positions, req_slots, block_table, cand, out, workspace, t0,
+                                                       row_words, keys_at, n_entries, ratio, block_size, cand_block,
+                                                       mode);
   p.state_at = keys_at + n_row;
   p.zero_words = static_cast<int>(zero_words);
-  p.k = static_cast<int>(k);
   launch_grid_select(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(ctas),
                      c10::cuda::getCurrentCUDAStream(out.get_device()).stream());
 }
