@@ -2,7 +2,8 @@
 themselves to the `dsv4::gate_topk` / `dsv4::hash_route` CUDA dispatch key; the sm_90 sparse
 attention kernel is `dsv4_csrc::sparse_attn`, called by dsv4ops/sparse_attn/cuda.py, and the
 indexer's scoring and top-k selects `dsv4_csrc::topk_score` / `dsv4_csrc::topk_select` /
-`dsv4_csrc::topk_grid`, called by dsv4ops/indexer/cuda.py. Nothing else is registered here; a failure raises (no silent fallback)."""
+`dsv4_csrc::topk_grid`, called by dsv4ops/indexer/cuda.py. Nothing else is registered here; a
+failure raises (no silent fallback)."""
 
 import functools
 import os

@@ -1,8 +1,9 @@
 """sm_90 / sm_100 launcher of `dsv4::indexer_topk`: a scoring kernel writes each token's keys into the
-workspace, then a radix select of csrc/indexer/ picks the top k: for a row of more than one 4096-key
-tile the grid select (topk_grid.cu: histogram levels and a look-back emit over many CTAs a token),
-else one CTA per chunk (topk_select.cu; also its tree of merges, kept for k > 8192). Same
-arguments, workspace layout and results as the Triton launcher (dsv4ops/indexer/triton.py).
+workspace, then a radix select of csrc/indexer/ picks the top k: the grid select (topk_grid.cu: a
+token's 4096-key tiles on as many resident CTAs, histogram levels and a look-back emit) for rows of
+more than one tile in launches it pays for (`grid_pays`), else the chunk tree (topk_select.cu: one
+CTA per chunk of up to 16384 keys, then merges of their lists). Same arguments, workspace layout
+and results as the Triton launcher (dsv4ops/indexer/triton.py).
 
 Scoring: on sm_90, the wgmma kernel of csrc/indexer/score.cu for V4's fp8_132 pages with e4m3
 queries; the Triton scoring kernel for every other case (and on sm_100: the C++ kernel's sm_100a
@@ -64,8 +65,9 @@ def score(q, weights, positions, req_slots, cache, block_table, cand, workspace,
 def grid_pays(tokens: int, n_row: int) -> bool:
     """Whether the grid select (one 512-thread CTA a 4096-key tile of each token's row, all resident)
     beats the chunk tree: at most 2 of its CTAs an SM. H100, V4-Flash CSA, whole op, grid / tree: 1 x 1M
-    (65 CTAs) 30.0 / 57.6 us, 32 x 64K (160) 54.0 / 57.6, 128 x 64K (384 CTAs of 8192-key tiles) 149.3 /
-    138.4: with several CTAs an SM its chain of barriers and L2 round trips stretches."""
+    (65 CTAs) 29.6 / 57.0 us, 32 x 64K (160) 53.0 / 56.5. At 128 x 64K its 640 CTAs do not fit the
+    GPU at once, and a variant of 8192-key tiles (384 CTAs, 3 an SM) took 149.3 / 138.4: with several
+    CTAs an SM its chain of barriers and L2 round trips stretches."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return tokens * -(-n_row // _ws.GRID_TILE) <= 2 * sms
 
