@@ -494,3 +494,31 @@ def test_reindex_scores_only_the_candidate_entries(keep, monkeypatch):
     for i in range(6):
         want = [_slot(table, bs, e) for e in _best(scores[i], pools[i], 8)]
         assert args["idx_out"][i].tolist() == want + [-1] * (8 - len(want)), i
+
+
+# ---- the top-k workspace -----------------------------------------------------------------------
+def _params_h() -> dict:
+    """The integer constants of csrc/indexer/params.h by name."""
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).resolve().parents[1] / "csrc" / "indexer" / "params.h").read_text()
+    return {m[1]: int(m[2]) for m in re.finditer(r"constexpr int (\w+) = (\d+);", text)}
+
+
+def test_workspace_rows_hold_the_grid_select_state():
+    # The Python sizing (cache config, op checks) and the C++ grid select's layout agree, and a row
+    # longer than one tile has room for both selects' words after its keys; a shorter row is unchanged.
+    from dsv4ops.indexer import workspace as ws
+    h = _params_h()
+    assert (ws.GRID_TILE, ws.GRID_MAX_K) == (h["kGridTile"], h["kMaxGridK"])
+    assert ws.GRID_STATE == h["kGridHead"] + h["kGridLevels12"] + h["kGridCand"]
+    for n, k in [(300, 512), (4096, 512), (4097, 512), (16448, 512), (40000, 1024), (262144, 512), (20000, 8192),
+                 (40000, 8193)]:
+        chunks = -(-n // ws.chunk(n, k))
+        a, b, lst = ws.merge_regions(n, k)
+        tree_end = n if chunks == 1 else b + -(-chunks // ws.merge_group(k)) * lst  # the last merge list's end
+        grid = n > h["kGridTile"] and k <= h["kMaxGridK"]
+        assert ws.has_grid(n, k) == grid
+        # the C++ host check: keys, then kGridHead + one word a tile + levels 1, 2 + candidates
+        grid_end = n + h["kGridHead"] + -(-n // h["kGridTile"]) + h["kGridLevels12"] + h["kGridCand"] if grid else 0
+        assert ws.row_words(n, k) == max(tree_end, grid_end), (n, k)
