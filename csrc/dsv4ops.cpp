@@ -31,8 +31,8 @@ TORCH_LIBRARY(dsv4_csrc, m) {
       "int programs, int n_entries, int ratio, int block_size, int cand_block, int chunk, int group, int mode) -> ()");
   m.def(
       "topk_grid(Tensor positions, Tensor req_slots, Tensor block_table, Tensor cand, Tensor(a!) out, "
-      "Tensor(b!) workspace, int t0, int tokens, int row_words, int keys_at, int n_row, int n_entries, int ratio, "
-      "int block_size, int cand_block, int mode) -> ()");
+      "Tensor(b!) workspace, int t0, int tokens, int row_words, int keys_at, int n_row, int ctas, int n_entries, "
+      "int ratio, int block_size, int cand_block, int mode) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsv4_csrc, CUDA, m) {

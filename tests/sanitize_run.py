@@ -86,18 +86,21 @@ def _fp8_pool(blocks: int, dim: int, fmt: str) -> torch.Tensor:
 
 
 def topk():
-    """Visible entries 40 (one chunk), 40000 with k = 512 (the grid select: 10 tiles), and 40000 again
-    through the chunk tree with 1024-key chunks and merge groups of 4 (40 lists -> 10 -> 3 -> 1: three
-    merge levels); two tokens of 64 heads (on sm_90 the wgmma scoring kernel), one of them padding;
-    the 40000-entry rows also restricted to candidate blocks (V4.1's reindex columns)."""
+    """Visible entries 40 (one chunk), 40000 with k = 512 (the grid select: 10 tiles, one CTA a tile,
+    then two CTAs of 5 tiles), and 40000 again through the chunk tree with 1024-key chunks and merge
+    groups of 4 (40 lists -> 10 -> 3 -> 1: three merge levels); two tokens of 64 heads (on sm_90 the
+    wgmma scoring kernel), one of them padding; the 40000-entry rows also restricted to candidate
+    blocks (V4.1's reindex columns)."""
     from dsv4ops.indexer import cuda as indexer_cuda
     from dsv4ops.indexer import workspace
 
     default = workspace.CHUNK, workspace.MERGE_BLOCK
-    grid_pays = indexer_cuda.grid_pays
-    for visible, k, sizes in ((40, 8, default), (40000, 512, default), (40000, 512, (1024, 2048))):
+    select, grid_ctas = indexer_cuda.select, indexer_cuda.grid_ctas
+    for visible, k, sizes, ctas in ((40, 8, default, None), (40000, 512, default, None), (40000, 512, default, 2),
+                                    (40000, 512, (1024, 2048), None)):
         workspace.CHUNK, workspace.MERGE_BLOCK = sizes
-        indexer_cuda.grid_pays = grid_pays if sizes == default else lambda tokens, n_row: False
+        indexer_cuda.select = select if sizes == default else indexer_cuda.select_tree
+        indexer_cuda.grid_ctas = grid_ctas if ctas is None else lambda tokens, n_row, device, c=ctas: c
         blocks = -(-visible // 64)
         cache = _fp8_pool(blocks, 128, "fp8_132")
         table = torch.randperm(blocks, device=DEV).to(I32)[None]
@@ -106,7 +109,7 @@ def topk():
         req = torch.tensor([0, -1], dtype=I32, device=DEV)
         q8, w8 = indexer_q_prep(q, w, pos, testing.rope_table(64).to(DEV), fmt="fp8_132")
         indexer_topk(q8, w8, pos, req, cache, table, k, 4, "fp8_132")
-        path = "grid" if sizes == default and visible > workspace.GRID_TILE else \
+        path = f"grid, {ctas or 'a CTA a tile'}" if sizes == default and visible > workspace.GRID_TILE else \
             f"{len(workspace.merge_levels(visible, k))} merge levels"
         say(f"indexer_topk, {visible} visible entries, k {k}, {path}")
         if visible > k:
@@ -114,7 +117,7 @@ def topk():
             indexer_topk(q8, w8, pos, req, cache, table, k, 4, "fp8_132", cand=cand, cand_block=16)
             say(f"indexer_topk, {cand.shape[1]} candidate blocks of 16 entries, k {k}")
     workspace.CHUNK, workspace.MERGE_BLOCK = default
-    indexer_cuda.grid_pays = grid_pays
+    indexer_cuda.select, indexer_cuda.grid_ctas = select, grid_ctas
 
 
 def attention():

@@ -24,7 +24,7 @@ def test_attention_case_core_is_the_layer_step(kind, monkeypatch):
         y_core = grouped_output(case.o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, model.o_groups)
     torch.testing.assert_close(y_core, y_layer, rtol=0, atol=0)
     ops = [r["op"] for r in rows]
-    expect = {SLIDING: 3, CSA: 7, HCA: 4}[kind]
+    expect = {SLIDING: 3, CSA: 7, HCA: 5}[kind]
     assert len([r for r in rows if "reference_us" in r]) == expect
     assert ops[-3:] == ["attention core (all ops)", "projection GEMMs + norms (layer - core)", "whole layer"]
     assert all(r["pct_ceiling"] > 0 for r in rows if "pct_ceiling" in r)
@@ -38,10 +38,11 @@ def test_case_shapes_from_the_command_line():
 
     from dsv4ops.bench.cli import parse_case
 
-    assert parse_case("csa:128x4K") == (CSA, 128, 4096, 1)
-    assert parse_case("SWA:1x4096:4K") == (SLIDING, 1, 4096, 4096)
-    assert parse_case("hca:32x1M") == (HCA, 32, 1 << 20, 1)
-    for bad in ("mla:1x4K", "csa:128", "csa:0x4K", "csa:1x4K:8K", "csa:1x4Q"):
+    assert parse_case("csa:128x4K") == (CSA, 128, 4096, 1, None)
+    assert parse_case("SWA:1x4096:4K") == (SLIDING, 1, 4096, 4096, None)
+    assert parse_case("hca:32x1M") == (HCA, 32, 1 << 20, 1, None)
+    assert parse_case("csa:128x4K@1M") == (CSA, 128, 4096, 1, 1 << 20)
+    for bad in ("mla:1x4K", "csa:128", "csa:0x4K", "csa:1x4K:8K", "csa:1x4Q", "csa:1x4K@4K", "csa:1x4K@"):
         with pytest.raises(argparse.ArgumentTypeError, match=r"expected"):
             parse_case(bad)
 
@@ -54,11 +55,14 @@ def test_run_takes_the_given_cases(monkeypatch):
     monkeypatch.setattr(attention, "Case", functools.partial(attention.Case, device="cpu"))
     seen = []
     with torch.no_grad():
-        rows = attention.run(cases=[(HCA, 2, 300, 1), (SLIDING, 1, 40, 40)], model=DSV4AttentionConfig.tiny(),
-                             progress=seen.append)
+        rows = attention.run(cases=[(HCA, 2, 300, 1, 32768), (SLIDING, 1, 40, 40, None)],
+                             model=DSV4AttentionConfig.tiny(), progress=seen.append)
     assert rows == seen
-    shapes = {(r["layer"], r["batch"], r["context"], r["tokens"]) for r in rows}
-    assert shapes == {(HCA, 2, 300, 1), (SLIDING, 1, 40, 40)}
+    shapes = {(r["layer"], r["batch"], r["context"], r["max_context"], r["tokens"]) for r in rows}
+    assert shapes == {(HCA, 2, 300, 32768, 1), (SLIDING, 1, 40, 80, 40)}
+    # The HCA key list is as wide as max_context allows: 2 tokens x 32768 / ratio int32 entries.
+    hca_keys = next(r for r in rows if r["layer"] == HCA and r["op"] == "visible_entries")
+    assert hca_keys["GB/s"] * 1e9 * 4e-6 == pytest.approx(2 * 32768 // DSV4AttentionConfig.tiny().hca_ratio * 4)
     assert not any("transformers" in r["op"] for r in rows)  # explicit cases: no baselines
 
 

@@ -1,13 +1,15 @@
 """GPU (sm_90): the radix top-k selects of csrc/indexer/ (launcher dsv4ops/indexer/cuda.py: the grid
-select of rows longer than a 4096-key tile, the one-CTA-a-chunk tree) and the Triton select they
-replace there, on keys written straight into the workspace, against an independent formulation (a
-stable sort by key, then by column). Key sets built to stress a radix select: every key distinct,
-few distinct values (ties across the k-th), keys differing only in their lowest byte, the top key
-0xffffffff, most keys 0 (no entry), the k-th key tied within a small bin, rows shorter than k,
-padding tokens; one chunk, chunks with one merge, and small chunks forcing two merge levels; grid
-rows of 1 to 64 tiles, a launch of as many tiles as the GPU holds at once, a CUDA-graph replay, and
-the grid's largest k (its candidate list serves the spread kinds and rank-ties, its global levels
-the bunched ones: few-values, low-byte). Outputs poisoned before each call."""
+select of rows longer than a 4096-key tile, with one CTA a tile, two CTAs of several tiles, or one
+CTA walking the row; the one-CTA-a-chunk tree) and the Triton select they replace there, on keys
+written straight into the workspace, against an independent formulation (a stable sort by key, then
+by column). Key sets built to stress a radix select: every key distinct, few distinct values (ties
+across the k-th), keys differing only in their lowest byte, the top key 0xffffffff, most keys 0 (no
+entry), the k-th key tied within a small bin, rows shorter than k, padding tokens; one chunk, chunks
+with one merge, and small chunks forcing two merge levels; grid rows of 1 to 64 tiles (and rows of
+one live tile in a wider launch), a launch of as many tiles as the GPU holds at once, CUDA-graph
+replays with new row lengths, and the grid's largest k (its candidate list serves the spread kinds
+and rank-ties, its global levels the bunched ones: few-values, low-byte). Outputs poisoned before
+each call."""
 
 import pytest
 import torch
@@ -24,20 +26,28 @@ pytestmark = [pytest.mark.gpu,
 DEV = "cuda"
 
 
-def _grid_select(*args):
-    """indexer_cuda.select taking the grid select wherever the row holds its state (the launcher
-    itself also weighs the launch's size: grid_pays)."""
-    pays = indexer_cuda.grid_pays
-    indexer_cuda.grid_pays = lambda tokens, n_row: True
-    try:
-        indexer_cuda.select(*args)
-    finally:
-        indexer_cuda.grid_pays = pays
+def _grid(ctas):
+    """indexer_cuda.select with the grid select's CTAs a token fixed ("fit": one a 4096-key tile, as
+    many as 2 an SM hold over the launch, each then holding one tile or more; a number: that many,
+    capped at the tiles) instead of the launcher's `grid_ctas`; rows of one tile still take the tree."""
+    def run(*args):
+        launcher = indexer_cuda.grid_ctas
+
+        def fixed(tokens, n_row, device):
+            tiles = -(-n_row // ws.GRID_TILE)
+            fit = 2 * torch.cuda.get_device_properties(device).multi_processor_count // tokens
+            return max(1, min(tiles, fit if ctas == "fit" else ctas))
+        indexer_cuda.grid_ctas = fixed
+        try:
+            indexer_cuda.select(*args)
+        finally:
+            indexer_cuda.grid_ctas = launcher
+    return run
 
 
 # "csrc": the launcher's choice
-SELECTS = {"csrc": indexer_cuda.select, "csrc-grid": _grid_select, "csrc-tree": indexer_cuda.select_tree,
-           "triton": indexer_tt.select_tree}
+SELECTS = {"csrc": indexer_cuda.select, "csrc-grid": _grid("fit"), "csrc-grid-2": _grid(2), "csrc-grid-1": _grid(1),
+           "csrc-tree": indexer_cuda.select_tree, "triton": indexer_tt.select_tree}
 
 
 def _keys(kind: str, t: int, n: int, g: torch.Generator) -> torch.Tensor:
@@ -104,9 +114,11 @@ def _run(select, keys: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor
 def test_select_equals_a_stable_sort(select, kind, n, k):
     csrc.load()
     g = torch.Generator(device=DEV).manual_seed(n + k)
-    t = 6
+    t = 7
     keys = _keys(kind, t, n, g)
-    lens = torch.tensor([n, n - 1, n // 2, min(k, n) - 1, 1, 0], device=DEV)  # last: a padding token
+    # A row of one live tile in a wider launch selects in shared memory (3000 > k keys, 511, 1, 0);
+    # n // 2 leaves half the grid's CTAs idle. Last: a padding token.
+    lens = torch.tensor([n, n - 1, n // 2, min(3000, n), min(k, n) - 1, 1, 0], device=DEV)
     got = _run(SELECTS[select], keys, lens, k)
     assert torch.equal(got, _expected(keys, lens, k))
 
@@ -125,7 +137,7 @@ def test_two_merge_levels(select, monkeypatch):
     assert torch.equal(_run(SELECTS[select], keys, lens, k), _expected(keys, lens, k))
 
 
-@pytest.mark.parametrize("select", ["csrc-grid", "csrc-tree"])
+@pytest.mark.parametrize("select", ["csrc-grid", "csrc-grid-2", "csrc-tree"])
 def test_csrc_select_is_bitwise_deterministic(select):
     csrc.load()
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -138,22 +150,24 @@ def test_csrc_select_is_bitwise_deterministic(select):
 
 
 def test_grid_select_over_a_full_gpu():
-    # As many tiles as CTAs fit at once (4 an SM; the launcher itself stops at 2): every CTA waits at
-    # the token barriers and look-backs while all others run. One token more is refused with an error.
+    # As many tiles as CTAs fit at once (2 an SM, the kernel's launch bounds): every CTA waits at the
+    # token barriers and look-backs while all others run. One token more is refused with an error.
     csrc.load()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     n, k = 16384, 512
-    t = 4 * sms // 4
+    t = 2 * sms // 4
     g = torch.Generator(device=DEV).manual_seed(5)
     keys = torch.cat([_keys("few-values", t // 2, n, g), _keys("distinct", t - t // 2, n, g)])
-    lens = torch.randint(0, n + 1, (t,), device=DEV, generator=g)
-    assert torch.equal(_run(_grid_select, keys, lens, k), _expected(keys, lens, k))
-    with pytest.raises(RuntimeError, match="exceed the resident CTAs"):
-        _run(_grid_select, torch.cat([keys, keys[:1]]), torch.cat([lens, lens[:1]]), k)
+    lens = torch.randint(3 * n // 4 + 1, n + 1, (t,), device=DEV, generator=g)  # every tile live
+    assert torch.equal(_run(_grid(4), keys, lens, k), _expected(keys, lens, k))
+    with pytest.raises(RuntimeError, match=r"exceed the \d+ resident CTAs"):
+        _run(_grid(4), torch.cat([keys, keys[:1]]), torch.cat([lens, lens[:1]]), k)
 
 
-def test_grid_select_replays_in_a_cuda_graph():
-    # The state words are zeroed by a memset node of each replay: new keys, the same graph, exact rows.
+@pytest.mark.parametrize("ctas", ["fit", 2])
+def test_grid_select_replays_in_a_cuda_graph(ctas):
+    # The state words are zeroed by a memset node of each replay: new keys and row lengths (one live
+    # tile, all ten, a padding token), the same graph, exact rows.
     csrc.load()
     g = torch.Generator(device=DEV).manual_seed(9)
     t, n, k = 3, 40000, 512
@@ -165,13 +179,16 @@ def test_grid_select_replays_in_a_cuda_graph():
     table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
     out = torch.full((t, k), 12345, dtype=torch.int32, device=DEV)
     common = (pos, req, table, table, out, work, 0, table.stride(0), 0, 0, 1, out.stride(0), n, 1, 1, row_words)
-    _grid_select(t, n, k, 0, common, 2, 1)  # warm-up outside the capture
+    _grid(ctas)(t, n, k, 0, common, 2, 1)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _grid_select(t, n, k, 0, common, 2, 1)
-    for kind in ["distinct", "few-values", "top-key"]:
+        _grid(ctas)(t, n, k, 0, common, 2, 1)
+    for kind, new_lens in [("distinct", [n, 30000, 0]), ("few-values", [3000, 0, n]), ("top-key", [0, n - 1, 4097])]:
         keys = _keys(kind, t, n, g)
         work.view(t, row_words)[:, :n] = (keys - (keys >> 31 << 32)).to(torch.int32)
+        lens.copy_(torch.tensor(new_lens))
+        pos.copy_((lens - 1).clamp(min=0))
+        req.copy_(torch.where(lens > 0, 0, -1))
         out.fill_(12345)
         graph.replay()
         assert torch.equal(out, _expected(keys, lens, k)), kind

@@ -46,9 +46,10 @@ struct SelectParams : SelectRowParams {
 
 // The grid select (topk_grid.cu) of a row of more than one tile. Its state words per token row, at
 // state_at: level 0's histogram (2048 bins), the barrier arrivals, the candidate count, the nonzero
-// keys' count, a look-back word per 4096-key tile (these zeroed by the host before each launch:
-// zero_words), then level 1's and level 2's histograms (2048 + 1024 bins, zeroed by the kernel) and
-// a list of kGridCand candidate keys. dsv4ops/indexer/workspace.py `grid_words` is the same count.
+// keys' count, a look-back word per CTA (at most one a 4096-key tile; these zeroed by the host before
+// a launch of several CTAs a token: zero_words), then level 1's and level 2's histograms (2048 + 1024
+// bins, zeroed by the kernel) and a list of kGridCand candidate keys. dsv4ops/indexer/workspace.py
+// `grid_words` is the same count (with a word a tile).
 constexpr int kGridTile = 4096;      // keys of a tile (8 a thread)
 constexpr int kGridCand = 4096;
 constexpr int kGridHead = 2051;      // level 0's histogram, barrier arrivals, candidate count, nonzero keys
@@ -57,7 +58,7 @@ constexpr int kMaxGridK = 8192;      // the look-back words hold counts below 2^
 
 struct GridParams : SelectRowParams {
   int64_t state_at;
-  int zero_words;  // kGridHead + 4096-key tiles of the longest row
+  int zero_words;  // kGridHead + a look-back word a CTA of the token
 };
 
 // Arguments of the scoring kernel (score.cu): V4's fp8_132 key pages (per page: block_size entries of 128

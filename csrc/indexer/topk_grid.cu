@@ -5,23 +5,27 @@
 // lists and merges, whose one-CTA-a-16384-key-chunk steps left most SMs idle (H100, V4-Flash CSA, one
 // token at 1M positions: 262144 keys selected in ~42 us on 16 CTAs).
 //
-// One cooperative launch (every CTA resident: the CTAs of a token wait for each other), after a
-// memset of each token's first state words (params.h GridParams). CTA g of a token holds tile g of
-// its row (kItems keys a thread, loaded once) and:
+// One launch after a memset of each token's first state words (params.h GridParams): `ctas` CTAs a
+// token (at most one a 4096-key tile of the longest row the block table allows). The tiles of the
+// token's real row (device lengths) are split evenly over its first min(ctas, tiles) CTAs, its live
+// ones, and the others leave at once: the cost follows the real context. A token of several live CTAs needs them all resident
+// (they wait for each other: a cooperative launch); a token of one selects alone, in shared memory
+// (the steps below without the global histogram, the barriers and the look-back). Each live CTA:
 //   1. adds its nonzero keys' top 11 bits to the token's global histogram; after a barrier of the
-//      token's CTAs, each reads it and finds T's bin and the keys still wanted there;
+//      token's live CTAs, each reads it and finds T's bin and the keys still wanted there;
 //   2. unless that bin is taken whole (then T = its lowest key - 1, no tie to break): when it holds
 //      at most kGridCand keys (the usual case; 200-450 in the bench at 64K and 1M), appends its
 //      keys of the bin to the token's candidate list; after a second barrier every CTA loads the
 //      list and finds T's lower 21 bits from it alone (two shared-memory histogram levels).
 //      Otherwise two more global levels as in 1 (bits 20..10, then 9..0 of the keys sharing T's
 //      bits so far);
-//   3. counts its keys above T and equal to T, learns the counts of the tiles before it by a
+//   3. counts its keys above T and equal to T, learns the counts of the CTAs before it by a
 //      decoupled look-back, and writes its selected keys' outputs at their final positions.
 // No atomic decides a position: the result is bitwise deterministic.
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "params.h"
@@ -32,6 +36,7 @@ namespace dsv4::indexer {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr int kMaxDevices = 64;
 constexpr int kWarps = kThreads / 32;
 constexpr int kItems = kGridTile / kThreads;  // keys a thread holds
 constexpr int kMaxBins = 2048;
@@ -46,8 +51,8 @@ __device__ __forceinline__ int32_t* cand_list(int32_t* state, int zero_words) {
   return state + zero_words + kGridLevels12;
 }
 
-// A tile's look-back word: state (bits 31..30: 0 not yet, 1 the tile's own counts, 2 the counts of
-// it and every tile before), keys equal to T (bits 29..15, saturated at kSat: only min(., take <= k)
+// A CTA's look-back word: state (bits 31..30: 0 not yet, 1 the CTA's own counts, 2 the counts of
+// it and every CTA before), keys equal to T (bits 29..15, saturated at kSat: only min(., take <= k)
 // is used) and keys above T (bits 14..0: fewer than k <= kMaxGridK).
 constexpr int kSat = (1 << 15) - 1;
 constexpr uint32_t kOwn = 1u << 30, kInclusive = 2u << 30;
@@ -63,6 +68,7 @@ struct Shared {
   int warp_above[kWarps], warp_equal[kWarps];
   int found_bin, found_above, found_count;  // find_bin's result
   int count;        // this CTA's nonzero keys
+  int cand_count;   // keys gathered into cand (a one-tile row)
   uint32_t prefix;  // T's digits found so far
   int want;         // keys still to select among those sharing `prefix`
   int bin_count;    // keys sharing `prefix`
@@ -70,10 +76,11 @@ struct Shared {
   bool resolved;    // T and take are known: the keys above T and the `take` lowest-column keys equal to T
   uint32_t T;
   int take;
-  uint32_t before;  // the look-back's sum over the tiles before this one
+  uint32_t before;  // the look-back's sum over the CTAs before this one
+  int sum_above, sum_equal;  // count_selected's sums
 };
 
-// Waits until all `ctas` CTAs of the token have arrived `phase` times (the counter starts at 0).
+// Waits until the token's `ctas` live CTAs have all arrived `phase` times (the counter starts at 0).
 __device__ void token_barrier(int32_t* arrivals, int ctas, int phase) {
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -171,35 +178,78 @@ __device__ void take_bin(int level, Shared& sh) {
   }
 }
 
-// Level 0: this CTA's keys into the shared histogram, then into the token's global one; its nonzero
-// count into the token's total. (Adding only the bins from the CTA's own k-th largest key up, which
-// saves most atomics, measured the same: H100, 1 x 65 and 128 x 3 tiles a launch.)
-__device__ void level0_histogram(const uint32_t (&key)[kItems], int32_t* state, Shared& sh) {
-  zero_hist(sh);
-  int nonzero = 0;
-#pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    count_digit(key[j], key[j] != 0, 0, sh.hist);
-    nonzero += key[j] != 0;
+// The CTA's tiles [first, last) of its token's row and the keys of one of them in registers (kItems a
+// thread): warp w holds columns tile * kGridTile + w * 32 * kItems + j * 32 + lane (coalesced
+// loads; column order is warp, then j, then lane). A CTA of one tile loads it once; a CTA of several
+// reloads them (from L2) in each pass.
+struct Tiles {
+  const uint32_t* keys;
+  int n, first, last, loaded;
+  uint32_t key[kItems];
+
+  __device__ __forceinline__ int column(int tile, int j) const {
+    return tile * kGridTile + threadIdx.x / 32 * (32 * kItems) + threadIdx.x % 32 + 32 * j;
   }
-  nonzero = __reduce_add_sync(kFull, nonzero);
-  if (threadIdx.x % 32 == 0) atomicAdd(&sh.count, nonzero);
+  __device__ __forceinline__ void fetch(int tile) {
+    if (tile == loaded) return;
+    loaded = tile;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int c = column(tile, j);
+      key[j] = c < n ? keys[c] : 0u;
+    }
+  }
+};
+
+// The shared histogram of `level` over the CTA's keys sharing the prefix found so far; at level 0
+// also their nonzero count (sh.count, zeroed by the caller).
+__device__ void tiles_histogram(Tiles& tl, int level, Shared& sh) {
+  zero_hist(sh);
+  const uint32_t prefix = sh.prefix;
+  int nonzero = 0;
+  for (int tile = tl.first; tile < tl.last; ++tile) {
+    tl.fetch(tile);
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      count_digit(tl.key[j], shares_prefix(tl.key[j], level, prefix), level, sh.hist);
+      nonzero += tl.key[j] != 0;
+    }
+  }
+  if (level == 0) {
+    nonzero = __reduce_add_sync(kFull, nonzero);
+    if (threadIdx.x % 32 == 0) atomicAdd(&sh.count, nonzero);
+  }
   __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(&state[kTotal], sh.count);
-  for (int i = threadIdx.x; i < kMaxBins; i += kThreads) {
-    if (sh.hist[i]) atomicAdd(&state[i], sh.hist[i]);
+}
+
+// The shared histogram's `bins` into the token's global histogram h (and at level 0 sh.count into
+// its total). (Adding only the bins from the CTA's own k-th largest key up, which saves most
+// atomics, measured the same: H100, 1 x 65 and 128 x 3 tiles a launch.)
+__device__ void add_to_token(int32_t* h, int bins, int32_t* total, const Shared& sh) {
+  if (total != nullptr && threadIdx.x == 0) atomicAdd(total, sh.count);
+  for (int i = threadIdx.x; i < bins; i += kThreads) {
+    if (sh.hist[i]) atomicAdd(&h[i], sh.hist[i]);
   }
 }
 
-// Levels 1, 2 without the candidate list: this CTA's keys sharing the prefix into the token's histogram.
-__device__ void global_histogram(const uint32_t (&key)[kItems], int level, int32_t* h, Shared& sh) {
-  zero_hist(sh);
-  const uint32_t prefix = sh.prefix;
+// Appends the CTA's keys of level 0's bin `bin` to `list` at positions taken from `count` (the
+// token's global list, or sh.cand when the CTA is the token's only one). Their order does not
+// matter: only their histograms are read.
+__device__ void gather_bin(Tiles& tl, uint32_t bin, uint32_t* list, int* count) {
+  const int lane = threadIdx.x % 32;
+  for (int tile = tl.first; tile < tl.last; ++tile) {
+    tl.fetch(tile);
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) count_digit(key[j], shares_prefix(key[j], level, prefix), level, sh.hist);
-  __syncthreads();
-  for (int i = threadIdx.x; i < (1 << kLevelBits[level]); i += kThreads) {
-    if (sh.hist[i]) atomicAdd(&h[i], sh.hist[i]);
+    for (int j = 0; j < kItems; ++j) {
+      const bool in = tl.key[j] != 0 && tl.key[j] >> kLevelShift[0] == bin;
+      const unsigned voters = __ballot_sync(kFull, in);
+      if (voters == 0) continue;
+      const int leader = __ffs(voters) - 1;
+      int base = 0;
+      if (lane == leader) base = atomicAdd(count, __popc(voters));
+      base = __shfl_sync(kFull, base, leader);
+      if (in) list[base + __popc(voters & ((1u << lane) - 1))] = tl.key[j];
+    }
   }
 }
 
@@ -224,12 +274,12 @@ __device__ void resolve(int level, H h, Shared& sh) {
   __syncthreads();
 }
 
-// Sum of the look-back words of the tiles before `tile`, by warp 0 (lane l reads tile - 1 - l, 32
-// tiles a step, until an inclusive word).
-__device__ uint32_t look_back(uint32_t* words, int tile) {
+// Sum of the look-back words of the CTAs before CTA g, by warp 0 (lane l reads g - 1 - l, 32 CTAs a
+// step, until an inclusive word).
+__device__ uint32_t look_back(uint32_t* words, int g) {
   const int lane = threadIdx.x % 32;
   int above = 0, equal = 0;
-  for (int end = tile; end > 0; end -= 32) {
+  for (int end = g; end > 0; end -= 32) {
     const int j = end - 1 - lane;
     uint32_t w = 0;
     if (j >= 0) {
@@ -237,7 +287,7 @@ __device__ uint32_t look_back(uint32_t* words, int tile) {
         w = *reinterpret_cast<volatile uint32_t*>(&words[j]);
       } while ((w >> 30) == 0);
     }
-    // The nearest inclusive word ends the walk; the tiles below it are in its counts.
+    // The nearest inclusive word ends the walk; the CTAs below it are in its counts.
     const unsigned inclusive = __ballot_sync(kFull, j >= 0 && (w >> 30) == 2);
     const int stop = inclusive ? __ffs(inclusive) - 1 : 31;
     if (j >= 0 && lane <= stop) {
@@ -254,34 +304,79 @@ __device__ uint32_t look_back(uint32_t* words, int tile) {
   return pack(above, equal);
 }
 
-// Grid (tokens x ctas): CTA g of a token holds tile g of its row. Warp w holds columns
-// g * tile + w * 32 * kItems + j * 32 + lane (coalesced loads; column order is warp, then j, then lane).
-__global__ void __launch_bounds__(kThreads, 4) grid_select_kernel(const GridParams p, int mode, int ctas) {
+// Each warp's keys above T and equal to T, over the CTA's tiles [first, last): into sh.warp_* as
+// exclusive prefixes in warp order, their sums into sh.sum_*. Every thread calls it.
+__device__ void count_selected(Tiles& tl, int first, int last, uint32_t T, Shared& sh) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int above = 0, equal = 0;
+  for (int tile = first; tile < last; ++tile) {
+    tl.fetch(tile);
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      above += __popc(__ballot_sync(kFull, tl.key[j] > T));
+      equal += __popc(__ballot_sync(kFull, tl.key[j] == T && tl.key[j] != 0));
+    }
+  }
+  if (lane == 0) {
+    sh.warp_above[warp] = above;
+    sh.warp_equal[warp] = equal;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    int a = lane < kWarps ? sh.warp_above[lane] : 0, e = lane < kWarps ? sh.warp_equal[lane] : 0;
+    int ia = a, ie = e;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int ya = __shfl_up_sync(kFull, ia, o), ye = __shfl_up_sync(kFull, ie, o);
+      if (lane >= o) {
+        ia += ya;
+        ie += ye;
+      }
+    }
+    if (lane < kWarps) {
+      sh.warp_above[lane] = ia - a;
+      sh.warp_equal[lane] = ie - e;
+    }
+    if (lane == 31) {
+      sh.sum_above = ia;
+      sh.sum_equal = ie;
+    }
+  }
+  __syncthreads();
+}
+
+// Grid (tokens x ctas): live CTA g of a token holds tiles [g * tiles / live, (g + 1) * tiles / live)
+// of its real row. Two CTAs an SM (64 registers a thread): H100, V4-Flash CSA, whole indexer_topk,
+// against four (32 registers, 192 B of spill loads): 1 x 1M 30.5 / 30.7 us, 32 x 64K 51.9 / 54.4,
+// 1 x 4K in a 1M table 13.5 / 14.3.
+__global__ void __launch_bounds__(kThreads, 2) grid_select_kernel(const GridParams p, int mode, int ctas) {
   __shared__ Shared sh;
-  const int tile = blockIdx.x % ctas;
+  const int g = blockIdx.x % ctas;
   const int64_t tc = blockIdx.x / ctas, t = p.t0 + tc;
   int req;
   const int n = row_columns(p, t, mode, req);
+  // The real row's tiles, split evenly over the first `live` CTAs: they alone meet at its barriers.
+  const int tiles = max(1, (n + kGridTile - 1) / kGridTile), live = min(ctas, tiles);
+  if (g >= live) return;
   int32_t* row = p.ws + tc * p.row_words;
   int32_t* state = row + p.state_at;
-  const uint32_t* keys = reinterpret_cast<const uint32_t*>(row + p.keys_at);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int c0 = tile * kGridTile + warp * (32 * kItems) + lane;
-  uint32_t key[kItems];
-#pragma unroll
-  for (int j = 0; j < kItems; ++j) key[j] = c0 + 32 * j < n ? keys[c0 + 32 * j] : 0u;
-  // Levels 1 and 2's global histograms: zero before the first barrier, added to after it.
-  int32_t* h12 = level_hist(state, p.zero_words, 1);
-  for (int i = tile * kThreads + threadIdx.x; i < kGridLevels12; i += ctas * kThreads) h12[i] = 0;
+  Tiles tl{reinterpret_cast<const uint32_t*>(row + p.keys_at), n, g * tiles / live, (g + 1) * tiles / live, -1, {}};
   if (threadIdx.x == 0) {
     sh.count = 0;
+    sh.cand_count = 0;
     sh.prefix = 0;
     sh.want = p.k;
     sh.resolved = false;
   }
-  level0_histogram(key, state, sh);
-  token_barrier(state + kBarrier, ctas, 1);
-  const int total = __ldcg(&state[kTotal]);
+  tiles_histogram(tl, 0, sh);
+  if (live > 1) {
+    // Levels 1 and 2's global histograms: zero before the first barrier, added to after it.
+    int32_t* h12 = level_hist(state, p.zero_words, 1);
+    for (int i = g * kThreads + threadIdx.x; i < kGridLevels12; i += live * kThreads) h12[i] = 0;
+    add_to_token(state, kMaxBins, &state[kTotal], sh);
+    token_barrier(state + kBarrier, live, 1);
+  }
+  const int total = live > 1 ? __ldcg(&state[kTotal]) : sh.count;
   if (total <= p.k) {  // every nonzero key is selected
     if (threadIdx.x == 0) {
       sh.selected = total;
@@ -292,26 +387,23 @@ __global__ void __launch_bounds__(kThreads, 4) grid_select_kernel(const GridPara
     __syncthreads();
   } else {
     if (threadIdx.x == 0) sh.selected = p.k;
-    resolve(0, L2Counts{state}, sh);
+    if (live > 1) {
+      resolve(0, L2Counts{state}, sh);
+    } else {
+      resolve(0, sh.hist, sh);
+    }
   }
   if (!sh.resolved && sh.bin_count <= kGridCand) {
-    // Gather T's bin (the same decision in every CTA of the token: one global histogram).
-    uint32_t* list = reinterpret_cast<uint32_t*>(cand_list(state, p.zero_words));
-    const uint32_t bin = sh.prefix;
-#pragma unroll
-    for (int j = 0; j < kItems; ++j) {
-      const bool in = key[j] != 0 && key[j] >> kLevelShift[0] == bin;
-      const unsigned voters = __ballot_sync(kFull, in);
-      if (voters == 0) continue;
-      const int leader = __ffs(voters) - 1;
-      int base = 0;
-      if (lane == leader) base = atomicAdd(&state[kCandCount], __popc(voters));
-      base = __shfl_sync(kFull, base, leader);
-      if (in) list[base + __popc(voters & ((1u << lane) - 1))] = key[j];
-    }
-    token_barrier(state + kBarrier, ctas, 2);
+    // Gather T's bin (the same decision in every CTA of the token: one histogram).
     const int m = sh.bin_count;
-    for (int i = threadIdx.x; i < m; i += kThreads) sh.cand[i] = __ldcg(list + i);
+    if (live > 1) {
+      uint32_t* list = reinterpret_cast<uint32_t*>(cand_list(state, p.zero_words));
+      gather_bin(tl, sh.prefix, list, &state[kCandCount]);
+      token_barrier(state + kBarrier, live, 2);
+      for (int i = threadIdx.x; i < m; i += kThreads) sh.cand[i] = __ldcg(list + i);
+    } else {
+      gather_bin(tl, sh.prefix, sh.cand, &sh.cand_count);
+    }
     __syncthreads();
     for (int level = 1; !sh.resolved; ++level) {
       cand_histogram(m, level, sh);
@@ -319,80 +411,85 @@ __global__ void __launch_bounds__(kThreads, 4) grid_select_kernel(const GridPara
     }
   } else {
     for (int level = 1; !sh.resolved; ++level) {
-      int32_t* h = level_hist(state, p.zero_words, level);
-      global_histogram(key, level, h, sh);
-      token_barrier(state + kBarrier, ctas, level + 1);
-      resolve(level, L2Counts{h}, sh);
+      tiles_histogram(tl, level, sh);
+      if (live > 1) {
+        int32_t* h = level_hist(state, p.zero_words, level);
+        add_to_token(h, 1 << kLevelBits[level], nullptr, sh);
+        token_barrier(state + kBarrier, live, level + 1);
+        resolve(level, L2Counts{h}, sh);
+      } else {
+        resolve(level, sh.hist, sh);
+      }
     }
   }
   const uint32_t T = sh.T;
   const int take = sh.take;
   int32_t* out = p.out + t * p.out_stride;
-  if (tile == 0) {
+  if (g == 0) {
     for (int i = sh.selected + threadIdx.x; i < p.k; i += kThreads) out[i] = -1;
   }
-  // Keys above T and keys equal to T, counted by ballots (recomputed when placing: registers stay
-  // within the 32 a thread that 4 resident CTAs an SM allow at 8 keys a thread).
-  const unsigned lower = (1u << lane) - 1;
-  int above = 0, equal = 0;
-#pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    above += __popc(__ballot_sync(kFull, key[j] > T));
-    equal += __popc(__ballot_sync(kFull, key[j] == T && key[j] != 0));
-  }
-  if (lane == 0) {
-    sh.warp_above[warp] = above;
-    sh.warp_equal[warp] = equal;
-  }
-  __syncthreads();
+  // The CTA's counts of keys above T and equal to T (a CTA of one tile: the counts its writes use).
+  const bool one_tile = tl.last - tl.first == 1;
+  count_selected(tl, tl.first, tl.last, T, sh);
   uint32_t* words = reinterpret_cast<uint32_t*>(state + kWords);  // zeroed by the host
-  if (warp == 0) {
-    // The warps' exclusive prefixes and the tile's totals (each < 2^13: no carry between halves).
-    const int v = lane < kWarps ? sh.warp_equal[lane] << 16 | sh.warp_above[lane] : 0;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int y = __shfl_up_sync(kFull, incl, o);
-      if (lane >= o) incl += y;
-    }
-    const int total = __shfl_sync(kFull, incl, 31);
-    if (lane < kWarps) {
-      sh.warp_above[lane] = (incl - v) & 0xffff;
-      sh.warp_equal[lane] = (incl - v) >> 16;
-    }
-    if (lane == 0) atomicExch(&words[tile], (tile == 0 ? kInclusive : kOwn) | pack(total & 0xffff, total >> 16));
-    const uint32_t before = tile == 0 ? 0u : look_back(words, tile);
-    if (lane == 0) {
+  if (threadIdx.x == 0) sh.before = 0;
+  if (live > 1 && threadIdx.x < 32) {
+    const uint32_t own = pack(sh.sum_above, sh.sum_equal);
+    if (threadIdx.x == 0) atomicExch(&words[g], (g == 0 ? kInclusive : kOwn) | own);
+    const uint32_t before = g == 0 ? 0u : look_back(words, g);
+    if (threadIdx.x == 0) {
       sh.before = before;
-      if (tile > 0) {
-        atomicExch(&words[tile], kInclusive | pack(above_of(before) + (total & 0xffff), equal_of(before) + (total >> 16)));
+      if (g > 0) {
+        atomicExch(&words[g], kInclusive | pack(above_of(before) + sh.sum_above, equal_of(before) + sh.sum_equal));
       }
     }
   }
   __syncthreads();
-  above = above_of(sh.before) + sh.warp_above[warp];  // keys of the row before the warp's j-th item
-  equal = equal_of(sh.before) + sh.warp_equal[warp];
+  // Keys of the row before this CTA's tile, then before each warp's first item of it.
+  int row_above = above_of(sh.before), row_equal = equal_of(sh.before);
+  const unsigned lower = (1u << (threadIdx.x % 32)) - 1;
+  for (int tile = tl.first; tile < tl.last; ++tile) {
+    if (!one_tile) count_selected(tl, tile, tile + 1, T, sh);
+    tl.fetch(tile);
+    int above = row_above + sh.warp_above[threadIdx.x / 32], equal = row_equal + sh.warp_equal[threadIdx.x / 32];
 #pragma unroll
-  for (int j = 0; j < kItems; ++j) {
-    const unsigned a = __ballot_sync(kFull, key[j] > T), e = __ballot_sync(kFull, key[j] == T && key[j] != 0);
-    const int equal_seen = equal + __popc(e & lower);
-    if (((a >> lane) & 1) || (((e >> lane) & 1) && equal_seen < take)) {
-      out[above + __popc(a & lower) + min(equal_seen, take)] = output_of(p, t, req, c0 + 32 * j, mode);
+    for (int j = 0; j < kItems; ++j) {
+      const uint32_t x = tl.key[j];
+      const unsigned a = __ballot_sync(kFull, x > T), e = __ballot_sync(kFull, x == T && x != 0);
+      const int equal_seen = equal + __popc(e & lower);
+      if (((a >> threadIdx.x % 32) & 1) || (((e >> threadIdx.x % 32) & 1) && equal_seen < take)) {
+        out[above + __popc(a & lower) + min(equal_seen, take)] = output_of(p, t, req, tl.column(tile, j), mode);
+      }
+      above += __popc(a);
+      equal += __popc(e);
     }
-    above += __popc(a);
-    equal += __popc(e);
+    row_above += sh.sum_above;
+    row_equal = min(row_equal + sh.sum_equal, kSat);
+    __syncthreads();  // sh.warp_* and sh.sum_* are rewritten for the next tile
   }
 }
 
 }  // namespace
 
-int grid_ctas_per_sm() {
-  int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, grid_select_kernel, kThreads, 0));
+int grid_ctas_per_sm(int device) {
+  // Queried once a device (the current one, set by the caller's guard): a decode step launches the
+  // select in every CSA layer, and the query is a host call of microseconds.
+  static std::atomic<int> cached[kMaxDevices];
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "device index out of range: ", device);
+  int blocks = cached[device].load(std::memory_order_relaxed);
+  if (blocks == 0) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, grid_select_kernel, kThreads, 0));
+    cached[device].store(blocks, std::memory_order_relaxed);
+  }
   return blocks;
 }
 
 void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, cudaStream_t stream) {
+  if (ctas == 1) {  // no CTA waits for another: no state, any launch size
+    grid_select_kernel<<<tokens, kThreads, 0, stream>>>(p, mode, ctas);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   C10_CUDA_CHECK(cudaMemset2DAsync(p.ws + p.state_at, p.row_words * sizeof(int32_t), 0, p.zero_words * sizeof(int32_t),
                                    tokens, stream));
   GridParams args = p;

@@ -19,7 +19,7 @@ namespace dsv4::indexer {
 void launch_select(const SelectParams& p, int mode, int tokens, int programs, int threads, int items,
                    cudaStream_t stream);
 void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, cudaStream_t stream);
-int grid_ctas_per_sm();
+int grid_ctas_per_sm(int device);
 
 namespace {
 
@@ -100,30 +100,32 @@ void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, 
                 c10::cuda::getCurrentCUDAStream(out.get_device()).stream());
 }
 
-
-
 void topk_grid_cuda(const at::Tensor& positions, const at::Tensor& req_slots, const at::Tensor& block_table,
                     const at::Tensor& cand, at::Tensor& out, at::Tensor& workspace, int64_t t0, int64_t tokens,
-                    int64_t row_words, int64_t keys_at, int64_t n_row, int64_t n_entries, int64_t ratio,
-                    int64_t block_size, int64_t cand_block, int64_t mode) {
+                    int64_t row_words, int64_t keys_at, int64_t n_row, int64_t ctas, int64_t n_entries,
+                    int64_t ratio, int64_t block_size, int64_t cand_block, int64_t mode) {
   const int64_t k = check_select(positions, req_slots, block_table, cand, out, workspace, t0, tokens, row_words, 1,
                                  n_entries, ratio, block_size, cand_block, mode);
   DSV4_CHECK(k >= 1 && k <= kMaxGridK, "k: expected 1 ..", kMaxGridK, " for the grid select, got ", k);
   DSV4_CHECK(n_row >= 0 && n_row < (int64_t{1} << 31), "n_row: out of range: ", n_row);
   // The row's keys, then its state words (params.h GridParams).
-  const int64_t tiles = (n_row + kGridTile - 1) / kGridTile;
-  const int64_t zero_words = kGridHead + tiles, state_words = zero_words + kGridLevels12 + kGridCand;
+  const int64_t tiles = std::max<int64_t>(1, (n_row + kGridTile - 1) / kGridTile);
+  DSV4_CHECK(ctas >= 1 && ctas <= tiles, "ctas: expected 1 .. ", tiles, " CTAs a token (one a tile at most), got ",
+             ctas);
+  const int64_t zero_words = kGridHead + ctas, state_words = kGridHead + tiles + kGridLevels12 + kGridCand;
   DSV4_CHECK(keys_at >= 0 && keys_at + n_row + state_words <= row_words, "row_words: expected room for ", n_row,
              " keys at ", keys_at, " and ", state_words, " state words, got ", row_words);
   if (tokens == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
-  // One CTA a tile, all resident (the cooperative launch fails otherwise; the launcher picks this
-  // select for at most 2 CTAs an SM: dsv4ops/indexer/cuda.py grid_pays).
-  int sms = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, out.get_device()));
-  const int64_t ctas = std::max<int64_t>(1, tiles);
-  DSV4_CHECK(tokens * ctas <= static_cast<int64_t>(grid_ctas_per_sm()) * sms, "tokens x tiles: ", tokens, " x ", ctas,
-             " CTAs exceed the resident CTAs of the GPU");
+  // Several CTAs a token wait for each other: all must be resident (the cooperative launch fails
+  // otherwise; the launcher takes at most 2 CTAs an SM: dsv4ops/indexer/cuda.py grid_ctas).
+  if (ctas > 1) {
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, out.get_device()));
+    const int64_t resident = static_cast<int64_t>(grid_ctas_per_sm(out.get_device())) * sms;
+    DSV4_CHECK(tokens * ctas <= resident, "tokens x ctas: ", tokens, " x ", ctas, " CTAs exceed the ", resident,
+               " resident CTAs of the GPU");
+  }
   GridParams p{};
   static_cast<SelectRowParams&>(p) = select_row_params(positions, req_slots, block_table, cand, out, workspace, t0,
                                                        row_words, keys_at, n_entries, ratio, block_size, cand_block,

@@ -258,6 +258,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     end = min(begin + p.split_keys, p.window_keys + n_len);
   }
   const int tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
+  // A split past the token's real list leaves at once: the combine reads only the live splits, so the
+  // cost follows comp_lens, not the list's width (HCA at 1M max_context has 8192 entries a token).
+  if (tiles == 0 && p.splits > 1) return;
 
   if (warp >= kConsumers / 32) {
     shrink_registers<kProducerRegs>();
@@ -452,7 +455,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 #endif
 }
 
-// out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink): one CTA per (token, head), 4 dims a thread.
+// out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink) over the live splits (those holding keys of the
+// token's list: the window's tiles and its comp_lens entries; split 0 always): one CTA per (token,
+// head), 4 dims a thread.
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
   const int64_t token = blockIdx.x;
@@ -463,10 +468,12 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
   if (p.req_slots[token] >= 0) {
     const float sink = p.sinks[head] * kLog2e;
     const int64_t row0 = token * p.splits * p.heads + head;
+    const int keys = p.window_keys + min(p.comp_lens[token], p.n_idx);
+    const int live = min(p.splits, (keys + p.split_keys - 1) / p.split_keys);
     float m = sink;
-    for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.lse[row0 + s * p.heads]);
+    for (int s = 0; s < live; ++s) m = fmaxf(m, p.lse[row0 + s * p.heads]);
     float den = exp2f(sink - m);
-    for (int s = 0; s < p.splits; ++s) {
+    for (int s = 0; s < live; ++s) {
       const int64_t row = row0 + s * p.heads;
       const float w = exp2f(p.lse[row] - m);
       const float4 o = *reinterpret_cast<const float4*>(p.partial + row * kDim + dim);

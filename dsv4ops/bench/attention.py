@@ -52,12 +52,16 @@ class Case:
     """One layer of V4-Flash with a synthetic cache and the inputs of every op of one step."""
 
     def __init__(self, kind: str, batch: int, context: int, new_tokens: int, device="cuda",
-                 model: DSV4AttentionConfig = FLASH):
+                 model: DSV4AttentionConfig = FLASH, max_context: int | None = None):
         self.kind, self.batch, self.context, self.new_tokens, self.model = kind, batch, context, new_tokens, model
+        self.max_context = max_context or context + new_tokens
         cfg = model
         layer_idx = next(i for i in range(cfg.num_layers) if cfg.layer_type(i) == kind)
         self.layer = testing.randomize_(DeepseekV4Attention(cfg, layer_idx, numerics=FP8)).to(device, torch.bfloat16)
-        cache_cfg = CacheConfig(max_requests=batch, max_context=context + new_tokens,
+        # The pools hold the real context (max_total_tokens); max_context sizes the block tables, the
+        # key lists and the indexer's workspace rows.
+        cache_cfg = CacheConfig(max_requests=batch, max_context=self.max_context,
+                                max_total_tokens=batch * (context + new_tokens),
                                 max_step_tokens=batch * new_tokens, buckets=(batch * new_tokens,))
         self.manager = KVCacheManager(cfg, cache_cfg, device=device)
         self.layer.attach_cache(self.manager)
@@ -132,6 +136,8 @@ class Case:
                 calls["indexer_topk"] = lambda: d.indexer_topk(self.qi_out, self.wi_out, st.positions, st.req_slots,
                                                                cache.index, st.block_table(CSA), None, self.idx, None,
                                                                cache.topk_workspace, cfg.csa_ratio, 0, fmt["index"])
+        if self.kind == HCA:  # the layer's key list of the step (sparse_attn reads the same, self.idx)
+            calls["visible_entries"] = lambda: visible_entries(st, cfg.hca_ratio, self.manager.cfg.block_size)
         calls["sparse_attn"] = lambda: d.sparse_attn(self.q_rot, cache.window, comp_cache, st.positions, st.req_slots,
                                                      self.idx, self.lens, st.window_ends, layer.sinks, self.o,
                                                      cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"],
@@ -169,6 +175,8 @@ class Case:
         if op == "sparse_attn":
             keys = (torch.clamp(pos + 1, max=cfg.window) + (self.idx >= 0).sum(1)).sum().item()
             return keys * 584 + t * h * dd * 2 * 2, 4.0 * keys * h * dd, "gather" if self.new_tokens == 1 else "bf16"
+        if op == "visible_entries":
+            return self.idx.numel() * 4, 0.0, "copy"
         if op == "inv_rope":
             return t * h * dd * 2 * 2, 0.0, "copy"
         raise KeyError(op)
@@ -209,7 +217,8 @@ def _row(case: Case, op: str, us: float, mode: str, baseline_us: float | None, f
     c = ceilings()[ceiling]
     rate = flops / (us * 1e-6) if ceiling == "bf16" else nbytes / (us * 1e-6)
     return {
-        "layer": case.kind, "batch": case.batch, "context": case.context, "tokens": case.new_tokens, "op": op,
+        "layer": case.kind, "batch": case.batch, "context": case.context, "max_context": case.max_context,
+        "tokens": case.new_tokens, "op": op,
         "us": us, "timing": mode, "GB/s": nbytes / (us * 1e-6) / 1e9, "TFLOP/s": flops / (us * 1e-6) / 1e12,
         "ceiling": ceiling, "pct_ceiling": 100.0 * rate / c, "reference_us": baseline_us,
         "flashmla_us": flashmla_us, "vs_flashmla": None if flashmla_us is None else us / flashmla_us,
@@ -244,7 +253,8 @@ def bench_case(case: Case, with_reference: bool) -> list[dict]:
         rows.append(_row(case, op, us, "graph", ref, _flashmla_us(case) if op == "sparse_attn" else None, topk))
     core = graph_time_us(case.core())
     total = graph_time_us(case.layer_fn())
-    base = {"layer": case.kind, "batch": case.batch, "context": case.context, "tokens": case.new_tokens}
+    base = {"layer": case.kind, "batch": case.batch, "context": case.context, "max_context": case.max_context,
+            "tokens": case.new_tokens}
     rows.append({**base, "op": "attention core (all ops)", "us": core, "timing": "graph"})
     rows.append({**base, "op": "projection GEMMs + norms (layer - core)", "us": total - core, "timing": "graph"})
     rows.append({**base, "op": "whole layer", "us": total, "timing": "graph"})
@@ -322,10 +332,11 @@ def hf_baselines(kind: str, batch: int, context: int, device="cuda", model: DSV4
     return rows
 
 
-def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, int]] | None = None,
+def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, int, int | None]] | None = None,
         model: DSV4AttentionConfig = FLASH) -> list[dict]:
-    """Every case (or only `cases`: (layer kind, batch, context, new tokens per request), without
-    the baselines); each finished row also goes to `progress` (a long run leaves a partial log)."""
+    """Every case (or only `cases`: (layer kind, batch, context, new tokens per request, max_context or
+    None), without the baselines); each finished row also goes to `progress` (a long run leaves a
+    partial log)."""
     rows = []
     decode = [(1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536)]
     if quick:
@@ -337,8 +348,8 @@ def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, in
         rows.extend(new)
 
     if cases:
-        for kind, batch, context, new in cases:
-            add(bench_case(Case(kind, batch, context, new, model=model), with_reference=False))
+        for kind, batch, context, new, max_context in cases:
+            add(bench_case(Case(kind, batch, context, new, model=model, max_context=max_context), with_reference=False))
             torch.cuda.empty_cache()
         return rows
     for kind in (SLIDING, CSA, HCA):

@@ -18,19 +18,24 @@ KINDS = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "hca": HCA}
 MODELS = {"flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
 
 
-def parse_case(text: str) -> tuple[str, int, int, int]:
-    """`KIND:BATCHxCONTEXT[:NEW]` -> (layer kind, batch, context, new tokens per request); KIND is
-    swa / sliding / csa / hca, numbers take a K (x1024) or M (x1048576) suffix, NEW defaults to 1
-    (decode; NEW = CONTEXT with batch 1 is a prefill from position 0). E.g. csa:128x4K, hca:1x64K,
-    csa:1x4K:4K."""
-    m = re.fullmatch(r"(\w+):(\d+[KM]?)x(\d+[KM]?)(?::(\d+[KM]?))?", text.strip(), flags=re.IGNORECASE)
+def parse_case(text: str) -> tuple[str, int, int, int, int | None]:
+    """`KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]` -> (layer kind, batch, context, new tokens per
+    request, the cache's max_context or None: context + NEW); KIND is swa / sliding / csa / hca,
+    numbers take a K (x1024) or M (x1048576) suffix, NEW defaults to 1 (decode; NEW = CONTEXT with
+    batch 1 is a prefill from position 0). E.g. csa:128x4K, hca:1x64K, csa:1x4K:4K, csa:1x4K@1M (a
+    4K context in a cache sized for 1M positions a request)."""
+    m = re.fullmatch(r"(\w+):(\d+[KM]?)x(\d+[KM]?)(?::(\d+[KM]?))?(?:@(\d+[KM]?))?", text.strip(),
+                     flags=re.IGNORECASE)
     if not m or m.group(1).lower() not in KINDS:
-        raise argparse.ArgumentTypeError(f"expected KIND:BATCHxCONTEXT[:NEW] with KIND in {sorted(KINDS)} "
-                                         f"(e.g. csa:128x4K, csa:1x4K:4K), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT] with KIND in "
+                                         f"{sorted(KINDS)} (e.g. csa:128x4K, csa:1x4K:4K, csa:1x4K@1M), got {text!r}")
     batch, context, new = (_count(g) for g in (m.group(2), m.group(3), m.group(4) or "1"))
     if min(batch, context, new) < 1 or new > context:
         raise argparse.ArgumentTypeError(f"expected batch, context >= 1 and 1 <= new tokens <= context, got {text!r}")
-    return KINDS[m.group(1).lower()], batch, context, new
+    max_context = None if m.group(5) is None else _count(m.group(5))
+    if max_context is not None and max_context < context + new:
+        raise argparse.ArgumentTypeError(f"expected MAX_CONTEXT >= context + new tokens, got {text!r}")
+    return KINDS[m.group(1).lower()], batch, context, new, max_context
 
 
 def _count(text: str) -> int:
@@ -67,9 +72,9 @@ def main(argv=None):
                          "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections at decode "
                          "batch 1 and 128 beside bf16 F.linear), memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW]",
+    ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
-                         "csa:1x4K:4K (a 4K prefill)")
+                         "csa:1x4K:4K (a 4K prefill), csa:128x4K@1M (a cache sized for 1M positions a request)")
     ap.add_argument("--model", choices=sorted(MODELS), default="flash", help="layer dims of the attention cases")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--plot", metavar="PATH.png", help="roofline chart of the attention rows")
@@ -94,7 +99,7 @@ def main(argv=None):
 
         out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
                                          cases=args.case, model=MODELS[args.model]())
-        print(table(out["attention"], ["layer", "batch", "context", "tokens", "op", "us", "GB/s", "TFLOP/s",
+        print(table(out["attention"], ["layer", "batch", "context", "max_context", "tokens", "op", "us", "GB/s", "TFLOP/s",
                                        "ceiling", "pct_ceiling", "reference_us", "flashmla_us", "torch_topk_us"]))
     if "flashmla" in parts:
         from dsv4ops.bench import attention, flashmla

@@ -1,9 +1,10 @@
 """sm_90 / sm_100 launcher of `dsv4::indexer_topk`: a scoring kernel writes each token's keys into the
-workspace, then a radix select of csrc/indexer/ picks the top k: the grid select (topk_grid.cu: a
-token's 4096-key tiles on as many resident CTAs, histogram levels and a look-back emit) for rows of
-more than one tile in launches it pays for (`grid_pays`), else the chunk tree (topk_select.cu: one
-CTA per chunk of up to 16384 keys, then merges of their lists). Same arguments, workspace layout
-and results as the Triton launcher (dsv4ops/indexer/triton.py).
+workspace, then a radix select of csrc/indexer/ picks the top k: the grid select (topk_grid.cu:
+histogram levels and a look-back emit over a token's 4096-key tiles, one resident CTA a tile or one
+CTA walking the row: `grid_ctas`) for rows of more than one tile, else the chunk tree
+(topk_select.cu: one CTA for a row of up to 16384 keys; its merges of chunk lists serve only forced
+chunk sizes now). Both follow each token's real row (device lengths), not the block table's width.
+Same arguments, workspace layout and results as the Triton launcher (dsv4ops/indexer/triton.py).
 
 Scoring: on sm_90, the wgmma kernel of csrc/indexer/score.cu for V4's fp8_132 pages with e4m3
 queries; the Triton scoring kernel for every other case (and on sm_100: the C++ kernel's sm_100a
@@ -62,26 +63,28 @@ def score(q, weights, positions, req_slots, cache, block_table, cand, workspace,
     return True
 
 
-def grid_pays(tokens: int, n_row: int) -> bool:
-    """Whether the grid select (one 512-thread CTA a 4096-key tile of each token's row, all resident)
-    beats the chunk tree: at most 2 of its CTAs an SM. H100, V4-Flash CSA, whole op, grid / tree: 1 x 1M
-    (65 CTAs) 29.6 / 57.0 us, 32 x 64K (160) 53.0 / 56.5. At 128 x 64K its 640 CTAs do not fit the
-    GPU at once, and a variant of 8192-key tiles (384 CTAs, 3 an SM) took 149.3 / 138.4: with several
-    CTAs an SM its chain of barriers and L2 round trips stretches."""
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return tokens * -(-n_row // _ws.GRID_TILE) <= 2 * sms
+def grid_ctas(tokens: int, n_row: int, device: torch.device) -> int:
+    """CTAs a token for the grid select: one a 4096-key tile of the longest row the block table allows
+    where the launch fits 2 CTAs an SM (they wait for each other, so all are resident), else one that
+    walks the token's real row alone. H100, V4-Flash CSA, whole indexer_topk, one a tile / two / one
+    a token: 1 x 1M 30.5 / - / 260.8 us, 32 x 64K 51.9 / - / 58.6; 128 x 64K - / 143.8 / 140.7 (the
+    chunk tree: 137.7); 128 x 4K in a 1M table - / 22.3 / 19.9 (tree 29.8)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = -(-n_row // _ws.GRID_TILE)
+    return tiles if tokens * tiles <= 2 * sms else 1
 
 
 def select(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
     """The selection hook of `triton.indexer_topk` (arguments as `select_tree`): the grid select where
-    the row holds its state and `grid_pays`, else `select_tree`."""
-    if not (_ws.has_grid(n_row, k) and grid_pays(n, n_row)):
+    the row holds its state, else `select_tree`."""
+    if not _ws.has_grid(n_row, k):
         select_tree(n, n_row, k, keys_at, common, mode, nc)
         return
     positions, req_slots, block_table, cand, out, workspace, t0 = common[:7]
     n_entries, ratio, block_size, row_words = common[12:16]
     torch.ops.dsv4_csrc.topk_grid(positions, req_slots, block_table, cand, out, workspace, t0, n, row_words, keys_at,
-                                  n_row, n_entries, ratio, block_size, common[10], mode)
+                                  n_row, grid_ctas(n, n_row, out.device), n_entries, ratio, block_size, common[10],
+                                  mode)
 
 
 def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
