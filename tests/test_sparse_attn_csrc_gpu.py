@@ -66,6 +66,18 @@ def test_long_entry_lists_split_many_ways():
     _check(_case(64, prefill=False, entries=4096))
 
 
+def test_lists_much_wider_than_their_lengths():
+    """HCA at a large max_context: 8192-entry lists holding 0 to 300 real entries. Most splits hold
+    no key of their token: they leave at once and the combine reads only the live ones."""
+    case = list(_case(64, prefill=False, entries=8192))
+    lens = case[6]
+    case[6] = (torch.arange(lens.numel(), device=lens.device, dtype=lens.dtype) * 37) % 301
+    t = case[0].shape[0]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert sparse_attn_cuda.split_count(t, 128 + 8192, sms) > 8
+    _check(tuple(case))
+
+
 def test_run_to_run_bitwise_identical():
     case = _case(64, prefill=False)
     first = _run(sparse_attn_cuda.sparse_attn, torch.bfloat16, *case)
