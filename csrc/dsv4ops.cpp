@@ -24,15 +24,15 @@ TORCH_LIBRARY(dsv4_csrc, m) {
   m.def(
       "topk_score(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, "
       "Tensor cand, Tensor(a!) workspace, int t0, int tokens, int row_words, int programs, int n_entries, int ratio, "
-      "int block_size, int cand_block, int mode) -> ()");
+      "int block_size, int cand_block, int mode, int zero_at, int zero_words) -> ()");
   m.def(
       "topk_select(Tensor positions, Tensor req_slots, Tensor block_table, Tensor cand, Tensor(a!) out, "
       "Tensor(b!) workspace, int t0, int tokens, int row_words, int keys_at, int in_at, int out_at, int level, "
       "int programs, int n_entries, int ratio, int block_size, int cand_block, int chunk, int group, int mode) -> ()");
   m.def(
       "topk_grid(Tensor positions, Tensor req_slots, Tensor block_table, Tensor cand, Tensor(a!) out, "
-      "Tensor(b!) workspace, int t0, int tokens, int row_words, int keys_at, int n_row, int ctas, int n_entries, "
-      "int ratio, int block_size, int cand_block, int mode) -> ()");
+      "Tensor(b!) workspace, int t0, int tokens, int row_words, int keys_at, int n_row, int ctas, bool zeroed, "
+      "int n_entries, int ratio, int block_size, int cand_block, int mode) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsv4_csrc, CUDA, m) {

@@ -511,6 +511,7 @@ def test_workspace_rows_hold_the_grid_select_state():
     from dsv4ops.indexer import workspace as ws
     h = _params_h()
     assert (ws.GRID_TILE, ws.GRID_MAX_K) == (h["kGridTile"], h["kMaxGridK"])
+    assert ws.GRID_HEAD == h["kGridHead"]
     assert ws.GRID_STATE == h["kGridHead"] + h["kGridLevels12"] + h["kGridCand"]
     for n, k in [(300, 512), (4096, 512), (4097, 512), (16448, 512), (40000, 1024), (262144, 512), (20000, 8192),
                  (40000, 8193)]:

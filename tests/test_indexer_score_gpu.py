@@ -94,21 +94,24 @@ def _check(got_rows, score, size, vis, n_cols):
 @pytest.mark.parametrize("heads", [4, 32, 64, 128])
 def test_scores_match_float64(heads, programs):
     # programs 1 and 3: many tiles a CTA (the ring wraps around its 4 stages); 0: one CTA per tile.
+    # Each launched row also gets 32 words zeroed 8 words after its keys (the grid select's state).
     g = torch.Generator(device=DEV).manual_seed(heads + programs)
     t, pages, k = 12, 9, 64
     q, w, pos, req, cache, table = _case(t, heads, pages, g)
     n = pages * BS
-    row_words = ws.layout(n, k)[3]
+    row_words = ws.layout(n, k)[3] + 40
     t0, launch = 2, t - 3  # tokens 2 .. 10: rows outside the launch stay poisoned
     work = torch.full((t * row_words,), POISON, dtype=torch.int32, device=DEV)
     csrc.load()
     tiles = -(-n // 64)
     torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, table, work, t0, launch, row_words,
-                                   programs or tiles, n, RATIO, BS, 1, 0)
+                                   programs or tiles, n, RATIO, BS, 1, 0, n + 8, 32)
     rows = work.view(t, row_words)
     score, size, vis, _ = _expected(q, w, pos, req, cache, table, None, 1)
     n_cols = torch.where(req >= 0, ((pos.long() + 1) // RATIO).clamp(max=n), 0)
-    _check(rows[:launch], score[t0:t0 + launch], size[t0:t0 + launch], vis[t0:t0 + launch], n_cols[t0:t0 + launch])
+    _check(rows[:launch, :n + 8], score[t0:t0 + launch], size[t0:t0 + launch], vis[t0:t0 + launch],
+           n_cols[t0:t0 + launch])
+    assert (rows[:launch, n + 8:] == 0).all()
     assert (rows[launch:] == POISON).all()
 
 
@@ -126,7 +129,8 @@ def test_candidate_columns_match_float64():
     row_words = ws.layout(n, k, n_cand * cb)[3]
     work = torch.full((t * row_words,), POISON, dtype=torch.int32, device=DEV)
     csrc.load()
-    torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, cand, work, 0, t, row_words, 5, n, RATIO, BS, cb, 1)
+    torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, cand, work, 0, t, row_words, 5, n, RATIO, BS, cb, 1,
+                                   n_cand * cb, 0)
     score, size, vis, n_cols = _expected(q, w, pos, req, cache, table, cand, cb)
     _check(work.view(t, row_words), score, size, vis, n_cols)
 
@@ -136,12 +140,17 @@ def test_bad_layout_is_refused_and_the_workspace_kept():
     q, w, pos, req, cache, table = _case(4, 64, 2, g)
     work = torch.full((4 * 128,), POISON, dtype=torch.int32, device=DEV)
     csrc.load()
-    args = (pos, req, cache, table, table, work, 0, 4, 128, 1, 128, RATIO, BS, 1, 0)
+    args = (pos, req, cache, table, table, work, 0, 4, 128, 1, 128, RATIO, BS, 1, 0, 128, 0)
     with pytest.raises(RuntimeError, match="q: expected e4m3"):
         torch.ops.dsv4_csrc.topk_score(q.float(), w, *args)
     with pytest.raises(RuntimeError, match="workspace: expected 1024"):
-        torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, table, work, 0, 4, 256, 1, 128, RATIO, BS, 1, 0)
+        torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, table, work, 0, 4, 256, 1, 128, RATIO, BS, 1, 0,
+                                       128, 0)
     with pytest.raises(RuntimeError, match="block_size"):
-        torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, table, work, 0, 4, 128, 1, 128, RATIO, 6, 1, 0)
+        torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, table, work, 0, 4, 128, 1, 128, RATIO, 6, 1, 0,
+                                       128, 0)
+    with pytest.raises(RuntimeError, match="zero_at / zero_words"):  # past the row
+        torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, table, work, 0, 4, 128, 1, 120, RATIO, BS, 1, 0,
+                                       120, 16)
     torch.cuda.synchronize()
     assert (work == POISON).all()

@@ -70,6 +70,8 @@ struct ScoreParams : RowParams {
   const float* w;    // [tokens, heads]
   const uint8_t* cache;
   int64_t q_stride, q_head_stride, w_stride;
+  int64_t zero_at;  // words [zero_at, zero_at + zero_words) of each row are zeroed: the grid select's
+  int zero_words;   // first state words (GridParams), which then needs no memset of its own
   int heads;
 };
 

@@ -90,6 +90,10 @@ __global__ void __launch_bounds__(kThreads) topk_score_kernel(const __grid_const
   const int64_t tc = blockIdx.x, t = p.t0 + tc;
   int req;
   const int n = row_columns(p, t, kCand ? kCandidateEntries : kEntries, req);
+  if (blockIdx.y == 0) {
+    int32_t* zero = p.ws + tc * p.row_words + p.zero_at;
+    for (int i = tid; i < p.zero_words; i += kThreads) zero[i] = 0;
+  }
   const int first = blockIdx.y * kTile, step = gridDim.y * kTile;
   if (first >= n) return;
   const int tiles = (n - first + step - 1) / step;

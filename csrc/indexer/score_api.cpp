@@ -26,7 +26,7 @@ void topk_score_cuda(const at::Tensor& q, const at::Tensor& weights, const at::T
                      const at::Tensor& req_slots, const at::Tensor& cache, const at::Tensor& block_table,
                      const at::Tensor& cand, at::Tensor& workspace, int64_t t0, int64_t tokens, int64_t row_words,
                      int64_t programs, int64_t n_entries, int64_t ratio, int64_t block_size, int64_t cand_block,
-                     int64_t mode) {
+                     int64_t mode, int64_t zero_at, int64_t zero_words) {
   DSV4_CHECK_CUDA(q);
   for (const auto& [x, name] : {std::pair{&weights, "weights"}, {&cache, "cache"}}) {
     DSV4_CHECK(x->device() == q.device(), name, ": expected a tensor on ", q.device(), ", got ", x->device());
@@ -62,6 +62,8 @@ void topk_score_cuda(const at::Tensor& q, const at::Tensor& weights, const at::T
              "mode / programs / ratio / cand_block: out of range");
   const int64_t columns = mode == kCandidateEntries ? cand.size(1) * cand_block : n_entries;
   DSV4_CHECK(row_words >= columns, "row_words: expected room for a row of ", columns, " keys, got ", row_words);
+  DSV4_CHECK(zero_at >= columns && zero_words >= 0 && zero_at + zero_words <= row_words, "zero_at / zero_words: ",
+             "expected words after the row's keys and within its ", row_words, ", got ", zero_at, " + ", zero_words);
   if (tokens == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   ScoreParams p{};
@@ -73,6 +75,8 @@ void topk_score_cuda(const at::Tensor& q, const at::Tensor& weights, const at::T
   p.q_stride = q.stride(0);
   p.q_head_stride = q.stride(1);
   p.w_stride = weights.stride(0);
+  p.zero_at = zero_at;
+  p.zero_words = static_cast<int>(zero_words);
   p.heads = static_cast<int>(q.size(1));
   launch_score(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(programs),
                c10::cuda::getCurrentCUDAStream(q.get_device()).stream());

@@ -5,12 +5,13 @@
 // lists and merges, whose one-CTA-a-16384-key-chunk steps left most SMs idle (H100, V4-Flash CSA, one
 // token at 1M positions: 262144 keys selected in ~42 us on 16 CTAs).
 //
-// One launch after a memset of each token's first state words (params.h GridParams): `ctas` CTAs a
-// token (at most one a 4096-key tile of the longest row the block table allows). The tiles of the
-// token's real row (device lengths) are split evenly over its first min(ctas, tiles) CTAs, its live
-// ones, and the others leave at once: the cost follows the real context. A token of several live CTAs needs them all resident
-// (they wait for each other: a cooperative launch); a token of one selects alone, in shared memory
-// (the steps below without the global histogram, the barriers and the look-back). Each live CTA:
+// One launch after each token's first state words are zeroed (params.h GridParams: by a memset, or
+// by the scoring kernel: ScoreParams zero_at), with `ctas` CTAs a token (at most one a 4096-key tile
+// of the longest row the block table allows). The tiles of the token's real row (device lengths) are
+// split evenly over its first min(ctas, tiles) CTAs, its live ones, and the others leave at once:
+// the cost follows the real context. Several live CTAs of a token wait for each other, so all must
+// be resident (a cooperative launch); a token of one live CTA selects alone, in shared memory (the
+// steps below without the global histogram, the barriers and the look-back). Each live CTA:
 //   1. adds its nonzero keys' top 11 bits to the token's global histogram; after a barrier of the
 //      token's live CTAs, each reads it and finds T's bin and the keys still wanted there;
 //   2. unless that bin is taken whole (then T = its lowest key - 1, no tie to break): when it holds
@@ -484,14 +485,18 @@ int grid_ctas_per_sm(int device) {
   return blocks;
 }
 
-void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, cudaStream_t stream) {
+void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, bool zeroed, cudaStream_t stream) {
   if (ctas == 1) {  // no CTA waits for another: no state, any launch size
     grid_select_kernel<<<tokens, kThreads, 0, stream>>>(p, mode, ctas);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  C10_CUDA_CHECK(cudaMemset2DAsync(p.ws + p.state_at, p.row_words * sizeof(int32_t), 0, p.zero_words * sizeof(int32_t),
-                                   tokens, stream));
+  // The state words, unless the scoring kernel zeroed them (score.cu zero_at: a graph node less,
+  // ~1.1 us on the H100).
+  if (!zeroed) {
+    C10_CUDA_CHECK(cudaMemset2DAsync(p.ws + p.state_at, p.row_words * sizeof(int32_t), 0,
+                                     p.zero_words * sizeof(int32_t), tokens, stream));
+  }
   GridParams args = p;
   void* kernel_args[] = {&args, &mode, &ctas};
   C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(grid_select_kernel), dim3(tokens * ctas),

@@ -18,7 +18,7 @@ namespace dsv4::indexer {
 
 void launch_select(const SelectParams& p, int mode, int tokens, int programs, int threads, int items,
                    cudaStream_t stream);
-void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, cudaStream_t stream);
+void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, bool zeroed, cudaStream_t stream);
 int grid_ctas_per_sm(int device);
 
 namespace {
@@ -102,8 +102,8 @@ void topk_select_cuda(const at::Tensor& positions, const at::Tensor& req_slots, 
 
 void topk_grid_cuda(const at::Tensor& positions, const at::Tensor& req_slots, const at::Tensor& block_table,
                     const at::Tensor& cand, at::Tensor& out, at::Tensor& workspace, int64_t t0, int64_t tokens,
-                    int64_t row_words, int64_t keys_at, int64_t n_row, int64_t ctas, int64_t n_entries,
-                    int64_t ratio, int64_t block_size, int64_t cand_block, int64_t mode) {
+                    int64_t row_words, int64_t keys_at, int64_t n_row, int64_t ctas, bool zeroed,
+                    int64_t n_entries, int64_t ratio, int64_t block_size, int64_t cand_block, int64_t mode) {
   const int64_t k = check_select(positions, req_slots, block_table, cand, out, workspace, t0, tokens, row_words, 1,
                                  n_entries, ratio, block_size, cand_block, mode);
   DSV4_CHECK(k >= 1 && k <= kMaxGridK, "k: expected 1 ..", kMaxGridK, " for the grid select, got ", k);
@@ -132,7 +132,7 @@ void topk_grid_cuda(const at::Tensor& positions, const at::Tensor& req_slots, co
                                                        mode);
   p.state_at = keys_at + n_row;
   p.zero_words = static_cast<int>(zero_words);
-  launch_grid_select(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(ctas),
+  launch_grid_select(p, static_cast<int>(mode), static_cast<int>(tokens), static_cast<int>(ctas), zeroed,
                      c10::cuda::getCurrentCUDAStream(out.get_device()).stream());
 }
 

@@ -51,15 +51,17 @@ def score_ctas_per_sm(heads: int) -> int:
 
 
 def score(q, weights, positions, req_slots, cache, block_table, cand, workspace, fmt: str, t0: int, n: int,
-          n_row: int, row_words: int, n_entries: int, ratio: int, block_size: int, cb: int, mode: int) -> bool:
+          n_row: int, row_words: int, n_entries: int, ratio: int, block_size: int, cb: int, mode: int,
+          zero_words: int = 0) -> bool:
     """The C++ scoring of one launch of n tokens (`triton.indexer_topk`'s `score` hook); False where it
     does not serve the arguments. Programs per token: one wave of resident CTAs over the launch, at most
-    one per tile (each walks tiles g, g + G, ... of its token's real row)."""
+    one per tile (each walks tiles g, g + G, ... of its token's real row). zero_words: words after each
+    row's keys that its first program zeroes (the grid select's state: `indexer_topk`)."""
     if not score_serves(q, weights, cache, fmt, block_size):
         return False
     programs = max(1, min(-(-n_row // SCORE_TILE), score_ctas_per_sm(q.shape[1]) * _ws.SMS // n))
     torch.ops.dsv4_csrc.topk_score(q, weights, positions, req_slots, cache, block_table, cand, workspace, t0, n,
-                                   row_words, programs, n_entries, ratio, block_size, cb, mode)
+                                   row_words, programs, n_entries, ratio, block_size, cb, mode, n_row, zero_words)
     return True
 
 
@@ -74,17 +76,17 @@ def grid_ctas(tokens: int, n_row: int, device: torch.device) -> int:
     return tiles if tokens * tiles <= 2 * sms else 1
 
 
-def select(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
+def select(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int, zeroed: bool = False):
     """The selection hook of `triton.indexer_topk` (arguments as `select_tree`): the grid select where
-    the row holds its state, else `select_tree`."""
+    the row holds its state, else `select_tree`. zeroed: the scoring zeroed the state words."""
     if not _ws.has_grid(n_row, k):
         select_tree(n, n_row, k, keys_at, common, mode, nc)
         return
     positions, req_slots, block_table, cand, out, workspace, t0 = common[:7]
     n_entries, ratio, block_size, row_words = common[12:16]
     torch.ops.dsv4_csrc.topk_grid(positions, req_slots, block_table, cand, out, workspace, t0, n, row_words, keys_at,
-                                  n_row, grid_ctas(n, n_row, out.device), n_entries, ratio, block_size, common[10],
-                                  mode)
+                                  n_row, grid_ctas(n, n_row, out.device), zeroed, n_entries, ratio, block_size,
+                                  common[10], mode)
 
 
 def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: int, nc: int):
@@ -110,7 +112,21 @@ def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: i
 
 def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
                  ratio: int, cand_block: int, fmt: str) -> None:
-    """Launcher of `dsv4::indexer_topk` (same arguments)."""
+    """Launcher of `dsv4::indexer_topk` (same arguments). Where the grid select runs several CTAs a
+    token after the C++ scoring, the scoring zeroes its state words (no memset node: H100, V4-Flash
+    CSA, 1 x 4K in a 1M table, measured below in the README's indexer section)."""
     csrc.load()
+    k = idx_out.shape[1]
+    scored = [False]  # the launch's scoring was the C++ kernel, which zeroed the state words
+
+    def score_zeroing(*args):
+        n, n_row = args[10], args[11]
+        ctas = grid_ctas(n, n_row, q.device) if _ws.has_grid(n_row, k) else 1
+        scored[0] = score(*args, zero_words=_ws.GRID_HEAD + ctas if ctas > 1 else 0)
+        return scored[0]
+
+    def select_zeroed(n, n_row, k_, keys_at, common, mode, nc):
+        select(n, n_row, k_, keys_at, common, mode, nc, zeroed=scored[0] and keys_at == 0)
+
     _triton.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
-                         ratio, cand_block, fmt, select=select, score=score)
+                         ratio, cand_block, fmt, select=select_zeroed, score=score_zeroing)

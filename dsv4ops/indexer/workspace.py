@@ -33,9 +33,11 @@ def chunk(n_entries: int, k: int) -> int:
 
 # The grid select (csrc/indexer/topk_grid.cu, params.h GridParams): rows of more than one GRID_TILE
 # keys and k <= GRID_MAX_K; per row GRID_STATE words (histograms of 2048 + 2048 + 1024 bins, three
-# counters, a list of 4096 candidate keys) and a look-back word a tile.
+# counters, a list of 4096 candidate keys) and a look-back word a tile. The first GRID_HEAD words
+# and the look-back words are zeroed before a launch of several CTAs a token.
 GRID_TILE = 4096
-GRID_STATE = 2051 + 3072 + 4096
+GRID_HEAD = 2051
+GRID_STATE = GRID_HEAD + 3072 + 4096
 GRID_MAX_K = 8192
 
 
