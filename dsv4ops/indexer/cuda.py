@@ -113,8 +113,9 @@ def select_tree(n: int, n_row: int, k: int, keys_at: int, common: tuple, mode: i
 def indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, workspace,
                  ratio: int, cand_block: int, fmt: str) -> None:
     """Launcher of `dsv4::indexer_topk` (same arguments). Where the grid select runs several CTAs a
-    token after the C++ scoring, the scoring zeroes its state words (no memset node: H100, V4-Flash
-    CSA, 1 x 4K in a 1M table, measured below in the README's indexer section)."""
+    token after the C++ scoring, the scoring zeroes its state words instead of a memset node: H100,
+    V4-Flash CSA, whole op, memset / scoring: 1 x 1M 30.1 / 29.0 us, 32 x 64K 52.4 / 51.2, 1 x 4K in a
+    1M table 13.8 / 12.0."""
     csrc.load()
     k = idx_out.shape[1]
     scored = [False]  # the launch's scoring was the C++ kernel, which zeroed the state words
