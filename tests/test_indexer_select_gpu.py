@@ -4,12 +4,12 @@ CTA walking the row; the one-CTA-a-chunk tree) and the Triton select they replac
 written straight into the workspace, against an independent formulation (a stable sort by key, then
 by column). Key sets built to stress a radix select: every key distinct, few distinct values (ties
 across the k-th), keys differing only in their lowest byte, the top key 0xffffffff, most keys 0 (no
-entry), the k-th key tied within a small bin, rows shorter than k, padding tokens; one chunk, chunks
-with one merge, and small chunks forcing two merge levels; grid rows of 1 to 64 tiles (and rows of
-one live tile in a wider launch), a launch of as many tiles as the GPU holds at once, CUDA-graph
-replays with new row lengths, and the grid's largest k (its candidate list serves the spread kinds
-and rank-ties, its global levels the bunched ones: few-values, low-byte). Outputs poisoned before
-each call."""
+entry), the k-th key tied within a small bin, the k-th key's bin taken whole (with a key at the
+bin's lowest value), rows shorter than k, padding tokens; one chunk, chunks with one merge, and
+small chunks forcing two merge levels; grid rows of 1 to 64 tiles (and rows of one live tile in a
+wider launch), a launch of as many tiles as the GPU holds at once, CUDA-graph replays with new row
+lengths, and the grid's largest k (its candidate list serves the spread kinds and rank-ties, its
+global levels the bunched ones: few-values, low-byte). Outputs poisoned before each call."""
 
 import pytest
 import torch
@@ -75,6 +75,14 @@ def _keys(kind: str, t: int, n: int, g: torch.Generator) -> torch.Tensor:
         planted = planted.expand(t, -1)
         cols = torch.argsort(torch.rand(t, n, device=DEV, generator=g), dim=1)[:, :m]
         return rand(1, 1 << 30).scatter(1, cols, planted)
+    if kind == "whole-bin":
+        # 500 keys in 100 high bins of the top 11 bits, then one bin of exactly 12 keys, one of them
+        # its lowest value (low 21 bits zero): at k = 512 that bin is taken whole; the rest lower
+        m = min(512, n)
+        j = torch.arange(m, device=DEV)
+        planted = torch.where(j < 500, (2047 - j % 100) << 21 | (j + 1), 1900 << 21 | torch.where(j == 500, 0, j))
+        cols = torch.argsort(torch.rand(t, n, device=DEV, generator=g), dim=1)[:, :m]
+        return rand(1, 1 << 30).scatter(1, cols, planted.expand(t, -1))
     raise KeyError(kind)
 
 
@@ -106,7 +114,7 @@ def _run(select, keys: torch.Tensor, lens: torch.Tensor, k: int) -> torch.Tensor
 
 
 @pytest.mark.parametrize("select", sorted(SELECTS))
-@pytest.mark.parametrize("kind", ["distinct", "few-values", "low-byte", "top-key", "sparse", "rank-ties"])
+@pytest.mark.parametrize("kind", ["distinct", "few-values", "low-byte", "top-key", "sparse", "rank-ties", "whole-bin"])
 @pytest.mark.parametrize("n,k", [(300, 512), (1000, 64), (5000, 512), (40000, 512), (70000, 1024), (20000, 8192),
                                  (262144, 512)],
                          ids=["shorter-than-k", "one-chunk", "one-chunk-5000", "merge", "merge-top1024", "grid-max-k",
