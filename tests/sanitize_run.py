@@ -9,9 +9,9 @@ projections launch: 60 on the H100 with CUDA 13.0. Read its report for dsv4ops k
 
 (prints one line per kernel and path it ran). Paths: the layers' serving steps (qkv_prep,
 compressor_update, indexer_q_prep, indexer_topk, sparse_attn, inv_rope) in FP8 and bf16 pools,
-prefill chunks and padded decode steps; indexer_topk with one chunk, several chunks and one merge
-level, and three merge levels (small chunks); sparse_attn with one split (many tokens) and split-KV with the combine
-(decode over a long list), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
+prefill chunks and padded decode steps; indexer_topk with one chunk, the grid select (one CTA a
+tile, and two CTAs of several tiles), and the chunk tree's three merge levels (small chunks);
+sparse_attn with one split (many tokens) and split-KV with the combine (decode over a long list), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
 through the Triton kernel; pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
 fp8_linear with and without split-K, both scale types; the
 V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
