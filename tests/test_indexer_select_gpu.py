@@ -172,6 +172,24 @@ def test_grid_select_over_a_full_gpu():
         _run(_grid(4), torch.cat([keys, keys[:1]]), torch.cat([lens, lens[:1]]), k)
 
 
+@pytest.mark.parametrize("ctas", [0, 5])
+def test_grid_select_refuses_ctas_outside_its_tiles_and_keeps_its_buffers(ctas):
+    # 16384 columns are 4 tiles: 0 or 5 CTAs a token is refused before anything is written.
+    csrc.load()
+    t, n, k = 2, 16384, 512
+    row_words = ws.layout(n, k)[3]
+    work = torch.full((t * row_words,), 0x5A5A5A5A, dtype=torch.int32, device=DEV)
+    out = torch.full((t, k), 12345, dtype=torch.int32, device=DEV)
+    pos = torch.full((t,), n - 1, dtype=torch.int32, device=DEV)
+    req = torch.zeros(t, dtype=torch.int32, device=DEV)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match=r"ctas: expected 1 \.\. 4 CTAs a token"):
+        torch.ops.dsv4_csrc.topk_grid(pos, req, table, table, out, work, 0, t, row_words, 0, n, ctas, False, n, 1, 1,
+                                      1, 2)
+    torch.cuda.synchronize()
+    assert (work == 0x5A5A5A5A).all() and (out == 12345).all()
+
+
 @pytest.mark.parametrize("ctas", ["fit", 2])
 def test_grid_select_replays_in_a_cuda_graph(ctas):
     # The state words are zeroed by a memset node of each replay: new keys and row lengths (one live
