@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "../common/pdl.cuh"
 #include "params.h"
 #include "rows.cuh"
 #include "select.cuh"
@@ -352,6 +353,7 @@ __device__ void count_selected(Tiles& tl, int first, int last, uint32_t T, Share
 // 1 x 4K in a 1M table 13.5 / 14.3.
 __global__ void __launch_bounds__(kThreads, 2) grid_select_kernel(const GridParams p, int mode, int ctas) {
   __shared__ Shared sh;
+  pdl::wait_prior_grid();  // the scores (a no-op in a cooperative launch, which has no PDL)
   const int g = blockIdx.x % ctas;
   const int64_t tc = blockIdx.x / ctas, t = p.t0 + tc;
   int req;
@@ -487,7 +489,7 @@ int grid_ctas_per_sm(int device) {
 
 void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, bool zeroed, cudaStream_t stream) {
   if (ctas == 1) {  // no CTA waits for another: no state, any launch size
-    grid_select_kernel<<<tokens, kThreads, 0, stream>>>(p, mode, ctas);
+    pdl::launch_pdl(grid_select_kernel, dim3(tokens), dim3(kThreads), 0, stream, p, mode, ctas);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "../common/pdl.cuh"
 #include "params.h"
 #include "rows.cuh"
 #include "select.cuh"
@@ -178,6 +179,7 @@ __device__ void select(const SelectParams& p, const uint32_t (&key)[ITEMS], cons
 template <int ITEMS>
 __global__ void __launch_bounds__(kMaxThreads) topk_select_kernel(const SelectParams p, int mode) {
   __shared__ Shared sh;
+  pdl::wait_prior_grid();  // the scores, or the level before
   const int64_t tc = blockIdx.x, t = p.t0 + tc;
   int req;
   const int n = row_columns(p, t, mode, req);
@@ -218,13 +220,15 @@ __global__ void __launch_bounds__(kMaxThreads) topk_select_kernel(const SelectPa
 
 void launch_select(const SelectParams& p, int mode, int tokens, int programs, int threads, int items,
                    cudaStream_t stream) {
+  // Programmatic dependent launch (common/pdl.cuh): the launch hides behind the scoring's tail. H100,
+  // V4-Flash, whole indexer_topk with / without: 1 x 4K 8.9 / 9.6 us, 128 x 4K 16.4 / 17.0.
   const dim3 grid(tokens, programs);
   switch (items) {
-    case 1: topk_select_kernel<1><<<grid, threads, 0, stream>>>(p, mode); break;
-    case 2: topk_select_kernel<2><<<grid, threads, 0, stream>>>(p, mode); break;
-    case 4: topk_select_kernel<4><<<grid, threads, 0, stream>>>(p, mode); break;
-    case 8: topk_select_kernel<8><<<grid, threads, 0, stream>>>(p, mode); break;
-    default: topk_select_kernel<16><<<grid, threads, 0, stream>>>(p, mode); break;
+    case 1: pdl::launch_pdl(topk_select_kernel<1>, grid, dim3(threads), 0, stream, p, mode); break;
+    case 2: pdl::launch_pdl(topk_select_kernel<2>, grid, dim3(threads), 0, stream, p, mode); break;
+    case 4: pdl::launch_pdl(topk_select_kernel<4>, grid, dim3(threads), 0, stream, p, mode); break;
+    case 8: pdl::launch_pdl(topk_select_kernel<8>, grid, dim3(threads), 0, stream, p, mode); break;
+    default: pdl::launch_pdl(topk_select_kernel<16>, grid, dim3(threads), 0, stream, p, mode); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
