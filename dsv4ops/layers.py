@@ -16,7 +16,7 @@ from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
-from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts, visible_entries
+from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear.api import BlockFP8Linear
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
@@ -358,8 +358,10 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
             _compress(c.indexer, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index,
                       fmt["index"], layer.numerics.indexer, eps)
             comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
-        else:
-            comp_idx = visible_entries(step, cfg.compress_ratio(layer.layer_idx), cache.cfg.block_size)
+        else:  # HCA: every complete entry of the token's request
+            table, bs = step.block_table(kind), cache.cfg.block_size
+            comp_idx = torch.empty(t, table.shape[1] * bs, dtype=torch.int32, device=x.device)
+            ops.visible_entries(table, pos, req, comp_idx, cfg.compress_ratio(layer.layer_idx), bs)
         # The selection lists its entries first, so the first min(visible, k) columns hold them all.
         comp_lens = visible_counts(pos, req, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
 

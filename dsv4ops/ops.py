@@ -27,6 +27,8 @@ from dsv4ops.router import checks as _router_checks
 from dsv4ops.router import reference as _router
 from dsv4ops.sparse_attn import checks as _sparse_attn_checks
 from dsv4ops.sparse_attn import reference as _sparse_attn
+from dsv4ops.visible_entries import checks as _visible_entries_checks
+from dsv4ops.visible_entries import reference as _visible_entries
 
 
 # ---- router ------------------------------------------------------------------------------------
@@ -161,6 +163,18 @@ def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tenso
                                  workspace, ratio, cand_block, fmt)
     _indexer.indexer_topk(q, weights, positions, req_slots, cache, block_table, cand, idx_out, cand_out, ratio,
                           cand_block, fmt)
+
+
+# ---- visible_entries ---------------------------------------------------------------------------
+@custom_op("dsv4::visible_entries", mutates_args=("out",))
+def visible_entries(block_table: Tensor, positions: Tensor, req_slots: Tensor, out: Tensor, ratio: int,
+                    block_size: int) -> None:
+    """The HCA key list: out[t, w] = the global pool slot of entry w of the token's request through
+    block_table (blocks of block_size entries) for w < (t + 1) // ratio; -1 past them, where the
+    block is -1 (unallocated), and in every row of a padding token (request slot -1 or out of range,
+    or a negative position). Every element of out is written."""
+    _visible_entries_checks.visible_entries(block_table, positions, req_slots, out, ratio, block_size)
+    _visible_entries.visible_entries(block_table, positions, req_slots, out, ratio, block_size)
 
 
 # ---- sparse_attn -------------------------------------------------------------------------------

@@ -641,6 +641,17 @@ def sparse_attn_gpu_case(heads: int, prefill: bool, entries: int = 512, pool=FP8
     return q, wc, cc, pos, req, idx, lens, sinks
 
 
+def visible_entries_args(ratio=2, block_size=4, blocks=3, requests=2, runs=DEFAULT_RUNS, pad=1) -> dict:
+    """A block table of distinct random blocks whose last column is unallocated (-1), the tokens of
+    `runs` then `pad` padding tokens, and out poisoned (int32 max) so an unwritten element shows."""
+    positions, req_slots = step_tokens(*runs, pad=pad)
+    table = torch.randperm(requests * blocks).to(torch.int32).view(requests, blocks)
+    table[:, -1] = -1
+    return dict(block_table=table, positions=positions, req_slots=req_slots,
+                out=torch.full((positions.shape[0], blocks * block_size), 2**31 - 1, dtype=torch.int32), ratio=ratio,
+                block_size=block_size)
+
+
 def inv_rope_args(dtype=torch.float32, heads=2, dim=16, tokens=3, noncontig=False) -> dict:
     return dict(o=_rows((tokens, heads, dim), dtype, noncontig), positions=torch.arange(tokens, dtype=torch.int32) * 7,
                 inv_freq=rope_table(min(8, dim)), out=torch.empty(tokens, heads, dim, dtype=dtype))
@@ -690,12 +701,15 @@ _PUBLIC = {
                                                   a["req_slots"], a["comp_idx"], a["sinks"], a["scale"], a["window"],
                                                   a["ring_size"], a["window_fmt"], a["comp_fmt"],
                                                   comp_lens=a["comp_lens"], window_ends=a["window_ends"]),
+    "visible_entries": lambda api, a: api.visible_entries(a["block_table"], a["positions"], a["req_slots"], a["ratio"],
+                                                          a["block_size"]),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
     "fp8_linear": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"]),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",
            "indexer_q_prep": "indexer", "indexer_k_prep": "indexer", "indexer_topk": "indexer",
-           "sparse_attn": "sparse_attn", "inv_rope": "inv_rope", "fp8_linear": "fp8_linear"}
+           "visible_entries": "visible_entries", "sparse_attn": "sparse_attn", "inv_rope": "inv_rope",
+           "fp8_linear": "fp8_linear"}
 
 
 def public(name: str):

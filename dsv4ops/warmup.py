@@ -88,7 +88,9 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                                      index_fmt)
                     calls += 2
                 else:
-                    idx = torch.full((t, nblk * bs), -1, dtype=torch.int32, device=device)
+                    idx = torch.empty(t, nblk * bs, dtype=torch.int32, device=device)
+                    ops.visible_entries(table, pos, req, idx, ratio, bs)
+                    calls += 1
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32, device=device)
             ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, pos, sinks, o, d**-0.5, model_cfg.window, ring,
                             main_fmt, main_fmt)

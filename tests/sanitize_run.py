@@ -8,8 +8,8 @@ projections launch: 60 on the H100 with CUDA 13.0. Read its report for dsv4ops k
 `--kernel-name-exclude kns=nvjet` ends in an internal sanitizer error at the first cuBLAS launch.)
 
 (prints one line per kernel and path it ran). Paths: the layers' serving steps (qkv_prep,
-compressor_update, indexer_q_prep, indexer_topk, sparse_attn, inv_rope) in FP8 and bf16 pools,
-prefill chunks and padded decode steps; indexer_topk with one chunk, the grid select (one CTA a
+compressor_update, indexer_q_prep, indexer_topk, visible_entries, sparse_attn, inv_rope) in FP8 and
+bf16 pools, prefill chunks and padded decode steps; indexer_topk with one chunk, the grid select (one CTA a
 tile, and two CTAs of several tiles), and the chunk tree's three merge levels (small chunks);
 sparse_attn with one split (many tokens) and split-KV with the combine (decode over a long list), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
 through the Triton kernel; pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;

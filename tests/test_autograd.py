@@ -25,6 +25,7 @@ OPS = {
     "compressor_update": (partial(T.compressor_update_args, torch.float32), "kv", None),
     "indexer_q_prep": (partial(T.indexer_q_prep_args, torch.float32), "q", "w_out"),
     "indexer_topk": None,  # integer output
+    "visible_entries": None,  # integer inputs and output
     "sparse_attn": (partial(T.sparse_attn_args, torch.float32), "q", "out"),
     "inv_rope": (partial(T.inv_rope_args, torch.float32), "o", "out"),
     "fp8_linear": (partial(T.fp8_linear_args, torch.float32), "x", "out"),

@@ -51,7 +51,7 @@ def test_serving_forward_is_one_graph_with_the_ops_in_order(kind):
         SLIDING: ["qkv_prep", "sparse_attn", "inv_rope"],
         CSA: ["qkv_prep", "compressor_update", "compressor_update", "indexer_q_prep", "indexer_topk", "sparse_attn",
               "inv_rope"],
-        HCA: ["qkv_prep", "compressor_update", "sparse_attn", "inv_rope"],
+        HCA: ["qkv_prep", "compressor_update", "visible_entries", "sparse_attn", "inv_rope"],
     }[kind]
     check = FileCheck()
     for op in order:
@@ -87,8 +87,9 @@ copy__5: "i32[2048]" = torch.ops.aten.copy_.default(arg27_1, getitem_14)""")
         expecttest.assert_expected_inline(ops, """\
 auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg10_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg11_1])
 auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_3, score = mm_4, ape = arg16_1, positions = where, req_slots = where_1, entry_slots = arg18_1, norm_weight = arg17_1, inv_freq = arg10_1, eps = 1e-06, fmt = 'fp8_584', _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg12_1, arg13_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = where_2, comp_lens = clamp_2, window_ends = arg21_1, sinks = arg20_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
-auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_7, positions = where, inv_freq = arg10_1, _out_base_index = 0, _all_bases = [empty_like_2])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.visible_entries.default, block_table = arg19_1, positions = where, req_slots = where_1, ratio = 128, block_size = 64, _out_base_index = 0, _all_bases = [empty_1])
+auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_7, comp_lens = clamp_1, window_ends = arg21_1, sinks = arg20_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _all_bases = [empty_like_1])
+auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_9, positions = where, inv_freq = arg10_1, _out_base_index = 0, _all_bases = [empty_like_2])
 copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg11_1, getitem_2)
 copy__1: "f32[2, 128, 1024]" = torch.ops.aten.copy_.default(arg12_1, getitem_4)
 copy__2: "u8[3, 37440]" = torch.ops.aten.copy_.default(arg13_1, getitem_5)""")

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from test_sparse_attn import _dense_sink_attention
+from test_visible_entries import expected_entries
 
 import format_model as M
 from dsv4ops import testing as T
@@ -21,6 +22,7 @@ from dsv4ops.inv_rope.api import inv_rope
 from dsv4ops.qkv_prep.api import qkv_prep
 from dsv4ops.quant.api import pack_kv, unpack_kv
 from dsv4ops.sparse_attn.api import sparse_attn
+from dsv4ops.visible_entries.api import visible_entries
 
 I32 = torch.int32
 MILLION = 1 << 20
@@ -98,6 +100,26 @@ def test_qkv_prep(h, dtype, data):
     if live.any():
         T.assert_close_to_ref(rows[slots], rope64(kv[live], pos[live], inv_freq),
                               T.complex_rope(kv[live], pos[live], inv_freq), what="window rows")
+
+
+@FUZZ
+@given(ratio=st.sampled_from([1, 4, 128]), block_size=st.sampled_from([1, 3, 64]), t=st.integers(0, 5),
+       data=st.data())
+def test_visible_entries(ratio, block_size, t, data):
+    requests, blocks = data.draw(st.integers(1, 3)), data.draw(st.integers(0, 3))
+    table = torch.tensor(data.draw(st.lists(st.integers(-1, 40), min_size=requests * blocks,
+                                            max_size=requests * blocks)), dtype=I32).view(requests, blocks)
+    full = blocks * block_size * ratio  # the first position past which every column is visible
+    pos = torch.tensor(data.draw(st.lists(st.one_of(POSITION, st.integers(0, full + ratio)), min_size=t, max_size=t)),
+                       dtype=I32)
+    req = torch.tensor(data.draw(st.lists(st.integers(-1, requests - 1), min_size=t, max_size=t)), dtype=I32)
+    if t and data.draw(st.booleans()):  # a request slot past the table: rejected
+        req[data.draw(st.integers(0, t - 1))] = requests
+        with pytest.raises(ValueError, match=rf"req_slots: expected values in \[-1, {requests}\)"):
+            visible_entries(table, pos, req, ratio, block_size)
+        return
+    out = visible_entries(table, pos, req, ratio, block_size)
+    assert torch.equal(out, expected_entries(table, pos, req, ratio, block_size))
 
 
 @FUZZ
@@ -263,8 +285,8 @@ def test_compressor_update_random_chunks(kind, data):
 
 def test_every_public_function_takes_an_empty_step():
     """T = 0 tokens: each public function returns its empty outputs and writes nothing."""
-    for name in ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "sparse_attn", "inv_rope",
-                 "pack_kv", "unpack_kv"):
+    for name in ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "visible_entries", "sparse_attn",
+                 "inv_rope", "pack_kv", "unpack_kv"):
         args = getattr(T, f"{name}_args")()
         for key, value in args.items():  # every per-token tensor cut to 0 rows
             if isinstance(value, torch.Tensor) and key not in ("cache", "window_cache", "comp_cache", "state",

@@ -388,6 +388,25 @@ def test_sparse_attn_hca_long_index_and_fp32():
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5)
 
 
+# ---- visible_entries ---------------------------------------------------------------------------
+@pytest.mark.parametrize("context", [4096, 65536, 1 << 20])
+def test_visible_entries(context):
+    # V4-Flash HCA key lists (ratio 128, 64-entry blocks; CPU debug: 4-entry blocks) of 128 tokens as
+    # wide as `context` allows (GPU: one block of 64 entries, 512 and 8192 entries, so 1, 1 and 8
+    # column programs a token), a quarter of the blocks unallocated, every fifth token padding, and
+    # three tokens out of range (a request past the table, one below -1, a negative position); out
+    # poisoned.
+    from test_visible_entries import expected_entries, random_case
+
+    blocks = max(1, context // 128 // BS)
+    args = random_case(128, BS, blocks, requests=64, tokens=128, device=DEV)
+    args["req_slots"][1], args["req_slots"][2], args["positions"][3] = 64, -2, -5
+    _op("visible_entries")(*args.values())
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    want = expected_entries(cpu["block_table"], cpu["positions"], cpu["req_slots"], 128, BS)
+    assert torch.equal(cpu["out"], want)
+
+
 # ---- inv_rope ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("heads", HEADS)
 def test_inv_rope(heads):
@@ -437,6 +456,9 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
                 "fp8_584")
     if name == "inv_rope":
         return torch.randn(t, h, 512, device=DEV), pos, _inv_freq(), torch.empty(t, h, 512, device=DEV)
+    if name == "visible_entries":
+        table = torch.arange(2 * 3, dtype=torch.int32, device=DEV).view(2, 3)
+        return table, pos, req, torch.empty(t, 3 * BS, dtype=torch.int32, device=DEV), 2, BS
     if name == "indexer_k_prep":
         entry = torch.where((req >= 0) & ((pos + 1) % 2 == 0), req * 4 + pos // 2, -1).to(torch.int32)
         return (torch.randn(t, 512, device=DEV), pos, req, entry, torch.randn(128, 512, device=DEV) / 512**0.5,
@@ -561,10 +583,11 @@ def _compiled_kernels() -> dict[str, set[str]]:
     from dsv4ops.inv_rope import triton as o
     from dsv4ops.quant import triton as q
     from dsv4ops.sparse_attn import triton as s
+    from dsv4ops.visible_entries import triton as v
 
     kernels = [k._qkv_prep_kernel, c._compress_kernel, c._save_kernel, i._q_prep_kernel, i._score_kernel,
-               i._select_kernel, i._merge_kernel, s._sparse_attn_kernel, s._combine_kernel, o._inv_rope_kernel,
-               q._pack_kernel, q._unpack_kernel]
+               i._select_kernel, i._merge_kernel, v._visible_entries_kernel, s._sparse_attn_kernel,
+               s._combine_kernel, o._inv_rope_kernel, q._pack_kernel, q._unpack_kernel]
     return {fn.__name__: {str(key) for cache in fn.device_caches.values() for key in cache[0]} for fn in kernels}
 
 

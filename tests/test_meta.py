@@ -26,6 +26,7 @@ CALLS = {
     "indexer_k_prep": partial(T.indexer_k_prep_args, BF16, "mxfp4_68", block_size=7, blocks=2),
     "indexer_topk": partial(T.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7, ratio=1, pool_blocks=2),
     "sparse_attn": partial(T.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288", noncontig=True, blocks=True),
+    "visible_entries": partial(T.visible_entries_args, ratio=1),
     "inv_rope": partial(T.inv_rope_args, BF16, noncontig=True),
     "fp8_linear": partial(T.fp8_linear_args, BF16, noncontig=True),
 }
@@ -82,6 +83,8 @@ BAD_SHAPES = {
     "indexer_k_prep": ("wk", lambda a: a["wk"].new_empty(128, 8), r"wk: expected size 16 \(d of latent\)"),
     "indexer_topk": ("block_table", lambda a: a["block_table"].new_empty(2), r"block_table: expected 2-D"),
     "sparse_attn": ("sinks", lambda a: a["sinks"].new_empty(1), r"sinks: expected size 2 \(heads of q\)"),
+    "visible_entries": ("req_slots", lambda a: a["req_slots"].new_empty(2),
+                        r"req_slots: expected size 6 \(tokens of positions\)"),
     "inv_rope": ("positions", lambda a: a["positions"].new_empty(2), r"positions: expected size 3 \(tokens of o\)"),
     "fp8_linear": ("scale", lambda a: a["scale"].new_empty(3, 2),
                    r"scale: expected shape \(3, 4\) \(a \[70, 100\] weight in 32 x 32 tiles\)"),

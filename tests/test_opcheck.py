@@ -79,6 +79,11 @@ SAMPLES = {
         partial(T.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
         partial(T.sparse_attn_args, FP32, blocks=True),
     ],
+    "visible_entries": [
+        partial(T.visible_entries_args),
+        partial(T.visible_entries_args, ratio=1, runs=((0, 9, 2),), pad=0),  # reaches the unallocated block
+        partial(T.visible_entries_args, ratio=128, block_size=64, runs=((1, 127, 1),), pad=2),
+    ],
     "inv_rope": [
         partial(T.inv_rope_args, FP32),
         partial(T.inv_rope_args, BF16),

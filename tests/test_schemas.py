@@ -7,7 +7,8 @@ from expecttest import assert_expected_inline
 from dsv4ops.testing import dsv4_ops
 
 PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
-          "indexer_q_prep", "indexer_k_prep", "indexer_topk", "sparse_attn", "inv_rope", "fp8_linear"}
+          "indexer_q_prep", "indexer_k_prep", "indexer_topk", "visible_entries", "sparse_attn", "inv_rope",
+          "fp8_linear"}
 
 
 def _schema(name: str) -> str:
@@ -56,6 +57,10 @@ def test_indexer_k_prep():
 
 def test_indexer_topk():
     assert_expected_inline(_schema("indexer_topk"), """dsv4::indexer_topk(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, Tensor? cand, Tensor(a7!) idx_out, Tensor(a8!)? cand_out, Tensor(a9!) workspace, SymInt ratio, SymInt cand_block, str fmt) -> ()""")
+
+
+def test_visible_entries():
+    assert_expected_inline(_schema("visible_entries"), """dsv4::visible_entries(Tensor block_table, Tensor positions, Tensor req_slots, Tensor(a3!) out, SymInt ratio, SymInt block_size) -> ()""")
 
 
 def test_sparse_attn():

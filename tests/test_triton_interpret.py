@@ -44,6 +44,7 @@ from dsv4ops.inv_rope import triton as inv_rope_tt  # noqa: E402
 from dsv4ops.qkv_prep import triton as qkv_prep_tt  # noqa: E402
 from dsv4ops.quant import triton as quant_tt  # noqa: E402
 from dsv4ops.sparse_attn import triton as sparse_attn_tt  # noqa: E402
+from dsv4ops.visible_entries import triton as visible_entries_tt  # noqa: E402
 
 CFG = dsv4ops.DSV4AttentionConfig.tiny()
 INV_FREQ = CFG.inv_freq(1)  # the YaRN / 160000 table of a compressed layer
@@ -602,6 +603,26 @@ def test_sparse_attn_fp32():
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+# ---- visible_entries ---------------------------------------------------------------------------
+# (ratio, block size, blocks): V4's HCA key list 2560 entries wide (three column programs; the
+# tokens' counts end in each of them, or before them), CSA's ratio over 16-entry blocks, ratio 1
+# over 3-entry blocks.
+@pytest.mark.parametrize("ratio,block_size,blocks", [(128, 64, 40), (4, 16, 5), (1, 3, 5)])
+def test_visible_entries(ratio, block_size, blocks):
+    from test_visible_entries import expected_entries, random_case
+
+    args = random_case(ratio, block_size, blocks)
+    # Out-of-range tokens are padding in the kernel too: a request past the table, below -1, and a
+    # negative position of a live request.
+    args["req_slots"][1], args["req_slots"][2], args["positions"][3] = 4, -2, -5
+    wide = torch.full((args["out"].shape[0], args["out"].shape[1] + 3), 2**31 - 1, dtype=torch.int32)
+    args["out"] = wide[:, :-3]  # rows with a stride gap, poisoned
+    visible_entries_tt.visible_entries(*args.values())
+    want = expected_entries(args["block_table"], args["positions"], args["req_slots"], ratio, block_size)
+    assert torch.equal(args["out"], want) and (wide[:, -3:] == 2**31 - 1).all()
+    assert (want[:4] == -1).all() and (want >= 0).any()
+
+
 # ---- inv_rope ----------------------------------------------------------------------------------
 def test_inv_rope():
     o, pos = torch.randn(3, 9, 512), _i32(0, 129, 70000)
@@ -840,6 +861,9 @@ def record_launches():
             sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, None, torch.zeros(64), q,
                                        0.04, 8, 8, f512, f512)
             inv_rope_tt.inv_rope(q, pos, INV_FREQ, q)
+            for blocks in (8, 128):  # V4-Flash's HCA key lists at 64K and 1M context: 512 and 8192 entries
+                visible_entries_tt.visible_entries(torch.zeros(1, blocks, dtype=torch.int32), pos, req,
+                                                   torch.zeros(t, blocks * 64, dtype=torch.int32), 128, 64)
             _record_fp8_linear(dtype, 128, t)
             for d in (512, 128):
                 rows = torch.zeros(t, d, dtype=dtype)
@@ -931,7 +955,8 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
     expected = {"_qkv_prep_kernel", "_compress_kernel", "_pool_split_kernel", "_finish_kernel", "_save_kernel",
                 "_q_prep_kernel", "_k_prep_kernel", "_score_kernel",
                 "_block_keys_kernel", "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel",
-                "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel", "_fp8_linear_kernel", "_reduce_kernel"}
+                "_visible_entries_kernel", "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel", "_fp8_linear_kernel",
+                "_reduce_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

@@ -16,7 +16,7 @@ from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, ops, tes
 from dsv4ops.bench import flashmla
 from dsv4ops.bench.timing import ceilings, eager_time_us, graph_time_us
 from dsv4ops.cache import CacheConfig, KVCacheManager
-from dsv4ops.cache.step import visible_counts, visible_entries
+from dsv4ops.cache.step import visible_counts
 from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import rms_norm
@@ -24,7 +24,8 @@ from dsv4ops.reference.numerics import compressor_dtype
 
 FLASH = DSV4AttentionConfig.flash()
 FP8 = Numerics(kv="fp8", indexer="fp8")
-ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "sparse_attn", "inv_rope")
+ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "visible_entries", "sparse_attn",
+            "inv_rope")
 
 
 def _prefilled(manager: KVCacheManager, rid, length: int):
@@ -109,8 +110,10 @@ class Case:
             self.qi_out = torch.empty(self.qi.shape, dtype=torch.float8_e4m3fn, device=x.device)
             self.wi_out = torch.empty(self.wi.shape, dtype=torch.float32, device=x.device)
             self.idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
-        else:
-            self.idx = visible_entries(st, cfg.hca_ratio, self.manager.cfg.block_size)
+        else:  # the key list sparse_attn reads (op_calls' visible_entries rewrites the same)
+            bs = self.manager.cfg.block_size
+            self.idx = torch.empty(t, st.block_table(HCA).shape[1] * bs, dtype=torch.int32, device=x.device)
+            torch.ops.dsv4.visible_entries(st.block_table(HCA), st.positions, st.req_slots, self.idx, ratio, bs)
         self.lens = visible_counts(st.positions, st.req_slots, ratio).clamp(max=self.idx.shape[1])
 
     # ---- the ops of one step, each a closure over this case's buffers ----------------------------
@@ -136,8 +139,9 @@ class Case:
                 calls["indexer_topk"] = lambda: d.indexer_topk(self.qi_out, self.wi_out, st.positions, st.req_slots,
                                                                cache.index, st.block_table(CSA), None, self.idx, None,
                                                                cache.topk_workspace, cfg.csa_ratio, 0, fmt["index"])
-        if self.kind == HCA:  # the layer's key list of the step (sparse_attn reads the same, self.idx)
-            calls["visible_entries"] = lambda: visible_entries(st, cfg.hca_ratio, self.manager.cfg.block_size)
+        if self.kind == HCA:  # the layer's key list of the step, into self.idx (sparse_attn reads it)
+            calls["visible_entries"] = lambda: d.visible_entries(st.block_table(HCA), st.positions, st.req_slots,
+                                                                 self.idx, cfg.hca_ratio, self.manager.cfg.block_size)
         calls["sparse_attn"] = lambda: d.sparse_attn(self.q_rot, cache.window, comp_cache, st.positions, st.req_slots,
                                                      self.idx, self.lens, st.window_ends, layer.sinks, self.o,
                                                      cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"],

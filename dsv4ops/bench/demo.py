@@ -24,7 +24,8 @@ PRESETS = {"tiny": DSV4AttentionConfig.tiny, "flash": DSV4AttentionConfig.flash,
 COMPILE = ("none", "aot_eager", "inductor", "cudagraphs")
 NUMERICS = Numerics(kv="fp8", indexer="fp8")
 SHORT = {SLIDING: "sliding", CSA: "CSA", HCA: "HCA"}
-ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "sparse_attn", "inv_rope")
+ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "visible_entries", "sparse_attn",
+            "inv_rope")
 
 
 class Stack(nn.Module):

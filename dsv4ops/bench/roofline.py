@@ -7,12 +7,12 @@ from __future__ import annotations
 from dsv4ops.bench.png import GLYPH_H, GLYPH_W, Canvas
 from dsv4ops.config import CSA, HCA, SLIDING
 
-OPS = ("qkv_prep", "compressor_update", "compressor_update (indexer)", "indexer_q_prep", "indexer_topk", "sparse_attn",
-       "inv_rope")
+OPS = ("qkv_prep", "compressor_update", "compressor_update (indexer)", "indexer_q_prep", "indexer_topk",
+       "visible_entries", "sparse_attn", "inv_rope")
 COLORS = {
     "qkv_prep": (31, 119, 180), "compressor_update": (255, 127, 14), "compressor_update (indexer)": (188, 189, 34),
-    "indexer_q_prep": (44, 160, 44), "indexer_topk": (214, 39, 40), "sparse_attn": (148, 103, 189),
-    "inv_rope": (23, 190, 207), "FlashMLA": (0, 0, 0),
+    "indexer_q_prep": (44, 160, 44), "indexer_topk": (214, 39, 40), "visible_entries": (140, 86, 75),
+    "sparse_attn": (148, 103, 189), "inv_rope": (23, 190, 207), "FlashMLA": (0, 0, 0),
 }
 SHORT = {SLIDING: "SWA", CSA: "CSA", HCA: "HCA"}
 BAR, GAP, LEFT, TOP, BOTTOM, PLOT_H = 8, 14, 60, 40, 70, 300

@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from dsv4ops.config import CSA, HCA
+from dsv4ops.config import CSA
 
 
 @dataclass(frozen=True)
@@ -91,18 +91,6 @@ pytree.register_dataclass(StepMeta)
 def visible_counts(positions: Tensor, req_slots: Tensor, ratio: int) -> Tensor:
     """[T] int32: complete entries of each token's request, (t + 1) // m (0 for padding)."""
     return torch.where(req_slots >= 0, (positions + 1) // ratio, 0).to(torch.int32)
-
-
-def visible_entries(step: StepMeta, ratio: int, block_size: int) -> Tensor:
-    """[T, max entries] pool slots of every complete entry of each token's request (w < (t+1)//ratio),
-    -1 elsewhere: the HCA key list, computed on the device inside the graph."""
-    table = step.block_table(HCA)
-    n = table.shape[1] * block_size
-    w = torch.arange(n, device=table.device, dtype=torch.int32)
-    req = step.req_slots.clamp(min=0)
-    slots = table[req][:, w // block_size] * block_size + w % block_size
-    ok = (w[None] < (step.positions[:, None] + 1) // ratio) & (step.req_slots >= 0)[:, None]
-    return slots.where(ok, -1).to(torch.int32)
 
 
 def live_tokens(step, cache) -> tuple[Tensor, Tensor]:
