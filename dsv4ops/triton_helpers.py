@@ -8,11 +8,15 @@ nearest even. Triton's interpreter truncates fp32 -> bf16 and rounds fp8 ties aw
 under the interpreter (SOFT) the casts run as integer code with the same results as the GPU's cvt.
 """
 
+import ast
 import contextlib
+import inspect
+import textwrap
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
 
@@ -37,12 +41,51 @@ def recording():
         _recorder = saved
 
 
-def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int = 4):
-    """kernel[grid](*args, **constexprs) on the current stream (Triton's default)."""
+def launch(kernel, grid, args: tuple, constexprs: dict, num_warps: int = 4, pdl: bool = False):
+    """kernel[grid](*args, **constexprs) on the current stream (Triton's default). pdl: with
+    programmatic dependent launch (see `wait_prior_grid`)."""
+    if pdl:
+        _check_waits_first(kernel)
     if _recorder is not None:
         _recorder.append((kernel, args, dict(constexprs), num_warps))
         return
-    kernel[grid](*args, **constexprs, num_warps=num_warps)
+    options = {"launch_pdl": True} if pdl and not INTERPRET else {}
+    kernel[grid](*args, **constexprs, num_warps=num_warps, **options)
+
+
+# ---- programmatic dependent launch (sm_90+) ------------------------------------------------------
+# A kernel launched with `launch(..., pdl=True)` may be scheduled while the previous kernel of the
+# stream is still finishing, so its launch latency hides behind that one's tail (csrc/common/pdl.cuh
+# does the same for the C++ kernels). Its first statement must be `wait_prior_grid()`: no program
+# may touch global memory before the previous grid has completed. `launch` checks that from the
+# source, so a kernel that forgets fails its first launch, CPU tests included. The interpreter has no
+# grids to wait for.
+PDL = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def wait_prior_grid():
+    """Returns once the previous kernel of the stream has completed and its writes are visible (a
+    no-op in a launch without PDL)."""
+    if PDL:
+        gdc_wait()
+
+
+_waits_first: set = set()
+
+
+def _check_waits_first(kernel) -> None:
+    fn = kernel.fn
+    if fn in _waits_first:
+        return
+    body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    first = body[0] if body else None
+    call = first.value if isinstance(first, ast.Expr) else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "wait_prior_grid"):
+        raise RuntimeError(f"{fn.__name__}: a kernel launched with pdl=True must start with wait_prior_grid()")
+    _waits_first.add(fn)
 
 
 def require(ok: bool, op: str, arg: str, expected: str, got):

@@ -99,7 +99,9 @@ def topk():
     for visible, k, sizes, ctas in ((40, 8, default, None), (40000, 512, default, None), (40000, 512, default, 2),
                                     (40000, 512, (1024, 2048), None)):
         workspace.CHUNK, workspace.MERGE_BLOCK = sizes
-        indexer_cuda.select = select if sizes == default else indexer_cuda.select_tree
+        # The tree has no state words: the `zeroed` hint of the launcher's wrapper means nothing to it.
+        indexer_cuda.select = select if sizes == default else \
+            lambda *args, zeroed=False: indexer_cuda.select_tree(*args)
         indexer_cuda.grid_ctas = grid_ctas if ctas is None else lambda tokens, n_row, device, c=ctas: c
         blocks = -(-visible // 64)
         cache = _fp8_pool(blocks, 128, "fp8_132")

@@ -11,6 +11,7 @@ scores); elsewhere the error of the kernel against a high-precision run of the r
 within 2x the error of the reference's own low-precision run (dsv4ops.testing.assert_close_to_ref).
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -788,6 +789,21 @@ def test_attention_ops_run_triton_on_sm90_and_sm100():
         assert backends.resolve("indexer_topk", (major, 0)) is indexer_cuda.indexer_topk
 
 
+def test_a_pdl_launch_requires_the_wait_first():
+    # A kernel launched with programmatic dependent launch may start before the previous kernel of the
+    # stream has finished: touching memory before wait_prior_grid() would race with it.
+    @triton.jit
+    def _no_wait(x_ptr):
+        tl.store(x_ptr, 1)
+
+    x = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="must start with wait_prior_grid"):
+        th.launch(_no_wait, (1,), (x,), {}, pdl=True)
+    assert x.item() == 0
+    th.launch(_no_wait, (1,), (x,), {})
+    assert x.item() == 1
+
+
 def test_import_binds_cuda_kernels_without_triton():
     code = ("import sys, dsv4ops, torch; assert 'triton' not in sys.modules; "
             "assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f'dsv4::{op}', 'CUDA') "
@@ -941,6 +957,10 @@ def _aot_compile(arch: int):
         compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                                   target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
         assert compiled.asm["cubin"], kernel.__name__
+        if "wait_prior_grid()" in inspect.getsource(kernel.fn):  # a PDL kernel: the wait before any global access
+            ptx = compiled.asm["ptx"]
+            first_access = min(ptx.find(op) if op in ptx else len(ptx) for op in ("ld.global", "st.global"))
+            assert -1 < ptx.find("griddepcontrol.wait") < first_access, kernel.__name__
         names.add(kernel.__name__)
     print(f"sm_{arch}: compiled", " ".join(sorted(names)))
 

@@ -31,6 +31,7 @@ from dsv4ops.triton_helpers import (
     rope_coeffs,
     round_via,
     to_f32,
+    wait_prior_grid,
 )
 
 
@@ -124,6 +125,7 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
                      latent_ptr, n_tokens, n_requests, n_slots, s_kv, s_sc, s_lat, ratio, ring, block_size, eps,
                      D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr,
                      FMT: tl.constexpr, LATENT: tl.constexpr, SOFT: tl.constexpr):
+    wait_prior_grid()
     i = tl.program_id(0).to(tl.int64)
     pos, req, closes = _closes(pos_ptr, req_ptr, latent_ptr, i, n_requests, s_lat, ratio, D, LATENT)
     if closes:
@@ -138,6 +140,7 @@ def _pool_split_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, 
                        ratio, ring, D: tl.constexpr, DB: tl.constexpr, OVERLAP: tl.constexpr, RB: tl.constexpr,
                        EDT: tl.constexpr, SOFT: tl.constexpr):
     """Program (token, b): channels [b * DB, (b + 1) * DB) of the token's pooled row, into x [T, D]."""
+    wait_prior_grid()
     i = tl.program_id(0).to(tl.int64)
     pos, req, closes = _closes(pos_ptr, req_ptr, pos_ptr, i, n_requests, 0, ratio, D, False)
     if closes:
@@ -152,6 +155,7 @@ def _finish_kernel(x_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_pt
                    s_lat, ratio, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr, EDT: tl.constexpr,
                    FMT: tl.constexpr, LATENT: tl.constexpr, SOFT: tl.constexpr):
     """The entries of the rows _pool_split_kernel pooled."""
+    wait_prior_grid()
     i = tl.program_id(0).to(tl.int64)
     pos, req, closes = _closes(pos_ptr, req_ptr, latent_ptr, i, n_requests, s_lat, ratio, D, LATENT)
     if closes:
@@ -163,6 +167,7 @@ def _finish_kernel(x_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_pt
 @triton.jit(do_not_specialize=["n_tokens", "n_requests"])
 def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_tokens, n_requests, s_kv, s_sc, ratio,
                  rows, W: tl.constexpr, SOFT: tl.constexpr):
+    wait_prior_grid()
     i = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + i)
     req = tl.load(req_ptr + i)
@@ -216,15 +221,15 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
         launch(_compress_kernel, (t,),
                (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, latent, t,
                 state.shape[0], finish[0], kv.stride(0), score.stride(0), s_lat, ratio, rows, *finish[3:]),
-               dict(meta, OVERLAP=overlap, RB=rb), num_warps=warps)
+               dict(meta, OVERLAP=overlap, RB=rb), num_warps=warps, pdl=True)
     else:
         x = torch.empty(t, d, dtype=torch.float32, device=kv.device)
         launch(_pool_split_kernel, (t, d // db),
                (kv, score, ape, positions, req_slots, state, x, t, state.shape[0], kv.stride(0), score.stride(0),
                 ratio, rows),
-               dict(D=d, DB=db, OVERLAP=overlap, RB=rb, EDT=meta["EDT"], SOFT=INTERPRET), num_warps=warps)
+               dict(D=d, DB=db, OVERLAP=overlap, RB=rb, EDT=meta["EDT"], SOFT=INTERPRET), num_warps=warps, pdl=True)
         launch(_finish_kernel, (t,),
                (x, positions, req_slots, entry_slots, norm_weight, inv_freq, cache, latent, state.shape[0], *finish),
-               meta, num_warps=4)
+               meta, num_warps=4, pdl=True)
     launch(_save_kernel, (t,), (kv, score, ape, positions, req_slots, state, t, state.shape[0], kv.stride(0),
-                                score.stride(0), ratio, rows), dict(W=width, SOFT=INTERPRET))
+                                score.stride(0), ratio, rows), dict(W=width, SOFT=INTERPRET), pdl=True)

@@ -53,6 +53,7 @@ from dsv4ops.triton_helpers import (
     round_via,
     to_f32,
     ue8m0_exponent,
+    wait_prior_grid,
 )
 
 
@@ -62,6 +63,7 @@ def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, 
                    w_scale, D: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr,
                    SOFT: tl.constexpr):
     """OUT: 0 = float q_out, 1 = e4m3 (scale folded into the weights), 2 = packed MX4 rows."""
+    wait_prior_grid()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hm = heads < n_heads
@@ -101,7 +103,7 @@ def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> N
     launch(_q_prep_kernel, (t, triton.cdiv(h, hb)),
            (q, weights, positions, inv_freq, q_out, w_out, q.stride(0), q.stride(1), weights.stride(0),
             q_out.stride(0), q_out.stride(1), w_out.stride(0), h, d**-0.5 * h**-0.5),
-           dict(D=d, ROPE=MAIN_ROPE, HB=hb, OUT=out[fmt], SOFT=INTERPRET))
+           dict(D=d, ROPE=MAIN_ROPE, HB=hb, OUT=out[fmt], SOFT=INTERPRET), pdl=True)
 
 
 @triton.jit
@@ -109,6 +111,7 @@ def _k_prep_kernel(k_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_pt
                    eps, D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, SOFT: tl.constexpr):
     """Token t closing an entry: RoPE_{w*m}(RMSNorm(k[t])) (fp32 norm, the weight in fp32, one cast
     to k's dtype; RoPE in fp32, rounded to k's dtype) stored at its entry slot."""
+    wait_prior_grid()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     slot = tl.full([1], 0, tl.int64) + tl.load(eslot_ptr + t)
@@ -139,7 +142,7 @@ def indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight,
     launch(_k_prep_kernel, (t,),
            (k, positions, req_slots, entry_slots, k_norm_weight, inv_freq, cache, k.stride(0), capacity(cache, fmt),
             ratio, block_size(cache, fmt), eps),
-           dict(D=wk.shape[0], ROPE=MAIN_ROPE, FMT=code, SOFT=INTERPRET))
+           dict(D=wk.shape[0], ROPE=MAIN_ROPE, FMT=code, SOFT=INTERPRET), pdl=True)
 
 
 @triton.jit

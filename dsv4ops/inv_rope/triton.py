@@ -7,12 +7,22 @@ import triton.language as tl
 
 from dsv4ops.inv_rope import checks as _checks
 from dsv4ops.quant.reference import MAIN_DIM, MAIN_ROPE
-from dsv4ops.triton_helpers import INTERPRET, apply_rope, launch, require_layout, rope_coeffs, round_to, to_f32
+from dsv4ops.triton_helpers import (
+    INTERPRET,
+    apply_rope,
+    launch,
+    require_layout,
+    rope_coeffs,
+    round_to,
+    to_f32,
+    wait_prior_grid,
+)
 
 
 @triton.jit(do_not_specialize=["n_heads"])
 def _inv_rope_kernel(o_ptr, pos_ptr, freq_ptr, out_ptr, so_t, so_h, sout_t, sout_h, n_heads, D: tl.constexpr,
                      ROPE: tl.constexpr, HB: tl.constexpr, SOFT: tl.constexpr):
+    wait_prior_grid()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hm = heads < n_heads
@@ -35,4 +45,4 @@ def inv_rope(o, positions, inv_freq, out) -> None:
     hb = 8
     launch(_inv_rope_kernel, (t, triton.cdiv(h, hb)),
            (o, positions, inv_freq, out, o.stride(0), o.stride(1), out.stride(0), out.stride(1), h),
-           dict(D=d, ROPE=MAIN_ROPE, HB=hb, SOFT=INTERPRET))
+           dict(D=d, ROPE=MAIN_ROPE, HB=hb, SOFT=INTERPRET), pdl=True)

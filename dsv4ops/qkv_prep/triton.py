@@ -22,6 +22,7 @@ from dsv4ops.triton_helpers import (
     round_to,
     round_via,
     to_f32,
+    wait_prior_grid,
 )
 
 
@@ -31,6 +32,7 @@ from dsv4ops.triton_helpers import (
 def _qkv_prep_kernel(q_ptr, kv_ptr, pos_ptr, req_ptr, freq_ptr, qo_ptr, cache_ptr, sq_t, sq_h, skv_t, so_t, so_h,
                      n_heads, n_requests, ring_size, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr,
                      HB: tl.constexpr, FMT: tl.constexpr, Q_NORM: tl.constexpr, SOFT: tl.constexpr):
+    wait_prior_grid()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t)
@@ -79,5 +81,5 @@ def qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_si
            (q, kv, positions, req_slots, inv_freq, q_out, window_cache, q.stride(0), q.stride(1), kv.stride(0),
             q_out.stride(0), q_out.stride(1), h, capacity(window_cache, window_fmt) // ring_size, ring_size,
             block_size(window_cache, window_fmt), eps),
-           dict(D=d, ROPE=MAIN_ROPE, HB=hb, FMT=fmt, Q_NORM=bool(q_norm), SOFT=INTERPRET))
+           dict(D=d, ROPE=MAIN_ROPE, HB=hb, FMT=fmt, Q_NORM=bool(q_norm), SOFT=INTERPRET), pdl=True)
 

@@ -6,7 +6,7 @@ entries of their visible columns only. Stores are whole contiguous rows (coalesc
 import triton
 import triton.language as tl
 
-from dsv4ops.triton_helpers import launch
+from dsv4ops.triton_helpers import launch, wait_prior_grid
 from dsv4ops.visible_entries import checks as _checks
 
 # Columns per program: a V4-Flash key list is max_context / 128 entries wide (512 at 64K, 8192 at
@@ -19,6 +19,7 @@ MAX_COLS = 1024
 @triton.jit(do_not_specialize=["n_requests"])
 def _visible_entries_kernel(table_ptr, pos_ptr, req_ptr, out_ptr, s_tab_r, s_tab_b, s_out, n_requests, n_cols, ratio,
                             BS: tl.constexpr, COLS: tl.constexpr):
+    wait_prior_grid()
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * COLS
     cols = start + tl.arange(0, COLS)
@@ -47,4 +48,4 @@ def visible_entries(block_table, positions, req_slots, out, ratio, block_size) -
     launch(_visible_entries_kernel, (t, triton.cdiv(n_cols, cols)),
            (block_table, positions, req_slots, out, block_table.stride(0), block_table.stride(1), out.stride(0),
             block_table.shape[0], n_cols, ratio),
-           dict(BS=block_size, COLS=cols))
+           dict(BS=block_size, COLS=cols), pdl=True)
