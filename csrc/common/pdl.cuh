@@ -25,7 +25,8 @@ __device__ __forceinline__ void launch_dependents() {
 #endif
 }
 
-template <typename... Params, typename... Args>
+// kCooperative: also a cooperative launch (every CTA resident at once, for grid-wide barriers).
+template <bool kCooperative = false, typename... Params, typename... Args>
 cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        Args&&... args) {
   cudaLaunchConfig_t config{};
@@ -33,11 +34,13 @@ cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t 
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attributes[2]{};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeCooperative;
+  attributes[1].val.cooperative = 1;
+  config.attrs = attributes;
+  config.numAttrs = kCooperative ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

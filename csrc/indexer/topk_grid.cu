@@ -353,7 +353,7 @@ __device__ void count_selected(Tiles& tl, int first, int last, uint32_t T, Share
 // 1 x 4K in a 1M table 13.5 / 14.3.
 __global__ void __launch_bounds__(kThreads, 2) grid_select_kernel(const GridParams p, int mode, int ctas) {
   __shared__ Shared sh;
-  pdl::wait_prior_grid();  // the scores (a no-op in a cooperative launch, which has no PDL)
+  pdl::wait_prior_grid();  // the scores
   const int g = blockIdx.x % ctas;
   const int64_t tc = blockIdx.x / ctas, t = p.t0 + tc;
   int req;
@@ -499,10 +499,10 @@ void launch_grid_select(const GridParams& p, int mode, int tokens, int ctas, boo
     C10_CUDA_CHECK(cudaMemset2DAsync(p.ws + p.state_at, p.row_words * sizeof(int32_t), 0,
                                      p.zero_words * sizeof(int32_t), tokens, stream));
   }
-  GridParams args = p;
-  void* kernel_args[] = {&args, &mode, &ctas};
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(grid_select_kernel), dim3(tokens * ctas),
-                                             dim3(kThreads), kernel_args, 0, stream));
+  // Cooperative and with programmatic dependent launch (common/pdl.cuh). The scoring does not trigger
+  // early, so the CTAs land as its CTAs leave.
+  C10_CUDA_CHECK(
+      pdl::launch_pdl<true>(grid_select_kernel, dim3(tokens * ctas), dim3(kThreads), 0, stream, p, mode, ctas));
 }
 
 }  // namespace dsv4::indexer
