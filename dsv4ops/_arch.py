@@ -23,8 +23,9 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     # wgmma or tcgen05; its sm_100a build has not run on a B200). On the H100 the op took 1.3-3.5x
     # longer with the Triton select at 64K and 1M context.
     "indexer_topk": {9: ("csrc", "triton"), 10: ("csrc", "triton")},
-    # sm_90: the warp-specialized wgmma kernel of csrc/sparse_attn/ for V4's fp8_584 pools with bf16
-    # q (1.4-3.1x the Triton kernel on the H100 bench shapes), Triton for every other format and dtype.
+    # sm_90: the warp-specialized wgmma kernel of csrc/sparse_attn/ for the byte pools of V4 (fp8_584)
+    # and V4.1 (fp8_528 window, fp4_288 entries) with bf16 q (V4: 1.4-3.1x the Triton kernel on the
+    # H100 bench shapes), Triton for exact pools and other dtypes.
     "sparse_attn": {9: ("csrc", "triton"), 10: ("triton",)},
     "visible_entries": {9: ("triton",), 10: ("triton",)},
     "inv_rope": {9: ("triton",), 10: ("triton",)},

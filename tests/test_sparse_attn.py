@@ -243,3 +243,5 @@ def test_csrc_split_count_fills_one_wave():
     assert split_count(32, 640, 132) == 4  # CSA 32 x 4K: 128 CTAs, 5 tiles each
     assert split_count(32, 128 + 8192, 132) == 4  # HCA 32 x 1M: one wave of 65 tiles, not 3 waves of 29
     assert split_count(8, 128, 132) == 4  # never a split without a whole tile
+    assert split_count(32, 128, 132) == 1  # a 4-tile window at batch 32: the partials cost more than they save
+    assert split_count(1, 128, 132) == 4

@@ -124,3 +124,123 @@ def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens):
     sinks = torch.full((heads,), float("-inf"), device="cuda")
     out = _run(sparse_attn_cuda.sparse_attn, torch.bfloat16, q, wc, wc, pos, slots // RING, idx, pos, sinks)
     assert torch.equal(out, expected[:, None].expand_as(out))
+
+
+# V4 with fp4 entries, V4.1, V4.1's sliding layers (csrc/sparse_attn/rows.cuh).
+PAIRS = [("fp8_584", "fp4_288"), ("fp8_528", "fp4_288"), ("fp8_528", "fp8_528")]
+
+
+def _pools(case, window_fmt: str, comp_fmt: str):
+    """The case with its pools rebuilt in these formats (same blocks and slots, random rows); the
+    sliding pair lists no entry (V4.1's sliding layers pass the window pool as comp_cache)."""
+    q, wc, cc, pos, req, idx, lens, sinks = case
+    wc = testing.fill_pool(testing.page_pool(wc.shape[0], BS, 512, window_fmt, "cuda"), 512, window_fmt)
+    if comp_fmt == window_fmt:
+        return q, wc, wc, pos, req, idx[:, :0].contiguous(), torch.zeros_like(lens), sinks
+    cc = testing.fill_pool(testing.page_pool(cc.shape[0], BS, 512, comp_fmt, "cuda"), 512, comp_fmt)
+    return q, wc, cc, pos, req, idx, lens, sinks
+
+
+def _check_formats(case, window_fmt, comp_fmt, ends=None):
+    got = torch.full(case[0].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert sparse_attn_cuda.serves(case[0], case[1], case[2], case[5], window_fmt, comp_fmt)
+
+    def run(fn, dtype, out=None):
+        out = torch.full(case[0].shape, float("nan"), dtype=dtype, device="cuda") if out is None else out
+        q, wc, cc, pos, req, idx, lens, sinks = case
+        fn(q.to(dtype), wc, cc, pos, req, idx, lens, ends, sinks, out, 512**-0.5, WINDOW, RING, window_fmt, comp_fmt)
+        return out
+
+    run(sparse_attn_cuda.sparse_attn, torch.bfloat16, got)
+    req = case[4]
+    assert got.isfinite().all() and (got[req < 0] == 0).all(), "every row written, padding rows zero"
+    testing.assert_close_to_ref(got, run(sparse_attn_ref.sparse_attn, torch.float64),
+                                run(sparse_attn_ref.sparse_attn, torch.bfloat16), what=f"{window_fmt}/{comp_fmt}")
+
+
+@pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS)
+@pytest.mark.parametrize("heads", [64, 16])
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_low_bit_formats_match_the_reference(window_fmt, comp_fmt, heads, prefill):
+    _check_formats(_pools(_case(heads, prefill), window_fmt, comp_fmt), window_fmt, comp_fmt)
+
+
+@pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS[1:])
+def test_low_bit_formats_draft_windows_and_long_lists(window_fmt, comp_fmt):
+    """Draft blocks of 5 (window ends at the block's last position), and 4096-entry lists with
+    lengths 0..300 (many splits, most empty)."""
+    case = _pools(_case(64, prefill=True), window_fmt, comp_fmt)
+    pos, req = case[3], case[4]
+    live = req >= 0
+    start, last = pos[live].min(), pos[live].max()
+    ends = torch.where(live, torch.minimum(start + ((pos - start) // 5 + 1) * 5 - 1, last), 0).to(torch.int32)
+    _check_formats(case, window_fmt, comp_fmt, ends=ends)
+    case = list(_pools(_case(64, prefill=False, entries=4096), window_fmt, comp_fmt))
+    case[6] = ((torch.arange(case[6].numel(), device="cuda") * 37) % 301).to(torch.int32)
+    _check_formats(tuple(case), window_fmt, comp_fmt)
+
+
+def test_one_fp4_entry_returns_half_its_row_bit_for_bit():
+    """Each token sees its window row (position 0, stored as zeros) and one fp4_288 entry, q = 0, no
+    sink: both weigh 1/2, so the output is half the entry's row, and the kernel's e2m1 x e4m3 -> bf16
+    conversion must equal the reference unpack bit for bit: every nibble (both signs, both nibble
+    positions) under every e4m3 scale code but NaN, subnormal scales and negative ones included."""
+    from dsv4ops.quant import formats
+    from dsv4ops.quant.reference import pack_kv, unpack_kv
+
+    tokens, heads, f = 16, 64, formats.get("fp4_288")
+    wc = testing.page_pool(tokens * RING // BS, BS, 512, "fp8_528", "cuda")
+    win_slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
+    pack_kv(torch.zeros(tokens, 512, device="cuda"), win_slots, wc, "fp8_528")
+    cc = testing.page_pool(-(-tokens // BS), BS, 512, "fp4_288", "cuda")
+    rows = torch.arange(tokens, device="cuda")[:, None]
+    data = ((torch.arange(256, device="cuda") + 29 * rows) % 256).to(torch.uint8)
+    scales = (torch.arange(32, device="cuda") + 32 * rows) % 256
+    scales = torch.where(scales % 128 == 127, scales - 1, scales).to(torch.uint8)  # 0x7f / 0xff are NaN
+    page = cc.view(cc.shape[0], -1)
+    blk, off = rows // BS, rows % BS
+    page[blk, off * f.data_bytes + torch.arange(256, device="cuda")] = data
+    page[blk, BS * f.data_bytes + off * f.scale_bytes + torch.arange(32, device="cuda")] = scales
+    slots = torch.arange(tokens, dtype=torch.int32, device="cuda")
+    expected = torch.empty(tokens, 512, dtype=torch.float32, device="cuda")
+    unpack_kv(cc, slots, expected, "fp4_288")
+    assert expected.isfinite().all() and (expected != 0).float().mean() > 0.8
+    expected = (expected / 2).bfloat16()
+
+    q = torch.zeros(tokens, heads, 512, dtype=torch.bfloat16, device="cuda")
+    pos = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+    sinks = torch.full((heads,), float("-inf"), device="cuda")
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    sparse_attn_cuda.sparse_attn(q, wc, cc, pos, win_slots // RING, slots[:, None].contiguous(),
+                                 torch.ones_like(pos), None, sinks, out, 512**-0.5, WINDOW, RING, "fp8_528", "fp4_288")
+    assert torch.equal(out, expected[:, None].expand_as(out))
+
+
+def test_one_fp8_528_key_returns_its_dequantized_row_bit_for_bit():
+    """As the fp8_584 test: one window row (position 0), q = 0, no sink; every e4m3 code but NaN in
+    every dim, under UE8M0 scales 2^-27 .. 2^13, one per 32 dims."""
+    from dsv4ops.quant import formats
+    from dsv4ops.quant.reference import unpack_kv
+
+    tokens, heads, f = 16, 64, formats.get("fp8_528")
+    slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING
+    wc = testing.page_pool(tokens * RING // BS, BS, 512, "fp8_528", "cuda")
+    rows = torch.arange(tokens, device="cuda")[:, None]
+    codes = (torch.arange(512, device="cuda") + 37 * rows) % 256
+    codes = torch.where(codes % 128 == 127, codes - 1, codes).to(torch.uint8)
+    scales = (100 + (rows * 7 + torch.arange(16, device="cuda")) * 3 % 41).to(torch.uint8)
+    page = wc.view(wc.shape[0], -1)
+    blk, off = (slots // BS).long()[:, None], (slots % BS).long()[:, None]
+    page[blk, off * f.data_bytes + torch.arange(512, device="cuda")] = codes
+    page[blk, BS * f.data_bytes + off * f.scale_bytes + torch.arange(16, device="cuda")] = scales
+    expected = torch.empty(tokens, 512, dtype=torch.float32, device="cuda")
+    unpack_kv(wc, slots, expected, "fp8_528")
+    expected = expected.bfloat16()
+    q = torch.zeros(tokens, heads, 512, dtype=torch.bfloat16, device="cuda")
+    pos = torch.zeros(tokens, dtype=torch.int32, device="cuda")
+    idx = torch.empty(tokens, 0, dtype=torch.int32, device="cuda")
+    sinks = torch.full((heads,), float("-inf"), device="cuda")
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    sparse_attn_cuda.sparse_attn(q, wc, wc, pos, slots // RING, idx, pos, None, sinks, out, 512**-0.5, WINDOW, RING,
+                                 "fp8_528", "fp8_528")
+    assert torch.equal(out, expected[:, None].expand_as(out))

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// Launch parameters of the sm_90 `dsv4::sparse_attn` kernel (V4 fp8_584 pools, bf16 q / out).
+// Launch parameters of the sm_90 `dsv4::sparse_attn` kernel (byte pools of rows.cuh, bf16 q / out).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -25,8 +25,9 @@ struct FastDiv {
 struct Params {
   const void* q;  // [tokens, heads, 512] bf16, last dim contiguous
   int64_t q_stride_token, q_stride_head;
-  const uint8_t* window_cache;  // paged fp8_584 pools (dsv4ops/quant/formats.py)
+  const uint8_t* window_cache;  // paged byte pools (dsv4ops/quant/formats.py)
   const uint8_t* comp_cache;
+  int window_fmt, comp_fmt;      // their rows.cuh RowFormat codes
   int64_t window_page_bytes, comp_page_bytes;
   FastDiv window_block, comp_block;  // entries per page
   const int32_t* window_ends;    // [tokens]: the last window position of each query
@@ -37,16 +38,19 @@ struct Params {
   const float* sinks;        // [heads]
   void* out;                 // [tokens, heads, 512] bf16, last dim contiguous
   int64_t out_stride_token, out_stride_head;
-  float* partial;  // [tokens * splits * heads, 512] fp32 (splits > 1)
-  float* lse;      // [tokens * splits * heads] log2 of each split's softmax sum (splits > 1)
+  float* partial;  // [tokens * splits * heads, 512] fp32 (!direct)
+  float* lse;      // [tokens * splits * heads] log2 of each split's softmax sum (!direct)
+  float* lse_out;  // [tokens, heads] fp32 or null: a shard's partial, no sink (combine_kernel)
   int tokens, heads, n_idx, window;
   FastDiv ring_size;
   int window_keys;  // window rounded up to a whole tile: a tile is all window or all entries
   int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
   int splits;
+  bool direct;       // one split and no lse_out: the main kernel writes `out` (no combine)
   float scale_log2;  // softmax scale x log2(e)
 };
 
+bool serves_formats(int window_fmt, int comp_fmt);
 void launch(const Params& p, cudaStream_t stream);
 
 }  // namespace dsv4::sparse_attn

@@ -1,13 +1,16 @@
 // SPDX-License-Identifier: MIT
-// sm_90 kernel of `dsv4::sparse_attn` for V4's fp8_584 pools with bf16 queries (the specification is
-// dsv4ops/sparse_attn/reference.py; the Triton kernel serves every other case).
+// sm_90 kernel of `dsv4::sparse_attn` for bf16 queries over byte pools: V4's fp8_584 window and
+// compressed rows, V4.1's fp8_528 window and fp4_288 compressed rows, and V4 with fp4_288 entries
+// (rows.cuh; the specification is dsv4ops/sparse_attn/reference.py; the Triton kernel serves every
+// other case).
 //
 // One CTA = one token x 64 heads x one split of the token's key list [window | entries], four
 // warpgroups specialized by role. K = V is one shared 512-d head (MQA), so a key tile of 32 keys is
 // gathered and dequantized once for all 64 heads:
-//   - two producer warpgroups (warps 8-15) issue cp.async for the raw 584-B entries (576 data + 8
-//     scale bytes) into a 4-stage ring, three tiles ahead, and dequantize each landed tile (e4m3 x
-//     UE8M0 -> bf16 is exact, see the Triton kernel's docstring) into one of two bf16 tiles;
+//   - two producer warpgroups (warps 8-15) issue cp.async for the raw rows (a slot's data and scale
+//     bytes) into a 4-stage ring, three tiles ahead, and dequantize each landed tile (exactly, see
+//     rows.cuh) into one of two bf16 tiles. A tile is all window or all entries (the window is
+//     rounded up to whole tiles), so each tile has one format, chosen per tile without divergence;
 //   - consumer warpgroup h (warps 4h..4h+3) owns output dims 256h..256h+255 for all 64 heads: its
 //     accumulator is 64 x 256 fp32, 128 registers a thread (P V as two m64n128 wgmmas). S = q k^T
 //     is split the same way over dims: the two add their partial S through shared memory, so both
@@ -31,14 +34,12 @@
 #include "../common/pdl.cuh"
 #include "../common/sm90.cuh"
 #include "params.h"
+#include "rows.cuh"
 
 namespace dsv4::sparse_attn {
 namespace {
 
-constexpr int kDim = 512;        // head dim: 448 e4m3 + 64 bf16 rope dims
-[[maybe_unused]] constexpr int kQuantChunks = 56; // 16-B bf16 chunks of the 448 quantized dims
-[[maybe_unused]] constexpr int kEntryData = 576;  // bytes of an entry's data (448 e4m3 + 128 B of bf16 rope)
-[[maybe_unused]] constexpr int kEntryScale = 8;   // 7 UE8M0 scales (one per 64 dims) + 1 pad byte
+constexpr int kDim = 512;        // head dim
 constexpr int kHeads = 64;       // heads per CTA
 constexpr int kKeys = 32;        // keys per tile
 constexpr int kConsumers = 256;          // warps 0-7: two warpgroups of P V
@@ -49,7 +50,7 @@ constexpr int kThreads = kConsumers + kProducers;
 // 2 x 128: asking for more than the producers gave back blocks the consumers for good.
 [[maybe_unused]] constexpr int kProducerRegs = 64, kConsumerRegs = 192;
 constexpr int kRawStages = 4;
-constexpr int kRawRow = 592;         // raw entry in shared memory: 576 + 8 + 8 pad (16-B rows)
+constexpr int kRawRow = 592;         // raw row in shared memory: the largest, fp8_584's 576 + 8, + 8 pad (16-B rows)
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
 [[maybe_unused]] constexpr float kMaxSlack = 8.f;  // log2 units: see the online softmax
 
@@ -66,12 +67,6 @@ static_assert(sizeof(Smem) <= 227 * 1024, "shared memory of one CTA on sm_90");
 #ifdef DSV4_SM90_BODY
 using namespace ::dsv4::sm90;
 
-// Byte offset of 16-B chunk `chunk` (dims 8 chunk .. 8 chunk + 7) of row `row` in a tile of `rows`
-// rows: block chunk / 8 of 64 dims, then the row's 128 B with the 128-B swizzle.
-template <int kRows>
-__device__ __forceinline__ uint32_t swizzled(int row, int chunk) {
-  return (chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
-}
 // Named barriers (0 is __syncthreads): 1-4 the S exchange of warps w and w + 4; FULL / EMPTY of each
 // bf16 tile; the producer's own; the consumers' own.
 [[maybe_unused]] constexpr int kFull = 5, kEmpty = 7, kProducerBar = 9, kConsumerBar = 10;
@@ -112,18 +107,6 @@ __device__ __forceinline__ float exp2_fast(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ uint32_t bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-// Two e4m3 codes (low byte first) times a power of two, as bf16x2: exact (e4m3 -> f16 is exact, and
-// the product has e4m3's 4 significant bits).
-__device__ __forceinline__ uint32_t dequant2(uint32_t codes, float scale) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(codes), __NV_E4M3);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  return bf16x2(f.x * scale, f.y * scale);
-}
-
 // Producer thread t (0..255) handles key t / kKeyLanes of a tile, lane t % kKeyLanes of it.
 struct Lane {
   int row, sub;
@@ -138,28 +121,28 @@ __device__ __forceinline__ int entry_of(const Params& p, int64_t token, int j0, 
 }
 
 // Gathers the tile starting at key j0 into raw stage `stage` (`idx`: this lane's `entry_of`):
-// kKeyLanes lanes per key, each copying every kKeyLanes-th 16-B chunk (lane 4 also the 8 scale
-// bytes). Keys that are not valid get zero bytes instead (stale bytes may hold NaN codes, and 0 x NaN
-// is NaN in P V), so the dequantization needs no per-key branch.
+// kKeyLanes lanes per key, each copying every kKeyLanes-th 16-B chunk of the slot's row (rows.cuh
+// `copy_row`: window rows in format WF, entries in CF). Keys that are not valid get zero bytes instead
+// (stale bytes may hold NaN codes, and 0 x NaN is NaN in P V; zero codes and scales decode to 0 in
+// every format), so the dequantization needs no per-key branch.
+template <int WF, int CF>
 __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage, int j0, int end, int position,
                                             int req, int idx, Lane l) {
   const int j = j0 + l.row;
+  const bool window = j0 < p.window_keys;  // the whole tile's
   // Slots fit 32 bits (int32 comp_idx; a pool of 2^31 584-B entries would be 1.2 TB), so the ring
   // and page divisions are FastDiv's 32-bit multiply-high.
-  const uint8_t* pool = p.window_cache;
-  int64_t page = p.window_page_bytes;
   uint32_t slot = 0;
-  FastDiv block = p.window_block;
   bool valid = false;
   if (j < end) {
-    if (j < p.window_keys) {
+    if (window) {
       const int wpos = position - p.window + 1 + j;
       valid = j < p.window && wpos >= 0;
       const uint32_t ring = p.ring_size.d, lap = p.ring_size.div(static_cast<uint32_t>(wpos));
       slot = static_cast<uint32_t>(req) * ring + static_cast<uint32_t>(wpos) - lap * ring;
     } else {
       valid = idx >= 0;
-      slot = static_cast<uint32_t>(idx), pool = p.comp_cache, page = p.comp_page_bytes, block = p.comp_block;
+      slot = static_cast<uint32_t>(idx);
     }
   }
   if (l.sub == 0) sm.valid[stage][l.row] = valid;
@@ -171,38 +154,24 @@ __device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage
     }
     return;
   }
+  const FastDiv block = window ? p.window_block : p.comp_block;
   const uint32_t blk = block.div(slot), off = slot - blk * block.d;
-  const uint8_t* base = pool + blk * page;
-  const uint8_t* data = base + static_cast<int64_t>(off) * kEntryData;
-#pragma unroll
-  for (int c = l.sub; c < kEntryData / 16; c += kKeyLanes) cp_async16(dst + c * 16, data + c * 16);
-  if (l.sub == 4) cp_async8(dst + kEntryData, base + static_cast<int64_t>(block.d) * kEntryData + off * kEntryScale);
+  if (window) {
+    copy_row<WF, kKeyLanes>(dst, p.window_cache + blk * p.window_page_bytes, off, block.d, l.sub);
+  } else {
+    copy_row<CF, kKeyLanes>(dst, p.comp_cache + blk * p.comp_page_bytes, off, block.d, l.sub);
+  }
 }
 
-// Raw stage -> bf16 tile `buf` (swizzled, see `swizzled`), and the tile's valid-key mask. A lane
-// converts parts q = sub, sub + kKeyLanes, ... (of 8) of its row: quantized chunk q of each 64-dim
-// block (so one 8-B load brings the row's seven scales) and rope chunk q. Rows that were not
-// gathered hold zeros (`gather_tile`).
-__device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf, Lane l, int producer_thread) {
+// Raw stage -> bf16 tile `buf` (swizzled), and the tile's valid-key mask. Rows that were not gathered
+// hold zeros (`gather_tile`).
+template <int WF, int CF>
+__device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf, bool window, Lane l, int producer_thread) {
   const uint8_t* src = sm.raw[stage] + l.row * kRawRow;
-  const uint2 scales = *reinterpret_cast<const uint2*>(src + kEntryData);
-  uint8_t* dst = sm.k[buf];
-#pragma unroll
-  for (int part = 0; part < 8; part += kKeyLanes) {
-    const int q = l.sub + part;
-#pragma unroll
-    for (int m = 0; m < kQuantChunks / 8; ++m) {
-      const int c = 8 * m + q;
-      const uint2 codes = *reinterpret_cast<const uint2*>(src + c * 8);
-      // UE8M0 byte e -> 2^(e - 127): e in fp32's exponent field.
-      const uint32_t e = ((m < 4 ? scales.x >> (8 * m) : scales.y >> (8 * (m - 4)))) & 0xffu;
-      const float scale = __uint_as_float(e << 23);
-      *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(l.row, c)) =
-          make_uint4(dequant2(codes.x & 0xffff, scale), dequant2(codes.x >> 16, scale),
-                     dequant2(codes.y & 0xffff, scale), dequant2(codes.y >> 16, scale));
-    }
-    *reinterpret_cast<uint4*>(dst + swizzled<kKeys>(l.row, kQuantChunks + q)) =
-        *reinterpret_cast<const uint4*>(src + 448 + q * 16);
+  if (window) {
+    dequant_row<WF, kKeys>(src, sm.k[buf], l.row, l.sub);
+  } else {
+    dequant_row<CF, kKeys>(src, sm.k[buf], l.row, l.sub);
   }
   fence_async_shared();  // these generic-proxy writes are read by wgmma (the async proxy)
   if (producer_thread < 32) {
@@ -213,6 +182,7 @@ __device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf, Lane 
 
 // The producer warpgroups: gather tile i + 3 and dequantize tile i into bf16 tile i % 2 once the
 // consumers have released it (EMPTY), then hand it over (FULL).
+template <int WF, int CF>
 __device__ __forceinline__ void produce(Smem& sm, const Params& p, int64_t token, int begin, int end, int tiles,
                                         int position, int req) {
   const int pt = threadIdx.x - kConsumers;
@@ -220,7 +190,7 @@ __device__ __forceinline__ void produce(Smem& sm, const Params& p, int64_t token
 #pragma unroll
   for (int s = 0; s < kRawStages - 1; ++s) {
     const int j0 = begin + s * kKeys;
-    if (s < tiles) gather_tile(sm, p, s, j0, end, position, req, entry_of(p, token, j0, end, l), l);
+    if (s < tiles) gather_tile<WF, CF>(sm, p, s, j0, end, position, req, entry_of(p, token, j0, end, l), l);
     cp_commit();
   }
   int idx = entry_of(p, token, begin + (kRawStages - 1) * kKeys, end, l);  // of the tile gathered next
@@ -230,17 +200,18 @@ __device__ __forceinline__ void produce(Smem& sm, const Params& p, int64_t token
     // stage the gather below reuses.
     bar_sync(kProducerBar, kProducers);
     const int next = i + kRawStages - 1;
-    if (next < tiles) gather_tile(sm, p, next % kRawStages, begin + next * kKeys, end, position, req, idx, l);
+    if (next < tiles) gather_tile<WF, CF>(sm, p, next % kRawStages, begin + next * kKeys, end, position, req, idx, l);
     cp_commit();
     idx = entry_of(p, token, begin + (next + 1) * kKeys, end, l);
     if (i >= 2) bar_sync(kEmpty + (i & 1), kThreads);  // the consumers are done with tile i - 2
-    dequant_tile(sm, i % kRawStages, i & 1, l, pt);
+    dequant_tile<WF, CF>(sm, i % kRawStages, i & 1, begin + i * kKeys < p.window_keys, l, pt);
     bar_arrive(kFull + (i & 1), kThreads);
   }
 }
 
 #endif  // DSV4_SM90_BODY
 
+template <int WF, int CF>
 __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
   extern __shared__ __align__(128) uint8_t smem[];
@@ -265,11 +236,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
   // A split past the token's real list leaves at once: the combine reads only the live splits, so the
   // cost follows comp_lens, not the list's width (HCA at 1M max_context has 8192 entries a token).
-  if (tiles == 0 && p.splits > 1) return;
+  if (tiles == 0 && !p.direct) return;
 
   if (warp >= kConsumers / 32) {
     shrink_registers<kProducerRegs>();
-    produce(sm, p, token, begin, end, tiles, position, req);
+    produce<WF, CF>(sm, p, token, begin, end, tiles, position, req);
     return;
   }
   grow_registers<kConsumerRegs>();
@@ -279,12 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int group = warp & 3, half = __shfl_sync(0xffffffffu, warp >> 2, 0);
 
   // Rows r = lane / 4 and r + 8 of the warp's 16 heads; the sink opens the online softmax (running
-  // max s_h, running sum e^0 = 1 on one lane of the row's quad, no value) when there is one split.
+  // max s_h, running sum e^0 = 1 on one lane of the row's quad, no value) when the CTA writes `out`.
   float row_max[2], row_sum[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int head = head0 + group * 16 + (lane >> 2) + 8 * h;
-    if (p.splits == 1) {
+    if (p.direct) {
       row_max[h] = head < p.heads ? p.sinks[head] * kLog2e : 0.f;
       row_sum[h] = (lane & 3) == 0 ? 1.f : 0.f;
     } else {
@@ -421,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     if (head >= p.heads) continue;
     const int dim0 = half * 256 + 2 * (lane & 3);
     const float inv = 1.f / (sum > 0.f ? sum : 1.f);
-    if (p.splits == 1) {
+    if (p.direct) {
       // Into the output tile in shared memory (q's buffer: the last S wgmma of both warpgroups has
       // completed, as each warp passed its pair barrier after its own): 16-B chunk c of head row r
       // at r * 1024 + (c ^ (r % 8)) * 16, so the 8 rows of a store hit 32 banks.
@@ -443,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       if (half == 0 && (lane & 3) == 0) p.lse[row] = sum > 0.f ? row_max[h] + log2f(sum) : -INFINITY;
     }
   }
-  if (p.splits == 1) {
+  if (p.direct) {
     // Whole 16-B chunks, a row's 1 KiB contiguous: global stores of 4 B each throttled the LSU.
     bar_sync(kConsumerBar, kConsumers);
     auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
@@ -462,7 +433,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 
 // out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink) over the live splits (those holding keys of the
 // token's list: the window's tiles and its comp_lens entries; split 0 always): one CTA per (token,
-// head), 4 dims a thread.
+// head), 4 dims a thread. With lse_out (a shard's partial, merged with other shards' by
+// `dsv4::merge_partials`): no sink term, and lse_out = ln(sum_j e^(l_j)) of the token's keys (-inf,
+// and a zero row, where it has none).
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
   pdl::wait_prior_grid();  // the splits' partial outputs
@@ -471,41 +444,69 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
   const int dim = threadIdx.x * 4;
   auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + dim;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float lse = -INFINITY;
   if (p.req_slots[token] >= 0) {
-    const float sink = p.sinks[head] * kLog2e;
+    const bool sink = p.lse_out == nullptr;
     const int64_t row0 = token * p.splits * p.heads + head;
     const int keys = p.window_keys + min(p.comp_lens[token], p.n_idx);
     const int live = min(p.splits, (keys + p.split_keys - 1) / p.split_keys);
-    float m = sink;
+    float m = sink ? p.sinks[head] * kLog2e : -INFINITY;
     for (int s = 0; s < live; ++s) m = fmaxf(m, p.lse[row0 + s * p.heads]);
-    float den = exp2f(sink - m);
-    for (int s = 0; s < live; ++s) {
-      const int64_t row = row0 + s * p.heads;
-      const float w = exp2f(p.lse[row] - m);
-      const float4 o = *reinterpret_cast<const float4*>(p.partial + row * kDim + dim);
-      den += w;
-      acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
+    if (m != -INFINITY) {  // no sink and no key: the zero row
+      float den = sink ? exp2f(p.sinks[head] * kLog2e - m) : 0.f;
+      for (int s = 0; s < live; ++s) {
+        const int64_t row = row0 + s * p.heads;
+        const float w = exp2f(p.lse[row] - m);
+        const float4 o = *reinterpret_cast<const float4*>(p.partial + row * kDim + dim);
+        den += w;
+        acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
+      }
+      acc.x /= den, acc.y /= den, acc.z /= den, acc.w /= den;
+      lse = (m + log2f(den)) * 0.6931471805599453f;
     }
-    acc.x /= den, acc.y /= den, acc.z /= den, acc.w /= den;
   }
   *reinterpret_cast<uint2*>(out) = make_uint2(bf16x2(acc.x, acc.y), bf16x2(acc.z, acc.w));
+  if (p.lse_out != nullptr && threadIdx.x == 0) p.lse_out[token * p.heads + head] = lse;
 #else
   __trap();
 #endif
 }
 
-}  // namespace
-
-void launch(const Params& p, cudaStream_t stream) {
+template <int WF, int CF>
+void launch_formats(const Params& p, cudaStream_t stream) {
   // Per call (a host-side attribute, no stream work): the opt-in above 48 KiB is per device. A
   // failure surfaces as the launch error, which the caller checks.
-  cudaFuncSetAttribute(sparse_attn_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(Smem)));
+  cudaFuncSetAttribute(sparse_attn_kernel<WF, CF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       static_cast<int>(sizeof(Smem)));
   const dim3 grid(p.tokens, (p.heads + kHeads - 1) / kHeads, p.splits);
   // Both with programmatic dependent launch (common/pdl.cuh; a launch error is the caller's
   // cudaGetLastError). H100, V4-Flash, with / without: sliding 1 x 4K 9.2 / 10.1 us, CSA 1 x 4K
   // 11.5 / 12.5, CSA 32 x 4K 24.3 / 25.4, V4-Pro CSA 128 x 4K 128.1 / 130.0.
-  pdl::launch_pdl(sparse_attn_kernel, grid, dim3(kThreads), sizeof(Smem), stream, p);
-  if (p.splits > 1) pdl::launch_pdl(combine_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
+  pdl::launch_pdl(sparse_attn_kernel<WF, CF>, grid, dim3(kThreads), sizeof(Smem), stream, p);
+  if (!p.direct) pdl::launch_pdl(combine_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
+}
+
+}  // namespace
+
+// The (window, entries) pairs of the models: V4 (584, 584), V4 with fp4 entries (584, 288), V4.1
+// (528, 288), and V4.1's sliding layers (528, 528: their entry list is empty).
+bool serves_formats(int window_fmt, int comp_fmt) {
+  return (window_fmt == kFp8_584 && (comp_fmt == kFp8_584 || comp_fmt == kFp4_288)) ||
+         (window_fmt == kFp8_528 && (comp_fmt == kFp8_528 || comp_fmt == kFp4_288));
+}
+
+void launch(const Params& p, cudaStream_t stream) {
+  if (p.window_fmt == kFp8_584) {
+    if (p.comp_fmt == kFp8_584) {
+      launch_formats<kFp8_584, kFp8_584>(p, stream);
+    } else {
+      launch_formats<kFp8_584, kFp4_288>(p, stream);
+    }
+  } else if (p.comp_fmt == kFp8_528) {
+    launch_formats<kFp8_528, kFp8_528>(p, stream);
+  } else {
+    launch_formats<kFp8_528, kFp4_288>(p, stream);
+  }
 }
 
 }  // namespace dsv4::sparse_attn

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 
 #include "../common/checks.h"
 #include "params.h"
@@ -32,7 +33,7 @@ void check_rows(const at::Tensor& x, const char* name) {
 void check_pool(const at::Tensor& x, const char* name) {
   DSV4_CHECK_DTYPE(x, at::kByte);
   DSV4_CHECK(x.is_contiguous() && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, name,
-             ": expected a contiguous, 16-B aligned fp8_584 pool");
+             ": expected a contiguous, 16-B aligned byte pool");
 }
 
 void check_int_vector(const at::Tensor& x, int64_t n, const char* name) {
@@ -46,10 +47,14 @@ void check_int_vector(const at::Tensor& x, int64_t n, const char* name) {
 void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const at::Tensor& comp_cache,
                       const at::Tensor& window_ends, const at::Tensor& req_slots, const at::Tensor& comp_idx,
                       const at::Tensor& comp_lens, const at::Tensor& sinks, at::Tensor& out, at::Tensor& partial,
-                      at::Tensor& lse, double scale, int64_t window, int64_t ring_size, int64_t window_block,
-                      int64_t comp_block, int64_t window_page_bytes, int64_t comp_page_bytes, int64_t window_keys,
-                      int64_t split_keys, int64_t splits) {
+                      at::Tensor& lse, const std::optional<at::Tensor>& lse_out, double scale, int64_t window,
+                      int64_t ring_size, int64_t window_fmt, int64_t comp_fmt, int64_t window_block, int64_t comp_block,
+                      int64_t window_page_bytes, int64_t comp_page_bytes, int64_t window_keys, int64_t split_keys,
+                      int64_t splits) {
   DSV4_CHECK_CUDA(q);
+  DSV4_CHECK(serves_formats(static_cast<int>(window_fmt), static_cast<int>(comp_fmt)),
+             "window_fmt / comp_fmt: expected a pair of rows.cuh formats the kernel reads, got ",
+             window_fmt, " / ", comp_fmt);
   check_rows(q, "q");
   check_rows(out, "out");
   DSV4_CHECK(out.sizes() == q.sizes(), "out: expected shape ", q.sizes(), " (as q), got ", out.sizes());
@@ -70,7 +75,15 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   DSV4_CHECK(ring_size > 0 && ring_size < (int64_t{1} << 31) && window_block > 0 && comp_block > 0 &&
                  window_block < (int64_t{1} << 31) && comp_block < (int64_t{1} << 31),
              "ring_size / window_block / comp_block: expected positive 32-bit sizes");
-  if (splits > 1) {
+  const bool direct = splits == 1 && !lse_out.has_value();
+  if (lse_out.has_value()) {
+    DSV4_CHECK_DTYPE(*lse_out, at::kFloat);
+    DSV4_CHECK(lse_out->is_contiguous() && lse_out->dim() == 2 && lse_out->size(0) == tokens &&
+                   lse_out->size(1) == heads,
+               "lse_out: expected a contiguous [tokens, heads] fp32 tensor, got shape ", lse_out->sizes());
+    DSV4_CHECK_SAME_DEVICE(*lse_out, q);
+  }
+  if (!direct) {
     DSV4_CHECK_DTYPE(partial, at::kFloat);
     DSV4_CHECK_DTYPE(lse, at::kFloat);
     DSV4_CHECK(partial.is_contiguous() && partial.numel() == tokens * splits * heads * kDim && lse.is_contiguous() &&
@@ -90,6 +103,8 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.q_stride_head = q.stride(1);
   p.window_cache = window_cache.const_data_ptr<uint8_t>();
   p.comp_cache = comp_cache.const_data_ptr<uint8_t>();
+  p.window_fmt = static_cast<int>(window_fmt);
+  p.comp_fmt = static_cast<int>(comp_fmt);
   p.window_page_bytes = window_page_bytes;
   p.comp_page_bytes = comp_page_bytes;
   p.window_block = FastDiv(static_cast<uint32_t>(window_block));
@@ -103,8 +118,9 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.out = out.mutable_data_ptr();
   p.out_stride_token = out.stride(0);
   p.out_stride_head = out.stride(1);
-  p.partial = splits > 1 ? partial.mutable_data_ptr<float>() : nullptr;
-  p.lse = splits > 1 ? lse.mutable_data_ptr<float>() : nullptr;
+  p.partial = direct ? nullptr : partial.mutable_data_ptr<float>();
+  p.lse = direct ? nullptr : lse.mutable_data_ptr<float>();
+  p.lse_out = lse_out.has_value() ? lse_out->mutable_data_ptr<float>() : nullptr;
   p.tokens = static_cast<int>(tokens);
   p.heads = static_cast<int>(heads);
   p.n_idx = static_cast<int>(comp_idx.size(1));
@@ -113,6 +129,7 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.window_keys = static_cast<int>(window_keys);
   p.split_keys = static_cast<int>(split_keys);
   p.splits = static_cast<int>(splits);
+  p.direct = direct;
   p.scale_log2 = static_cast<float>(scale * M_LOG2E);
   launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

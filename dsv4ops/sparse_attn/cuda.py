@@ -1,7 +1,7 @@
 """sm_90 launcher of `dsv4::sparse_attn` with the CUDA C++ kernel of csrc/sparse_attn/ (wgmma) for
-V4's layout (fp8_584 window and compressed pools, bf16 q and out, int32 comp_idx), and the Triton
-kernel for every other case (V4.1 formats, exact pools, fp32 or fp16 activations). Same arguments
-as the op.
+bf16 q and out, int32 comp_idx and the byte pools of the models (`FORMAT_PAIRS`: V4's fp8_584 window
+and entries, V4.1's fp8_528 window and fp4_288 entries, V4's fp4_288 entry option), and the Triton
+kernel for every other case (exact pools, fp32 or fp16 activations). Same arguments as the op.
 
 The arch table selects it on sm_90 (dsv4ops/_arch.py); the sm_100a build of csrc/ compiles the
 kernel to a trap, and sm_100 runs the Triton kernel.
@@ -22,27 +22,44 @@ from dsv4ops.sparse_attn import triton as _triton
 
 KEYS_PER_TILE = 32  # csrc/sparse_attn/sparse_attn.cu kKeys
 HEADS_PER_CTA = 64  # kHeads
+ROW_FORMATS = {"fp8_584": 0, "fp8_528": 1, "fp4_288": 2}  # csrc/sparse_attn/rows.cuh RowFormat
+# (window, entries) pairs the kernel reads (rows.cuh `serves_formats`): V4, V4 with fp4 entries, V4.1,
+# and V4.1's sliding layers (their entry list is empty; the window pool stands in for the entries').
+FORMAT_PAIRS = {("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288"), ("fp8_528", "fp8_528")}
 
 
 def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str) -> bool:
     """Whether the C++ kernel serves these arguments (the Triton kernel serves the rest)."""
-    return (window_fmt == comp_fmt == "fp8_584" and q.dtype == torch.bfloat16 and q.shape[-1] == 512
+    return ((window_fmt, comp_fmt) in FORMAT_PAIRS and q.dtype == torch.bfloat16 and q.shape[-1] == 512
             and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous())
 
 
+# The split rule's costs, measured on the H100 (V4.1 pools, forced split counts 1 / 2 / 4 / 8 at batch
+# 1 / 8 / 32 / 64 / 128 x 4K): a CTA's 32-key tile takes ~2 us of its chain (S, softmax, P V), its start
+# and end about one more; the combine ~3 us plus its traffic (each split's fp32 partial written and read,
+# L2-resident at these sizes: ~4 TB/s).
+TILE_US, COMBINE_US, PARTIAL_BYTES_PER_US = 2.0, 3.0, 4e6
+
+
 @functools.cache  # launch-time Python: up to a few hundred candidate counts per shape
-def split_count(ctas: int, keys: int, sms: int) -> int:
-    """Splits of each key list for `ctas` CTAs of one split each: none once they fill half the SMs
-    (a second split would only add a wave and the combine), else the count with the least time on
-    the busiest SM: whole waves of (tiles of a split + one tile's worth for the CTA's start and
-    end), the smaller count on a tie. HCA 32 x 1M (8320 keys, 132 SMs): 4 splits, one wave of 65
-    tiles a CTA, where one split per 1024 keys (the Triton kernel's rule, 9) made 3 waves of 29
-    (H100: 211 us)."""
+def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA) -> int:
+    """Splits of each key list for `ctas` CTAs (of `heads` heads) of one split each: none once they
+    fill half the SMs (a second split would only add a wave and the combine), else the count with the
+    least modelled time: whole waves of (tiles of a split + one) x TILE_US, plus, for several splits,
+    the combine and its partials' traffic; the smaller count on a tie. HCA 32 x 1M (8320 keys, 132
+    SMs): 4 splits, one wave of 65 tiles a CTA (one split per 1024 keys, the Triton kernel's rule,
+    made 3 waves of 29: 211 us). A sliding window of 4 tiles at batch 32 stays whole: 4 splits wrote
+    and read 34 MB of partials (H100, V4.1: 16.7 us against 11.6)."""
     if ctas >= sms // 2:
         return 1
     tiles = -(-keys // KEYS_PER_TILE)
-    cost = {s: -(-ctas * s // sms) * (-(-tiles // s) + 1) for s in range(1, tiles + 1)}
-    return min(cost, key=lambda s: (cost[s], s))
+    partial = heads * 512 * 4 * 2  # bytes a CTA-split writes and the combine reads
+
+    def cost(s: int) -> float:
+        chain = -(-ctas * s // sms) * (-(-tiles // s) + 1) * TILE_US
+        return chain + (COMBINE_US + ctas * s * partial / PARTIAL_BYTES_PER_US if s > 1 else 0.0)
+
+    return min(range(1, tiles + 1), key=lambda s: (cost(s), s))
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
@@ -61,7 +78,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     window_keys = -(-window // tile) * tile
     keys = window_keys + comp_idx.shape[1]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    n_split = split_count(t * -(-h // HEADS_PER_CTA), keys, sms)
+    n_split = split_count(t * -(-h // HEADS_PER_CTA), keys, sms, min(h, HEADS_PER_CTA))
     per_split = -(-keys // n_split)
     split_keys = -(-per_split // tile) * tile
     n_split = -(-keys // split_keys)
@@ -70,8 +87,8 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
         lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
     else:
         partial = lse = out  # unused
-    fmt = formats.get("fp8_584")
     wb, cb = formats.block_size(window_cache.shape, window_fmt), formats.block_size(comp_cache.shape, comp_fmt)
     torch.ops.dsv4_csrc.sparse_attn(q, window_cache, comp_cache, ends, req_slots, comp_idx.contiguous(), comp_lens,
-                                    sinks, out, partial, lse, scale, window, ring_size, wb, cb, fmt.page_bytes(wb),
-                                    fmt.page_bytes(cb), window_keys, split_keys, n_split)
+                                    sinks, out, partial, lse, None, scale, window, ring_size, ROW_FORMATS[window_fmt],
+                                    ROW_FORMATS[comp_fmt], wb, cb, formats.get(window_fmt).page_bytes(wb),
+                                    formats.get(comp_fmt).page_bytes(cb), window_keys, split_keys, n_split)
