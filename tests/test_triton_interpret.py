@@ -350,9 +350,10 @@ def test_indexer_topk_score_hook_replaces_the_triton_scoring_or_falls_back():
     assert (got == -1).all()
 
 
-def test_indexer_csrc_scoring_serves_sm90_fp8_pages_only(monkeypatch):
-    """The wgmma scoring kernel takes sm_90, fp8_132 pages of a multiple of 4 entries (16-B aligned
-    rows) and e4m3 queries of 16-B aligned rows; everything else, sm_100 included, keeps Triton's."""
+def test_indexer_csrc_scoring_serves_sm90_byte_pages_only(monkeypatch):
+    """The wgmma scoring kernel takes sm_90, pages of a multiple of 4 entries, and fp8_132 keys with
+    e4m3 queries of 16-B aligned rows or mxfp4_68 keys with MX4 query rows of at most 32 heads;
+    everything else, sm_100 included, keeps Triton's."""
     from dsv4ops.indexer import cuda as indexer_cuda
 
     q, w = torch.zeros(3, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(3, 64)
@@ -365,8 +366,15 @@ def test_indexer_csrc_scoring_serves_sm90_fp8_pages_only(monkeypatch):
     assert not indexer_cuda.score_serves(q.float(), w, cache, "fp8_132", 64)
     assert not indexer_cuda.score_serves(q, w, cache, "exact", 64)
     assert not indexer_cuda.score_serves(q, w.t().contiguous().t(), cache, "fp8_132", 64)
+    mx, mx_cache = torch.zeros(3, 32, 68, dtype=torch.uint8), torch.zeros(2, 128 * 68, dtype=torch.uint8)
+    assert indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "mxfp4_68", 128)
+    assert indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "mxfp4_68", 7)  # 64-B rows: any page size
+    assert not indexer_cuda.score_serves(torch.zeros(3, 64, 68, dtype=torch.uint8), w, mx_cache, "mxfp4_68", 128)
+    assert not indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "fp8_132", 128)
+    assert not indexer_cuda.score_serves(q, w, mx_cache, "mxfp4_68", 128)
     monkeypatch.setenv("DSV4OPS_ARCH", "sm_100a")
     assert not indexer_cuda.score_serves(q, w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "mxfp4_68", 128)
 
 
 @pytest.mark.parametrize("chunk", [2048, 8], ids=["one-chunk", "2-chunks-merged"])
@@ -787,6 +795,23 @@ def test_attention_ops_run_triton_on_sm90_and_sm100():
     assert backends.resolve("sparse_attn", (9, 0)) is sparse_attn_cuda.sparse_attn
     for major in (9, 10):
         assert backends.resolve("indexer_topk", (major, 0)) is indexer_cuda.indexer_topk
+
+
+def test_sparse_attn_csrc_serves_the_models_byte_formats():
+    """The C++ kernel reads V4's (584, 584) and (584, 288) pools, V4.1's (528, 288) and its sliding
+    layers' (528, 528), with bf16 q of 512 dims and int32 lists; the Triton kernel the rest."""
+    from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
+
+    q, pool = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.uint8)
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    pairs = {("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288"), ("fp8_528", "fp8_528")}
+    assert sparse_attn_cuda.FORMAT_PAIRS == pairs
+    for window_fmt, comp_fmt in pairs:
+        assert sparse_attn_cuda.serves(q, pool, pool, idx, window_fmt, comp_fmt)
+        assert not sparse_attn_cuda.serves(q.float(), pool, pool, idx, window_fmt, comp_fmt)
+        assert not sparse_attn_cuda.serves(q, pool, pool, idx.long(), window_fmt, comp_fmt)
+    for window_fmt, comp_fmt in (("fp8_528", "fp8_584"), ("fp4_288", "fp4_288"), ("exact", "exact")):
+        assert not sparse_attn_cuda.serves(q, pool, pool, idx, window_fmt, comp_fmt)
 
 
 def test_a_pdl_launch_requires_the_wait_first():

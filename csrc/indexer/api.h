@@ -21,7 +21,7 @@ void topk_grid_cuda(const at::Tensor& positions, const at::Tensor& req_slots, co
 void topk_score_cuda(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& positions,
                      const at::Tensor& req_slots, const at::Tensor& cache, const at::Tensor& block_table,
                      const at::Tensor& cand, at::Tensor& workspace, int64_t t0, int64_t tokens, int64_t row_words,
-                     int64_t programs, int64_t n_entries, int64_t ratio, int64_t block_size, int64_t cand_block,
-                     int64_t mode, int64_t zero_at, int64_t zero_words);
+                     int64_t programs, int64_t n_entries, int64_t ratio, int64_t block_size, int64_t page_bytes,
+                     int64_t cand_block, int64_t mode, int64_t zero_at, int64_t zero_words);
 
 }  // namespace dsv4::indexer

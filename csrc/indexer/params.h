@@ -62,17 +62,20 @@ struct GridParams : SelectRowParams {
 };
 
 // Arguments of the scoring kernel (score.cu): V4's fp8_132 key pages (per page: block_size entries of 128
-// e4m3 codes, then their block_size fp32 power-of-two scales) and e4m3 queries (the UE8M0 scale of
-// each (token, head) folded into its weight by `dsv4::indexer_q_prep`). The keys go to the start of
-// each token's row.
+// e4m3 codes, then their block_size fp32 power-of-two scales) with e4m3 queries (the UE8M0 scale of
+// each (token, head) folded into its weight by `dsv4::indexer_q_prep`), or (mx) mxfp4_68 key pages
+// (block_size rows of 64 B of e2m1 nibbles, then their 4 UE8M0 bytes, the page padded to page_bytes)
+// with MX4 queries (68-B rows). The keys go to the start of each token's row.
 struct ScoreParams : RowParams {
-  const uint8_t* q;  // [tokens, heads, 128] e4m3 codes
+  const uint8_t* q;  // [tokens, heads, 128] e4m3 codes, or (mx) [tokens, heads, 68] MX4 rows
   const float* w;    // [tokens, heads]
   const uint8_t* cache;
   int64_t q_stride, q_head_stride, w_stride;
+  int64_t page_bytes;
   int64_t zero_at;  // words [zero_at, zero_at + zero_words) of each row are zeroed: the grid select's
   int zero_words;   // first state words (GridParams), which then needs no memset of its own
   int heads;
+  bool mx;
 };
 
 }  // namespace dsv4::indexer

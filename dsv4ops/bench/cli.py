@@ -113,9 +113,11 @@ def main(argv=None):
     if "v41" in parts:
         from dsv4ops.bench import v41
 
-        out["v41"] = v41.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True))
+        cases = [(b, c, n) for _, b, c, n, _ in args.case] if args.case else None  # the kind is V4's: ignored
+        out["v41"] = v41.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True), cases=cases)
         print(table(out["v41"], ["batch", "context", "tokens", "op", "us", "per_token_us", "GB/s", "pct_ceiling",
-                                 "bytes_per_token", "v4_us", "v4_per_token_us", "v4_bytes_per_token"]))
+                                 "v4_kernel_us", "flashmla_us", "vs_flashmla", "rel_diff", "route_us", "v4_us",
+                                 "vs_v4", "bytes_per_token", "v4_bytes_per_token"]))
     if "router" in parts:
         from dsv4ops.bench import router
 

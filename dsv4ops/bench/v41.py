@@ -1,8 +1,15 @@
 """V4.1 benchmarks at V4.1-Flash shapes: every op of each layer role on synthetic pools of V4.1's
 own formats (fp8_528 window rows, fp4_288 compressed rows, mxfp4_68 index keys), decode batch
-1 / 32 / 128 at 4K / 64K / 1M context and prefill 4096 tokens, and a whole-stack decode step (the
-40 backbone layers' attention cores, projections excluded) beside the V4-Flash stack's at the same
-context (bytes of the cache read per token and time per token).
+1 / 32 / 128 at 4K / 64K / 1M context and prefill 4096 tokens (or the `cases` asked for), and a
+whole-stack decode step (the 40 backbone layers' attention cores, projections excluded) beside the
+V4-Flash stack's at the same context (bytes of the cache read per token and time per token).
+
+The engines' Hopper route as a same-run baseline: no public sm_90 kernel reads 528 / 288-B rows, so
+engines re-encode V4.1's rows into V4's 584-B layout (dequantize, encode with the V4 codec) and run
+FlashMLA's V4 decode. Each sparse_attn row also times, on the window ring and ratio-2 pool
+re-encoded that way, FlashMLA's kernel (`flashmla_us`, where the bench kit is installed) and our V4
+kernel (`v4_kernel_us`) with the same indices; the stack row's `route_us` is the V4.1 stack with
+every sparse_attn swapped for FlashMLA's on the re-encoded pools (every other op ours).
 
 Pools are filled with random rows; each request holds `context - 1` tokens before the step, its
 blocks allocated in order. Times come from CUDA graphs of 20 calls (bench/timing.py)."""
@@ -12,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dsv4ops import DSV4AttentionConfig, ops, testing
+from dsv4ops.bench import flashmla
 from dsv4ops.bench.timing import ceilings, graph_time_us
 from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.config_v41 import DSV41AttentionConfig
@@ -22,6 +30,20 @@ V41 = DSV41AttentionConfig.v41_flash()
 BS = 128  # rows per page of every pool (a page size all three formats can pad)
 ROW = {name: formats.FORMATS[name].row_bytes for name in ("fp8_528", "fp4_288", "mxfp4_68")}
 DECODE = [(1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536), (1, 1 << 20)]
+
+
+def _reencoded(pool: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A V4 fp8_584 pool holding every row of `pool` (format `fmt`) dequantized and encoded again,
+    slot for slot (the engines' route for V4.1 rows on Hopper)."""
+    bs = formats.block_size(pool.shape, fmt)
+    out = testing.page_pool(pool.shape[0], bs, 512, "fp8_584", device="cuda")
+    n = pool.shape[0] * bs
+    for s in range(0, n, 1 << 18):
+        slots = torch.arange(s, min(n, s + (1 << 18)), device="cuda", dtype=torch.int32)
+        rows = torch.empty(slots.numel(), 512, device="cuda")
+        ops.unpack_kv(pool, slots, rows, fmt)
+        ops.pack_kv(rows.bfloat16(), slots, out, "fp8_584")
+    return out
 
 
 def _pool(fmt: str, rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -130,6 +152,27 @@ class Shape:
             "inv_rope": lambda: d.inv_rope(self.o, self.pos, self.inv_freq, self.o_rot),
         }
 
+    def route_calls(self) -> dict:
+        """sparse_attn op name -> {"v4_kernel": call, "flashmla": call or None}: the same attention on
+        the window ring and ratio-2 pool re-encoded into fp8_584 rows, by our V4 kernel and FlashMLA's."""
+        d, cfg = torch.ops.dsv4, self.cfg
+        window, comp = _reencoded(self.window, "fp8_528"), _reencoded(self.comp[2], "fp4_288")
+        win_idx = torch.empty(self.t, 0, dtype=torch.int32, device="cuda")
+        zero = torch.zeros_like(self.pos)
+        self.o_route = torch.empty_like(self.o)
+        out = {}
+        for op, (idx, lens) in {"sparse_attn (window)": (win_idx, zero),
+                                "sparse_attn (window + 512 fp4)": (self.attn_idx, self.lens)}.items():
+            ours = (lambda idx=idx, lens=lens: d.sparse_attn(
+                self.q_rot, window, comp, self.pos, self.req, idx, lens, None, self.sinks, self.o_route,
+                cfg.head_dim**-0.5, cfg.window, self.ring, "fp8_584", "fp8_584"))
+            theirs = None
+            if flashmla.available() and self.new == 1:
+                theirs = flashmla.decode(self.q_rot, window, comp, self.pos, self.req, idx, lens, self.sinks,
+                                         cfg.head_dim**-0.5, cfg.window, self.ring)
+            out[op] = {"v4_kernel": ours, "flashmla": theirs}
+        return out
+
     def bytes_read(self, op: str) -> float:
         t, cfg = self.t, self.cfg
         vis = {m: min(self.context // m, self.entries[m]) for m in (2, 1)}
@@ -190,14 +233,18 @@ def _v4_stack(batch: int, context: int) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def run(quick: bool = False, progress=print, with_v4: bool = True) -> list[dict]:
+def run(quick: bool = False, progress=print, with_v4: bool = True,
+        cases: list[tuple[int, int, int]] | None = None) -> list[dict]:
+    """Rows of every op at each (batch, context, new tokens) of `cases` (default: the decode set, 3 of
+    them with `quick`, and a 4096-token prefill), each decode shape's stack row last."""
     rows = []
-    shapes = [(b, c, 1) for b, c in (DECODE[:3] if quick else DECODE)] + [(1, 4096, 4096)]
+    shapes = cases or [(b, c, 1) for b, c in (DECODE[:3] if quick else DECODE)] + [(1, 4096, 4096)]
     gather = ceilings()["gather"]
     for batch, context, new in shapes:
         shape = Shape(batch, context, new)
         calls = shape.calls()
-        times = {}
+        route = shape.route_calls()
+        times, route_times = {}, {}
         for op in ("qkv_prep", "indexer_q_prep", "indexer_topk (candidate source)"):
             calls[op]()  # q_rot, the MX4 query and the candidate pool the later ops read
         for op, call in calls.items():
@@ -207,19 +254,34 @@ def run(quick: bool = False, progress=print, with_v4: bool = True) -> list[dict]
             row = {"batch": batch, "context": context, "tokens": new, "op": op, "us": us,
                    "per_token_us": us / shape.t, "GB/s": nbytes / (us * 1e-6) / 1e9,
                    "pct_ceiling": 100.0 * nbytes / (us * 1e-6) / gather}
+            if op in route:
+                row["v4_kernel_us"] = graph_time_us(route[op]["v4_kernel"])
+                if route[op]["flashmla"] is not None:
+                    row["flashmla_us"] = route_times[op] = graph_time_us(route[op]["flashmla"])
+                    row["vs_flashmla"] = us / row["flashmla_us"]
+                    call()
+                    theirs = route[op]["flashmla"]().float()
+                    live = shape.req >= 0
+                    row["rel_diff"] = ((shape.o.float()[live] - theirs[live]).abs().max()
+                                       / theirs[live].abs().max()).item()
             progress(row)
             rows.append(row)
         if new == 1:
             layers = _v41_layer_ops()
             stack_us = sum(times[op] for ops_ in layers for op in ops_)
-            per_token = sum(shape.bytes_read(op) for ops_ in layers for op in ops_ if op.startswith(("sparse", "indexer_topk")))
+            per_token = sum(shape.bytes_read(op) for ops_ in layers for op in ops_
+                            if op.startswith(("sparse", "indexer_topk")))
             row = {"batch": batch, "context": context, "tokens": new, "op": "V4.1-Flash stack (40 layers' cores)",
                    "us": stack_us, "per_token_us": stack_us / batch, "bytes_per_token": per_token / batch}
+            if len(route_times) == len(route):
+                row["route_us"] = stack_us + sum(route_times[op] - times[op] for ops_ in layers for op in ops_
+                                                 if op in route_times)
             if with_v4:
                 v4_us, v4_bytes = _v4_stack(batch, context)
-                row.update({"v4_us": v4_us, "v4_per_token_us": v4_us / batch, "v4_bytes_per_token": v4_bytes})
+                row.update({"v4_us": v4_us, "v4_per_token_us": v4_us / batch, "v4_bytes_per_token": v4_bytes,
+                            "vs_v4": stack_us / v4_us})
             progress(row)
             rows.append(row)
-        del shape, calls
+        del shape, calls, route
         torch.cuda.empty_cache()
     return rows

@@ -7,8 +7,8 @@ chunk sizes now). Both follow each token's real row (device lengths), not the bl
 Same arguments, workspace layout and results as the Triton launcher (dsv4ops/indexer/triton.py).
 
 Scoring: on sm_90, the wgmma kernel of csrc/indexer/score.cu for V4's fp8_132 pages with e4m3
-queries; the Triton scoring kernel for every other case (and on sm_100: the C++ kernel's sm_100a
-build is a trap). Select: the C++ kernel wherever a chunk fits it, the Triton select for k > 8192.
+queries and for V4.1's mxfp4_68 pages with MX4 queries (<= 32 heads); the Triton scoring kernel for
+every other case (and on sm_100: the C++ kernel's sm_100a build is a trap). Select: the C++ kernel wherever a chunk fits it, the Triton select for k > 8192.
 
 H100, V4-Flash CSA (k = 512), graph-timed indexer_topk with the csrc select, Triton -> csrc scoring:
 1 x 4K 9.8 -> 9.5 us, 128 x 4K 19.4 -> 17.3, 32 x 64K 75.4 -> 56.8, 128 x 64K 221.6 -> 138.8, 1 x 1M
@@ -19,10 +19,12 @@ import torch
 
 from dsv4ops import _arch, csrc
 from dsv4ops.indexer import triton as _triton
+from dsv4ops.quant import formats
 from dsv4ops.indexer import workspace as _ws
 
 MAX_BLOCK = 16384  # csrc/indexer/params.h kMaxBlock
 SCORE_TILE = 64  # csrc/indexer/score.cu kTile
+MX_HEADS = 32  # heads the MX4 scoring serves (score.cu keeps their group scales in registers)
 
 
 def serves(n_row: int, k: int) -> bool:
@@ -35,18 +37,27 @@ def _aligned(x: torch.Tensor) -> bool:
 
 
 def score_serves(q, weights, cache, fmt: str, block_size: int) -> bool:
-    """Whether the C++ scoring kernel serves these arguments: sm_90, fp8_132 pages of a multiple of 4
-    entries (16-B aligned rows), e4m3 queries of 16-B aligned rows, float32 weights."""
+    """Whether the C++ scoring kernel serves these arguments: sm_90, float32 weights, and either
+    fp8_132 pages of a multiple of 4 entries (16-B aligned rows) with e4m3 queries of 16-B aligned
+    rows, or mxfp4_68 pages with MX4 queries (uint8 68-B rows) of at most 32 heads (V4.1: 32)."""
     cap = _arch.capability()
-    return (cap is not None and cap[0] == 9 and fmt == "fp8_132" and q.dtype == torch.float8_e4m3fn
-            and q.stride(2) == 1 and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0 and _aligned(q)
-            and weights.stride(1) == 1 and cache.dtype == torch.uint8 and cache.is_contiguous() and _aligned(cache)
-            and block_size % 4 == 0)
+    if fmt == "fp8_132":
+        query = (q.dtype == torch.float8_e4m3fn and q.stride(1) % 16 == 0 and q.stride(0) % 16 == 0
+                 and block_size % 4 == 0)
+    elif fmt == "mxfp4_68":
+        query = q.dtype == torch.uint8 and q.shape[1] <= MX_HEADS and q.stride(1) % 4 == 0 and q.stride(0) % 4 == 0
+    else:
+        return False
+    return (cap is not None and cap[0] == 9 and query and q.stride(2) == 1 and _aligned(q) and weights.stride(1) == 1
+            and cache.dtype == torch.uint8 and cache.is_contiguous() and _aligned(cache))
 
 
-def score_ctas_per_sm(heads: int) -> int:
-    """Scoring CTAs resident on an SM (shared memory: a 4-stage ring of 8 KiB tiles and the query,
-    41 KiB at <= 64 heads, 49 KiB at 128), each with 3 tiles' gathers in flight."""
+def score_ctas_per_sm(heads: int, mx: bool = False) -> int:
+    """Scoring CTAs resident on an SM, by shared memory. fp8_132: a 4-stage ring of 8 KiB tiles and the
+    query (41 KiB at <= 64 heads, 49 KiB at 128), 3 tiles' gathers in flight each; mxfp4_68: an 11-stage
+    ring of 4.4 KiB tiles (53 KiB at 32 heads; 116 registers a thread), 10 in flight each."""
+    if mx:
+        return 4
     return 5 if heads <= 64 else 4
 
 
@@ -59,9 +70,11 @@ def score(q, weights, positions, req_slots, cache, block_table, cand, workspace,
     row's keys that its first program zeroes (the grid select's state: `indexer_topk`)."""
     if not score_serves(q, weights, cache, fmt, block_size):
         return False
-    programs = max(1, min(-(-n_row // SCORE_TILE), score_ctas_per_sm(q.shape[1]) * _ws.SMS // n))
+    ctas = score_ctas_per_sm(q.shape[1], fmt == "mxfp4_68")
+    programs = max(1, min(-(-n_row // SCORE_TILE), ctas * _ws.SMS // n))
     torch.ops.dsv4_csrc.topk_score(q, weights, positions, req_slots, cache, block_table, cand, workspace, t0, n,
-                                   row_words, programs, n_entries, ratio, block_size, cb, mode, n_row, zero_words)
+                                   row_words, programs, n_entries, ratio, block_size,
+                                   formats.get(fmt).page_bytes(block_size), cb, mode, n_row, zero_words)
     return True
 
 
