@@ -10,8 +10,10 @@ projections launch: 60 on the H100 with CUDA 13.0. Read its report for dsv4ops k
 (prints one line per kernel and path it ran). Paths: the layers' serving steps (qkv_prep,
 compressor_update, indexer_q_prep, indexer_topk, visible_entries, sparse_attn, inv_rope) in FP8 and
 bf16 pools, prefill chunks and padded decode steps; indexer_topk with one chunk, the grid select (one CTA a
-tile, and two CTAs of several tiles), and the chunk tree's three merge levels (small chunks);
-sparse_attn with one split (many tokens) and split-KV with the combine (decode over a long list), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
+tile, and two CTAs of several tiles), and the chunk tree's three merge levels (small chunks), and V4.1's
+MX4 scoring at 32 heads (all entries, candidate blocks); sparse_attn with one split (many tokens) and
+split-KV with the combine (decode over a long list) in each format pair of the C++ kernel (V4, V4 with
+fp4 entries, V4.1), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
 through the Triton kernel; pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
 fp8_linear with and without split-K, both scale types; the
 V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
@@ -122,12 +124,35 @@ def topk():
     indexer_cuda.select, indexer_cuda.grid_ctas = select, grid_ctas
 
 
+def topk_mx4():
+    """V4.1's MX4 scoring (sm_90: the C++ kernel at 32 heads): 40000 visible mxfp4_68 entries, k 512,
+    two tokens (one padding), all entries and candidate blocks."""
+    visible, k = 40000, 512
+    blocks = -(-visible // 128)
+    cache = testing.fill_pool(testing.page_pool(blocks, 128, 128, "mxfp4_68", device=DEV), 128, "mxfp4_68")
+    table = torch.randperm(blocks, device=DEV).to(I32)[None]
+    q, w = torch.randn(2, 32, 128, device=DEV), torch.randn(2, 32, device=DEV)
+    pos = torch.tensor([2 * visible - 1, 0], dtype=I32, device=DEV)
+    req = torch.tensor([0, -1], dtype=I32, device=DEV)
+    qx, wx = indexer_q_prep(q, w, pos, testing.rope_table(64).to(DEV), fmt="mxfp4_68")
+    indexer_topk(qx, wx, pos, req, cache, table, k, 2, "mxfp4_68")
+    say(f"indexer_topk mxfp4_68, {visible} visible entries, 32 heads")
+    cand = torch.arange(0, visible // 16, 2, dtype=I32, device=DEV).expand(2, -1).contiguous()
+    indexer_topk(qx, wx, pos, req, cache, table, k, 2, "mxfp4_68", cand=cand, cand_block=16)
+    say(f"indexer_topk mxfp4_68, {cand.shape[1]} candidate blocks of 16 entries")
+
+
 def attention():
     """128 tokens over their window (one split), then 1 token over its window and 2048 listed
-    entries (split-KV and the combine), FP8 pools."""
+    entries (split-KV and the combine), in each (window, entry) format pair the C++ kernel reads."""
+    for window_fmt, comp_fmt in (("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288")):
+        _attention(window_fmt, comp_fmt)
+
+
+def _attention(window_fmt: str, comp_fmt: str):
     ring, window = 256, 128
-    win = _fp8_pool(ring // 64, 512, "fp8_584")
-    comp = _fp8_pool(64, 512, "fp8_584")
+    win = _fp8_pool(ring // 64, 512, window_fmt)
+    comp = _fp8_pool(64, 512, comp_fmt)
     sinks = torch.randn(4, device=DEV)
     for t, entries in ((128, 0), (1, 2048)):
         pos = torch.arange(1000, 1000 + t, dtype=I32, device=DEV) if t > 1 else torch.tensor([5000], dtype=I32,
@@ -137,9 +162,9 @@ def attention():
             comp_idx[:, -7:] = -1
         q = torch.randn(t, 4, 512, device=DEV, dtype=torch.bfloat16)
         req = torch.zeros(t, dtype=I32, device=DEV)
-        sparse_attn(q, win, comp, pos, req, comp_idx, sinks, 512**-0.5, window, ring, "fp8_584", "fp8_584")
-        say(f"sparse_attn, {t} tokens x ({window} window + {entries} entries)")
-        if torch.cuda.get_device_capability()[0] == 9:  # the op ran the CUDA C++ kernel
+        sparse_attn(q, win, comp, pos, req, comp_idx, sinks, 512**-0.5, window, ring, window_fmt, comp_fmt)
+        say(f"sparse_attn {window_fmt} / {comp_fmt}, {t} tokens x ({window} window + {entries} entries)")
+        if torch.cuda.get_device_capability()[0] == 9 and comp_fmt == "fp8_584":  # the op ran the C++ kernel
             lens = torch.full((t,), entries, dtype=I32, device=DEV)
             sparse_attn_triton.sparse_attn(q, win, comp, pos, req, comp_idx, lens, None, sinks, torch.empty_like(q),
                                            512**-0.5, window, ring, "fp8_584", "fp8_584")
@@ -191,6 +216,7 @@ def main():
         layers()
         layers_v41()
         topk()
+        topk_mx4()
         attention()
         pack_unpack()
         projections()

@@ -183,3 +183,22 @@ def test_bad_layout_is_refused_and_the_workspace_kept():
                                        0, 120, 16)
     torch.cuda.synchronize()
     assert (work == POISON).all()
+
+
+def test_mx4_scores_at_1m_positions():
+    """Rows of 262144 entries (ratio 4 at positions up to 2^20): the MX4 scoring's tile walk and page
+    arithmetic at the longest context, against float64."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    t, heads, fmt = 4, 32, "mxfp4_68"
+    pages = (1 << 20) // RATIO // BS[fmt]
+    q, w, pos, req, cache, table = _case(t, heads, pages, g, fmt, q_span=7)
+    pos[:] = torch.tensor([(1 << 20) - 1, (1 << 20) - 2, 524287, 0], dtype=torch.int32)
+    n = pages * BS[fmt]
+    row_words = ws.layout(n, 512)[3]
+    work = torch.full((t * row_words,), POISON, dtype=torch.int32, device=DEV)
+    csrc.load()
+    torch.ops.dsv4_csrc.topk_score(q, w, pos, req, cache, table, table, work, 0, t, row_words, 396, n, RATIO,
+                                   BS[fmt], _page_bytes(fmt), 1, 0, n, 0)
+    score, size, vis, _ = _expected(q, w, pos, req, cache, table, None, 1, fmt)
+    n_cols = torch.where(req >= 0, ((pos.long() + 1) // RATIO).clamp(max=n), 0)
+    _check(work.view(t, row_words)[:, :n], score, size, vis, n_cols)

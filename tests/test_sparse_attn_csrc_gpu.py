@@ -180,6 +180,16 @@ def test_low_bit_formats_draft_windows_and_long_lists(window_fmt, comp_fmt):
     _check_formats(tuple(case), window_fmt, comp_fmt)
 
 
+@pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS[:2])
+def test_low_bit_formats_at_1m_positions(window_fmt, comp_fmt):
+    """Decode tokens at positions up to 2^20 - 1 (full windows wrapping the ring) beside cut-short
+    windows at 0 and 5."""
+    case = list(_pools(_case(64, prefill=False), window_fmt, comp_fmt))
+    case[3] = torch.tensor([0, 5, (1 << 20) - 1, (1 << 20) - 128, 524287, 1 << 19, 999999, 70000], dtype=torch.int32,
+                           device="cuda")
+    _check_formats(tuple(case), window_fmt, comp_fmt)
+
+
 def test_one_fp4_entry_returns_half_its_row_bit_for_bit():
     """Each token sees its window row (position 0, stored as zeros) and one fp4_288 entry, q = 0, no
     sink: both weigh 1/2, so the output is half the entry's row, and the kernel's e2m1 x e4m3 -> bf16
