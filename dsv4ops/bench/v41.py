@@ -243,10 +243,10 @@ def run(quick: bool = False, progress=print, with_v4: bool = True,
     for batch, context, new in shapes:
         shape = Shape(batch, context, new)
         calls = shape.calls()
-        route = shape.route_calls()
         times, route_times = {}, {}
         for op in ("qkv_prep", "indexer_q_prep", "indexer_topk (candidate source)"):
             calls[op]()  # q_rot, the MX4 query and the candidate pool the later ops read
+        route = shape.route_calls()  # re-encoded after qkv_prep wrote the tokens' own window rows
         for op, call in calls.items():
             us = graph_time_us(call)
             times[op] = us
