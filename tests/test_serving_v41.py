@@ -311,6 +311,18 @@ def test_attach_checks_formats_and_model():
         stack.attach_cache(V41CacheManager(DSV41AttentionConfig.tiny(window=8), cfg))
 
 
+def test_attach_is_refused_while_requests_hold_tokens():
+    """A stack attached to a manager whose requests hold tokens would read its empty (NaN) pools."""
+    stack, manager, _ = _setup("qat")
+    manager.admit("a")
+    with torch.no_grad(), manager.step({"a": 5}) as step:
+        stack(torch.randn(CFG.num_layers, step.positions.shape[0], CFG.hidden_size), step)
+    other = DeepseekV41AttentionStack(CFG, NUMERICS["qat"])
+    with pytest.raises(RuntimeError, match=r"attach_cache: 1 admitted request\(s\) already hold tokens \(e\.g\. 'a': 5\)"):
+        other.attach_cache(manager)
+    assert not hasattr(other, "cache")
+
+
 # ---- memory ------------------------------------------------------------------------------------
 def test_memory_accounting_matches_the_allocated_pools():
     cfg = CacheConfig(max_requests=2, max_context=448, max_step_tokens=64, block_size=BLOCK)

@@ -198,7 +198,16 @@ class KVCacheManager:
     # ---- layers ---------------------------------------------------------------------------------
     def attach(self, cache) -> None:
         """Register a layer's LayerCache (done by `layer.attach_cache`): abort restores its
-        compressor states, and its `generations` buffer follows the slots' generations."""
+        compressor states, and its `generations` buffer follows the slots' generations. Refused
+        while a step is open or an admitted request holds tokens: the new pools would hold nothing
+        of them, and the layer would attend to never-written (NaN-poisoned) rows."""
+        self._no_open_step("attach_cache")
+        written = [r for r, n in self.length.items() if n > 0]
+        if written:
+            r = written[0]
+            raise RuntimeError(f"attach_cache: {len(written)} admitted request(s) already hold tokens (e.g. {r!r}: "
+                               f"{self.length[r]}), which the new layer's pools would not have; attach every layer "
+                               f"before the first step, or release those requests first")
         self._caches.add(cache)
         cache.generations.copy_(torch.tensor(self.generation, dtype=torch.int32))
 
