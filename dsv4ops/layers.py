@@ -157,8 +157,8 @@ class DeepseekV4Attention(nn.Module):
             cfg = DSV4AttentionConfig.from_hf(config)
         else:
             raise TypeError(f"config: expected a DSV4AttentionConfig or a transformers DeepseekV4Config, got "
-                            f"{type(config).__name__} (from a config.json dict: transformers.DeepseekV4Config(**d); a V4.1 "
-                            f"config: DeepseekV41AttentionStack)")
+                            f"{type(config).__name__} (from a config.json dict: transformers.DeepseekV4Config(**d); "
+                            f"a V4.1 config: DeepseekV41AttentionStack)")
         if not isinstance(numerics, Numerics):
             raise TypeError(f"numerics: expected a dsv4ops.Numerics, got {type(numerics).__name__}")
         self.config, self.layer_idx, self.numerics = cfg, layer_idx, numerics

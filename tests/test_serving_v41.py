@@ -334,7 +334,8 @@ def test_attach_is_refused_while_requests_hold_tokens():
     with torch.no_grad(), manager.step({"a": 5}) as step:
         stack(torch.randn(CFG.num_layers, step.positions.shape[0], CFG.hidden_size), step)
     other = DeepseekV41AttentionStack(CFG, NUMERICS["qat"])
-    with pytest.raises(RuntimeError, match=r"attach_cache: 1 admitted request\(s\) already hold tokens \(e\.g\. 'a': 5\)"):
+    with pytest.raises(RuntimeError, match=r"attach_cache: 1 admitted request\(s\) already hold tokens "
+                                           r"\(e\.g\. 'a': 5\)"):
         other.attach_cache(manager)
     assert not hasattr(other, "cache")
 
