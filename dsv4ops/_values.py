@@ -25,6 +25,15 @@ def in_range(name: str, t: Tensor, low: int, high: int | None, what: str):
         raise ValueError(f"{name}: expected {expect} ({what}), got {t.flatten()[at].item()}{where}")
 
 
+def finite(name: str, t: Tensor, what: str):
+    """Every value of t is finite (no NaN, no inf)."""
+    bad = ~torch.isfinite(t)
+    if t.numel() and bool(bad.any()):
+        at = bad.nonzero()[0].tolist()
+        raise ValueError(f"{name}: expected finite values ({what}), got {t[tuple(at)].item()} at index "
+                         f"{at[0] if len(at) == 1 else tuple(at)}")
+
+
 def distinct(name: str, t: Tensor, what: str):
     """The values >= 0 of a 1-D tensor are pairwise distinct (-1 may repeat)."""
     v = t[t >= 0]
@@ -32,6 +41,21 @@ def distinct(name: str, t: Tensor, what: str):
     if bool((counts > 1).any()):
         dup = uniq[counts > 1][0].item()
         raise ValueError(f"{name}: expected distinct {what}, got {dup} ({counts[counts > 1][0].item()} times)")
+
+
+def closing_slots(entry_slots: Tensor, positions: Tensor, req_slots: Tensor, ratio: int):
+    """The entry slots of a compressor step: distinct among the live tokens that close an entry
+    ((p + 1) % ratio == 0), and -1 for every other live token (a slot there was planned for another
+    ratio: its entry would be stored by the wrong tokens, or not at all)."""
+    live = req_slots >= 0
+    closes = live & ((positions.long() + 1) % ratio == 0)
+    distinct("entry_slots", entry_slots[closes], "slots among the tokens that close an entry")
+    stray = live & ~closes & (entry_slots != -1)
+    if bool(stray.any()):
+        i = stray.nonzero()[0, 0].item()
+        raise ValueError(f"entry_slots: expected -1 for the tokens that close no entry at ratio {ratio} ((position + "
+                         f"1) % {ratio} != 0), got {entry_slots[i].item()} at index {i} (position "
+                         f"{positions[i].item()}); were the slots planned for another ratio?")
 
 
 def request_runs(positions: Tensor, req_slots: Tensor):

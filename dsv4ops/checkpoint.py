@@ -6,8 +6,10 @@ checkpoints carry fp32 scales. Dequantized on load: the layers compute in the mo
 
 from __future__ import annotations
 
+import warnings
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dsv4ops.fp8_linear import reference as fp8_linear_reference
 
@@ -76,3 +78,28 @@ def dequantize_state_dict(state_dict: dict, block: int, dtype: torch.dtype) -> d
     if orphans:
         raise ValueError(f"state_dict: scales without an e4m3 weight: {orphans[:4]}")
     return out
+
+
+def load_all_or_nothing(module: nn.Module, load, state_dict, strict: bool, assign: bool):
+    """`load(state_dict, strict=strict, assign=assign)` (a module's nn.Module.load_state_dict) that
+    changes nothing when it fails. torch copies tensor by tensor and raises at the end: a strict
+    load with one bad key or shape left 9-18 of a V4 layer's 18 tensors overwritten. So a dry run
+    first, on meta twins of every parameter and buffer (torch's own checks: keys, shapes, values that
+    are not tensors, the modules' load hooks, e.g. BlockFP8Linear's dtypes; nothing is copied), then
+    the load itself."""
+    saved = []
+    for mod in module.modules():
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if t is not None:
+                    saved.append((store, name, t))
+                    twin = torch.empty_like(t, device="meta")
+                    store[name] = nn.Parameter(twin, t.requires_grad) if isinstance(t, nn.Parameter) else twin
+    try:
+        with warnings.catch_warnings():  # torch notes that a copy into a meta tensor is a no-op: it is the point
+            warnings.filterwarnings("ignore", message=".*to a meta parameter in the current model.*")
+            load(state_dict, strict=strict, assign=assign)
+    finally:
+        for store, name, t in saved:
+            store[name] = t
+    return load(state_dict, strict=strict, assign=assign)

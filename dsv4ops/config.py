@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,13 @@ class DSV4AttentionConfig:
     num_hash_layers: int = 3
 
     def __post_init__(self):
+        # V4.1's config refuses the same (DSV41AttentionConfig._check_dims): a 0 here used to pass
+        # and fail at the first forward (window 0) or select nothing (index_topk 0).
+        for name in ("hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                     "window", "index_n_heads", "index_head_dim", "index_topk", "csa_ratio", "hca_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         if not self.compress_ratios:
             object.__setattr__(self, "compress_ratios", _flash_schedule(self.num_layers, self.csa_ratio, self.hca_ratio))
         if len(self.compress_ratios) != self.num_layers:
@@ -130,6 +138,12 @@ class DSV4AttentionConfig:
     def from_hf(cls, hf_config) -> DSV4AttentionConfig:
         """Read a transformers `DeepseekV4Config`: `layer_types`, `compress_rates`,
         `rope_parameters["main"/"compress"]` and the partial rotary factor (not the legacy keys)."""
+        missing = [k for k in _HF_KEYS if not hasattr(hf_config, k)]
+        if missing:
+            hint = (" (a config.json dict: DSV4AttentionConfig.from_hf(transformers.DeepseekV4Config(**d)))"
+                    if isinstance(hf_config, Mapping) else "")
+            raise TypeError(f"hf_config: expected a transformers DeepseekV4Config, got a {type(hf_config).__name__} "
+                            f"without {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}{hint}")
         rates = hf_config.compress_rates
         csa, hca = rates["compressed_sparse_attention"], rates["heavily_compressed_attention"]
         by_type = {SLIDING: 0, CSA: csa, HCA: hca}
@@ -180,6 +194,14 @@ class DSV4AttentionConfig:
             routed_scaling_factor=hf_config.routed_scaling_factor,
             num_hash_layers=sum(t == "hash_moe" for t in mlp_types),
         )
+
+
+# The transformers DeepseekV4Config attributes from_hf reads (and mlp_layer_types where present).
+_HF_KEYS = ("compress_rates", "layer_types", "rope_parameters", "partial_rotary_factor", "hidden_size",
+            "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+            "sliding_window", "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+            "rms_norm_eps", "num_nextn_predict_layers", "vocab_size", "n_routed_experts", "num_experts_per_tok",
+            "routed_scaling_factor")
 
 
 def _flash_schedule(n: int, csa: int, hca: int) -> tuple[int, ...]:

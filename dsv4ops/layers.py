@@ -151,7 +151,14 @@ class DeepseekV4Attention(nn.Module):
 
     def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics()):
         super().__init__()
-        cfg = config if isinstance(config, DSV4AttentionConfig) else DSV4AttentionConfig.from_hf(config)
+        if isinstance(config, DSV4AttentionConfig):
+            cfg = config
+        elif hasattr(config, "compress_rates"):  # a transformers DeepseekV4Config
+            cfg = DSV4AttentionConfig.from_hf(config)
+        else:
+            raise TypeError(f"config: expected a DSV4AttentionConfig or a transformers DeepseekV4Config, got "
+                            f"{type(config).__name__} (from a config.json dict: transformers.DeepseekV4Config(**d); "
+                            f"a V4.1 config: DeepseekV41AttentionStack)")
         if not isinstance(numerics, Numerics):
             raise TypeError(f"numerics: expected a dsv4ops.Numerics, got {type(numerics).__name__}")
         self.config, self.layer_idx, self.numerics = cfg, layer_idx, numerics
@@ -185,6 +192,11 @@ class DeepseekV4Attention(nn.Module):
             keep = name.endswith(_KEEP_FP32) or name in weights
             if keep and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before
+        anything is copied, so a failed load leaves the layer as it was."""
+        return checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
 
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK,
                                  keep_fp8: bool = False):

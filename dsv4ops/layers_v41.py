@@ -303,6 +303,11 @@ class DeepseekV41AttentionStack(nn.Module):
             published["step"] = step
         return ys
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before
+        anything is copied, so a failed load leaves the stack as it was."""
+        return checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
+
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V41_BLOCK):
         """Load DeepSeek's checkpoint names (DEEPSEEK_NAMES under `layers.{i}.`; other keys, e.g. the
         MoE's or `attn_norm`, are not the attention's and are skipped). Block-FP8 weights (e4m3 +

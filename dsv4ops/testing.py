@@ -642,8 +642,9 @@ def sparse_attn_gpu_case(heads: int, prefill: bool, entries: int = 512, pool=FP8
 
 
 def visible_entries_args(ratio=2, block_size=4, blocks=3, requests=2, runs=DEFAULT_RUNS, pad=1) -> dict:
-    """A block table of distinct random blocks whose last column is unallocated (-1), the tokens of
-    `runs` then `pad` padding tokens, and out poisoned (int32 max) so an unwritten element shows."""
+    """A block table of distinct random blocks of a pool of requests x blocks blocks (its numel: the
+    public function's pool_blocks) whose last column is unallocated (-1), the tokens of `runs` then
+    `pad` padding tokens, and out poisoned (int32 max) so an unwritten element shows."""
     positions, req_slots = step_tokens(*runs, pad=pad)
     table = torch.randperm(requests * blocks).to(torch.int32).view(requests, blocks)
     table[:, -1] = -1
@@ -702,7 +703,7 @@ _PUBLIC = {
                                                   a["ring_size"], a["window_fmt"], a["comp_fmt"],
                                                   comp_lens=a["comp_lens"], window_ends=a["window_ends"]),
     "visible_entries": lambda api, a: api.visible_entries(a["block_table"], a["positions"], a["req_slots"], a["ratio"],
-                                                          a["block_size"]),
+                                                          a["block_size"], a["block_table"].numel()),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
     "fp8_linear": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"]),
 }

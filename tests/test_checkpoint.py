@@ -156,3 +156,84 @@ def test_v41_stack_loads_deepseek_fp8_checkpoint_in_32x32_tiles():
     dst.load_deepseek_state_dict(sd)
     for key, p in dst.named_parameters():
         assert torch.equal(p.double(), want[key]), key
+
+
+# ---- a failed load changes nothing ---------------------------------------------------------------
+def _tensors(module) -> dict:
+    """Every parameter and buffer (persistent or not) by name, cloned, and each module's type."""
+    out = {n: t.detach().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    out.update({f"{n} (module)": type(m) for n, m in module.named_modules()})
+    return out
+
+
+def _unchanged(module, before: dict):
+    after = _tensors(module)
+    assert after.keys() == before.keys()
+    for name, t in before.items():
+        same = t is after[name] if isinstance(t, type) else testing.bytes_equal(after[name], t)
+        assert same, f"the failed load changed {name}"
+
+
+def _bad(sd: dict, key: str, value) -> dict:
+    sd = dict(sd)
+    if value is None:
+        del sd[key]
+    else:
+        sd[key] = value
+    return sd
+
+
+@pytest.mark.parametrize("keep_fp8", [False, True], ids=["dequantized", "keep_fp8"])
+def test_a_failed_load_of_a_v4_layer_changes_nothing(keep_fp8):
+    """Issue 32: a strict load that fails (a missing, unexpected or misshapen key, a value that is
+    not a tensor) used to copy every tensor it reached first (9-18 of the 18): now the layer keeps
+    every parameter and buffer bit for bit, and its projections' modules (keep_fp8 swaps them to
+    BlockFP8Linear before loading). The bad key is the last one torch would copy, so every other
+    copy would have happened."""
+    layer = testing.randomize_(DeepseekV4Attention(CFG, 1), seed=1)
+    other = testing.randomize_(DeepseekV4Attention(CFG, 1), seed=2)
+    fp8_sd, _ = _deepseek_fp8(other, 128, seed=3)
+    if keep_fp8:  # the layer holds block-FP8 projections already: their bytes must survive too
+        layer.load_deepseek_state_dict(_deepseek_fp8(layer, 128, seed=4)[0], keep_fp8=True)
+    sd = other.state_dict()
+    last = list(sd)[-1]
+    bad_sds = {
+        "shape": _bad(sd, last, torch.zeros(3)),
+        "missing": _bad(sd, last, None),
+        "unexpected": {**sd, "q_a_proj.bias": torch.zeros(3)},
+        "not a tensor": _bad(sd, last, [0.0] * sd[last].numel()),
+    }
+    before = _tensors(layer)
+    for what, bad in bad_sds.items():
+        if not keep_fp8:
+            with pytest.raises(RuntimeError, match=r"Error\(s\) in loading state_dict"):
+                layer.load_state_dict(bad)
+            _unchanged(layer, before)
+    sink = "layers.1.attn.attn_sink"
+    with pytest.raises(RuntimeError, match=r"size mismatch for sinks"):
+        layer.load_deepseek_state_dict(_bad(fp8_sd, sink, torch.zeros(3)), keep_fp8=keep_fp8)
+    _unchanged(layer, before)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"sinks\""):
+        layer.load_deepseek_state_dict(_bad(fp8_sd, sink, None), keep_fp8=keep_fp8)
+    _unchanged(layer, before)
+
+
+def test_a_failed_load_of_the_v41_stack_changes_nothing():
+    from dsv4ops.layers_v41 import DEEPSEEK_NAMES as V41_NAMES
+
+    cfg = DSV41AttentionConfig.tiny()
+    stack = testing.randomize_(DeepseekV41AttentionStack(cfg), seed=1)
+    other = testing.randomize_(DeepseekV41AttentionStack(cfg), seed=2)
+    sd = other.state_dict()
+    last = list(sd)[-1]
+    before = _tensors(stack)
+    for bad in (_bad(sd, last, torch.zeros(3)), _bad(sd, last, None)):
+        with pytest.raises(RuntimeError, match=r"Error\(s\) in loading state_dict"):
+            stack.load_state_dict(bad)
+        _unchanged(stack, before)
+    inverse = {v: k for k, v in V41_NAMES.items()}
+    ds = {f"layers.{k.split('.')[1]}.{inverse[k.split('.', 2)[2]]}": v for k, v in sd.items()}
+    ds[f"layers.{cfg.num_layers - 1}.attn.attn_sink"] = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for layers.9.sinks"):
+        stack.load_deepseek_state_dict(ds)
+    _unchanged(stack, before)

@@ -329,6 +329,10 @@ BAD = [
      r"entry_slots: expected values in \[-1, 16\) \(-1 or a slot of the pool's 16\), got 16 at index 1", ("public",)),
     ("entry_slots-twice", _entry_twice,
      r"entry_slots: expected distinct slots among the tokens that close an entry, got 0 \(2 times\)", ("public",)),
+    ("entry_slots-on-a-token-closing-nothing",
+     wa("entry_slots", lambda a: torch.tensor([-1, 0, 5, -1, -1, -1, -1, -1, -1], dtype=I32)),
+     r"entry_slots: expected -1 for the tokens that close no entry at ratio 4 \(\(position \+ 1\) % 4 != 0\), got 5 "
+     r"at index 2 \(position 4\)", ("public",)),
 ]
 
 

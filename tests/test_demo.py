@@ -4,6 +4,7 @@ prefill and decode) whose every request stays within its fp64-oracle budget, and
 import re
 
 import pytest
+import torch
 
 from dsv4ops.bench import demo
 
@@ -40,8 +41,18 @@ def test_demo_small_run(capsys):
     assert text.count("within budget") == 2
 
 
-def test_demo_rejects_bad_arguments():
+def test_demo_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         demo.main(["--requests", "0"])
+    # Issue 32: --device cpu:1 ended in a traceback (the layers land on cpu, the cache on cpu:1).
+    for device, match in (("cpu:1", r"expected cpu \(the CPU has no device index\), got 'cpu:1'"),
+                          ("gpu", r"expected cpu, cuda or cuda:N, got 'gpu'"),
+                          ("meta", r"expected cpu, cuda or cuda:N, got 'meta'"),
+                          (f"cuda:{torch.cuda.device_count()}",
+                           rf"expected one of this machine's {torch.cuda.device_count()} CUDA devices, got 'cuda:")):
+        with pytest.raises(SystemExit) as exit_:
+            demo.main(["--device", device])
+        assert exit_.value.code == 2
+        assert re.search(rf"python -m dsv4ops: error: argument --device: {match}", capsys.readouterr().err)
     with pytest.raises(SystemExit, match=r"--layers: the tiny preset has 4 layers, got 9"):
         demo.main(["--layers", "9"])

@@ -116,9 +116,9 @@ def test_visible_entries(ratio, block_size, t, data):
     if t and data.draw(st.booleans()):  # a request slot past the table: rejected
         req[data.draw(st.integers(0, t - 1))] = requests
         with pytest.raises(ValueError, match=rf"req_slots: expected values in \[-1, {requests}\)"):
-            visible_entries(table, pos, req, ratio, block_size)
+            visible_entries(table, pos, req, ratio, block_size, 41)
         return
-    out = visible_entries(table, pos, req, ratio, block_size)
+    out = visible_entries(table, pos, req, ratio, block_size, 41)  # the table's blocks are drawn from 41
     assert torch.equal(out, expected_entries(table, pos, req, ratio, block_size))
 
 

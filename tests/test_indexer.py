@@ -308,6 +308,10 @@ BAD = [
     ("k_prep-entry_slots-twice", "indexer_k_prep", K_PREP,
      wa("entry_slots", lambda a: torch.tensor([-1, 3, -1, 3, -1, -1, -1, -1, -1], dtype=I32)),
      r"entry_slots: expected distinct slots among the tokens that close an entry, got 3 \(2 times\)", ("public",)),
+    # Issue 32: slots planned for ratio 2 given with ratio 4 stored keys at the wrong entries, silently.
+    ("k_prep-ratio-of-other-slots", "indexer_k_prep", K_PREP, wa("ratio", lambda a: 4),
+     r"entry_slots: expected -1 for the tokens that close no entry at ratio 4 \(\(position \+ 1\) % 4 != 0\), got 2 "
+     r"at index 3 \(position 5\); were the slots planned for another ratio\?", ("public",)),
     ("block_table-narrow", "indexer_topk", partial(T.indexer_topk_args, FP32, ratio=1),
      wa("block_table", lambda a: a["block_table"][:, :1].contiguous()),
      r"block_table: expected 2 blocks for the 6 visible entries of request 0 at position 5, got a table 1 blocks "

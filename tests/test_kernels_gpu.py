@@ -185,6 +185,36 @@ def test_compressor_update(case, pool):
     testing.assert_close_to_ref(got[written], ref[written], lowp[written], what=f"{case} entries")
 
 
+@pytest.mark.parametrize("case", ["csa", "hca"])
+def test_compressor_state_row_holds_its_last_writer(case):
+    """Issue 32: in a step longer than the state ring, tokens p and p + rows of a request map to the
+    same state row (rows = 8 for CSA, 128 for HCA) and only the later may write it (_save_kernel's
+    `later == 0`). The interpreter runs programs one after another in order, so a missing guard shows
+    only where programs run concurrently: one request's 8192-token chunk (CSA: 1024 writers per row,
+    HCA: 64), three times with fresh data, the state rows bit-exact against the reference's (the last
+    writer's a and z + ape). tests/test_triton_interpret.py runs the same check on the CPU with the
+    interpreter's programs in reverse order."""
+    d, ratio, overlap = (512, 4, True) if case == "csa" else (512, 128, False)
+    width, rows = (2 * d, 2 * ratio) if overlap else (d, ratio)
+    t = 3 * rows + 1 if ON_CPU else 8192
+    ape, w = torch.randn(ratio, width, device=DEV), 1 + 0.1 * torch.randn(d, device=DEV)
+    pos, req = torch.arange(t, dtype=torch.int32, device=DEV), torch.zeros(t, dtype=torch.int32, device=DEV)
+    closes = (pos + 1) % ratio == 0
+    blocks = t // ratio // BS + 1
+    entry = torch.where(closes, pos // ratio, -1).to(torch.int32)
+    for _ in range(3):
+        kv, score = (torch.randn(t, width, device=DEV) for _ in range(2))
+        states = {}
+        for name, fn in (("kernel", _op("compressor_update")), ("ref", compressor_ref.compressor_update)):
+            states[name] = torch.full((1, rows, 2 * width), float("nan"), device=DEV)
+            fn(kv, score, ape, pos, req, entry, w, _inv_freq(), states[name], _pool(torch.float32, d, blocks), None,
+               1e-6, "exact")
+        assert testing.bytes_equal(states["kernel"], states["ref"]), "a state row holds another writer's values"
+        last = torch.arange(t - rows, t, device=DEV)  # the last writer of each row, in row order p % rows
+        want = torch.cat([kv[last], score[last] + ape[last % ratio]], 1)[torch.argsort(last % rows)]
+        assert torch.equal(states["ref"][0], want), "the reference's rows are the last writers'"
+
+
 # ---- indexer -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
 def test_indexer_q_prep(out_dtype):

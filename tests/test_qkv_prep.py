@@ -92,6 +92,18 @@ def test_padding_tokens_write_nothing():
     T.assert_close_to_ref(q_out, _independent(args, torch.float64)[0], _independent(args, FP32)[0])
 
 
+def test_window_slots_give_no_slot_to_a_negative_position_of_a_live_request():
+    """Issue 32: Python's modulo gives -3 % 16 = 13, a real ring slot, so without its guard
+    window_slots would hand a live request's negative position the slot of position 13. The op
+    writes nothing there (tests/test_no_entry.py), and the helper says so itself: -1."""
+    from dsv4ops.qkv_prep.reference import window_slots
+
+    pos = torch.tensor([-3, -16, -1, 0, 13, 35, -2**31], dtype=torch.int32)
+    req = torch.tensor([1, 0, 2, 1, 0, 2, 1], dtype=torch.int32)
+    assert window_slots(pos, req, 16).tolist() == [-1, -1, -1, 16, 13, 35, -1]
+    assert window_slots(pos, torch.full_like(req, -1), 16).tolist() == [-1] * 7
+
+
 # ---- bad inputs: one per rule ------------------------------------------------------------------
 ARGS = partial(T.qkv_prep_args, FP32)
 FP8_ARGS = partial(T.qkv_prep_args, BF16, FP8)

@@ -343,7 +343,31 @@ BAD = [
      r"slots: expected distinct slots \(one row per slot\), got 3 \(2 times\)", ("public",)),
     ("unpack-slots-high", "unpack_kv", UNPACK_FP32, T.with_arg("slots", lambda a: torch.tensor([0, -1, 9], dtype=I32)),
      r"slots: expected values in \[-1, 8\) .*got 9 at index 2", ("public",)),
+    # Issue 32: +inf in the e4m3 part of an fp8_584 row was stored as 448 (scale 1 for its tile).
+    ("x-inf-fp8", "pack_kv", PACK_FP8, T.with_arg("x", lambda a: _with(a["x"], (2, 5), float("inf"))),
+     r"x: expected finite values \(the rows stored in format fp8_584: its scales come from each tile's amax\), "
+     r"got inf at index \(2, 5\)", ("public",)),
+    ("x-nan-mx4", "pack_kv", PACK_MX4, T.with_arg("x", lambda a: _with(a["x"], (0, 127), float("nan"))),
+     r"x: expected finite values \(the rows stored in format mxfp4_68.*got nan at index \(0, 127\)", ("public",)),
 ]
+
+
+def _with(x: torch.Tensor, at: tuple, value: float) -> torch.Tensor:
+    x = x.clone()
+    x[at] = value
+    return x
+
+
+def test_non_finite_values_are_stored_where_nothing_is_coded():
+    """A skipped row (slot -1) may hold anything, and an exact pool stores inf and NaN as they are."""
+    args = PACK_FP8()
+    args["x"] = _with(args["x"], (1, 0), float("inf"))  # slot -1: skipped
+    api.pack_kv(args["x"], args["slots"], args["cache"], args["fmt"])
+    exact = PACK_FP32()
+    exact["x"] = _with(_with(exact["x"], (0, 3), float("-inf")), (2, 1), float("nan"))
+    api.pack_kv(exact["x"], exact["slots"], exact["cache"], exact["fmt"])
+    rows = exact["cache"].view(-1, exact["x"].shape[1])
+    assert torch.equal(rows[5], exact["x"][0]) and torch.isnan(rows[0, 1])
 
 
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])

@@ -122,6 +122,31 @@ def test_bad_config_is_rejected():
         DSV4AttentionConfig.tiny(compress_ratios=(0, 4, 8, 4))
 
 
+@pytest.mark.parametrize("field, value", [("index_topk", 0), ("window", 0), ("num_heads", -4), ("head_dim", 0),
+                                          ("hca_ratio", 0), ("window", 128.0), ("index_topk", True)])
+def test_dims_below_one_are_rejected_at_construction(field, value):
+    """Issue 32: index_topk=0 (V4.1's config refuses it) and window=0 (refused only at the first
+    forward) were accepted; every dimension, window, top-k and ratio is an int >= 1."""
+    with pytest.raises(ValueError, match=rf"{field}: expected an int >= 1, got {value!r}"):
+        DSV4AttentionConfig.tiny(**{field: value})
+
+
+def test_a_config_that_is_not_one_is_named():
+    """Issue 32: a dict config ended in AttributeError: 'dict' object has no attribute 'compress_rates'."""
+    from dsv4ops import DeepseekV4Attention, DSV41AttentionConfig
+
+    for config in ({"hidden_size": 256}, DSV41AttentionConfig.tiny(), 4):
+        with pytest.raises(TypeError, match=rf"config: expected a DSV4AttentionConfig or a transformers "
+                                            rf"DeepseekV4Config, got {type(config).__name__} \(from a config.json "
+                                            rf"dict: transformers.DeepseekV4Config\(\*\*d\); a V4.1 config: "
+                                            rf"DeepseekV41AttentionStack\)"):
+            DeepseekV4Attention(config, 1)
+    with pytest.raises(TypeError, match=r"hf_config: expected a transformers DeepseekV4Config, got a dict without "
+                                        r"compress_rates, layer_types, rope_parameters, \.\.\. \(a config.json dict: "
+                                        r"DSV4AttentionConfig.from_hf\(transformers.DeepseekV4Config\(\*\*d\)\)\)"):
+        DSV4AttentionConfig.from_hf({"hidden_size": 256})
+
+
 # ---- RoPE (pitfalls 1, 2, 3, 8) ----------------------------------------------------------------
 def test_rope_tables_match_transformers_and_skip_yarn_on_sliding_layers():
     cfg = DSV4AttentionConfig.flash()

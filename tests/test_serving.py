@@ -299,6 +299,31 @@ def test_serving_forward_needs_an_attached_cache():
         layer(torch.randn(8, CFG.hidden_size), step)
 
 
+def test_attach_cache_is_refused_while_requests_hold_tokens():
+    """Issue 32: a layer attached while the manager's requests held tokens got empty (NaN-poisoned)
+    pools for them and returned NaN. Refused, with the layer and the manager left as they were,
+    while a step is open or an admitted request holds tokens; a request admitted but not yet run, or
+    released, does not stand in the way."""
+    layer, manager, inputs = _setup(CSA, "bf16")
+    late = DeepseekV4Attention(CFG, 2)
+    manager.admit("a")
+    with torch.no_grad():
+        with manager.step({"a": 40}) as step:
+            layer(torch.cat([inputs["a"][:40], inputs["a"].new_zeros(step.positions.shape[0] - 40, CFG.hidden_size)]),
+                  step)
+            with pytest.raises(RuntimeError, match=r"attach_cache: step \d+ is still open \(requests \['a'\]\)"):
+                late.attach_cache(manager)
+        with pytest.raises(RuntimeError, match=r"attach_cache: 1 admitted request\(s\) already hold tokens \(e\.g\. "
+                                               r"'a': 40\), which the new layer's pools would not have; attach every "
+                                               r"layer before the first step, or release those requests first"):
+            late.attach_cache(manager)
+    assert not hasattr(late, "cache") and set(manager._caches) == {layer.cache}
+    manager.admit("b")  # no tokens yet: not in the way
+    manager.release("a")
+    late.attach_cache(manager)
+    assert set(manager._caches) == {layer.cache, late.cache}
+
+
 @pytest.mark.parametrize(
     "model, match",
     [

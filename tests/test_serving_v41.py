@@ -16,7 +16,8 @@ import torch
 
 from dsv4ops import testing
 from dsv4ops.cache.config import CacheConfig
-from dsv4ops.cache.manager import CacheFullError
+from dsv4ops.cache.manager import CacheFullError, KVCacheManager
+from dsv4ops.config import DSV4AttentionConfig
 from dsv4ops.cache.v41 import V41CacheManager, memory, stack_pools
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import STATELESS_BLOCK, DeepseekV41AttentionStack
@@ -302,6 +303,21 @@ def test_a_block_size_the_formats_cannot_page_is_rejected():
         V41CacheManager(CFG, CacheConfig(max_requests=1, max_context=64, max_step_tokens=8))
 
 
+def test_a_manager_of_the_other_version_is_named():
+    """Issue 32: a V4 config given to V41CacheManager ended in AttributeError: ... 'roles'."""
+    cfg = CacheConfig(max_requests=1, max_context=64, max_step_tokens=8, block_size=BLOCK)
+    for manager, model in ((V41CacheManager, DSV4AttentionConfig.tiny()), (KVCacheManager, CFG)):
+        want = "DSV41AttentionConfig" if manager is V41CacheManager else "DSV4AttentionConfig"
+        with pytest.raises(TypeError, match=rf"model: expected a {want}, got {type(model).__name__} \(V4: "
+                                            rf"KVCacheManager\(DSV4AttentionConfig, \.\.\.\); V4.1: "
+                                            rf"V41CacheManager\(DSV41AttentionConfig, \.\.\.\)\)"):
+            manager(model, cfg)
+    with pytest.raises(TypeError, match=r"cfg: expected a CacheConfig, got dict"):
+        V41CacheManager(CFG, {"max_requests": 1})
+    with pytest.raises(TypeError, match=r"numerics: expected a V41Numerics, got str"):
+        V41CacheManager(CFG, cfg, "qat")
+
+
 def test_attach_checks_formats_and_model():
     stack = DeepseekV41AttentionStack(CFG)
     cfg = CacheConfig(max_requests=1, max_context=64, max_step_tokens=8, block_size=BLOCK)
@@ -309,6 +325,19 @@ def test_attach_checks_formats_and_model():
         stack.attach_cache(V41CacheManager(CFG, cfg, V41Numerics.exact()))
     with pytest.raises(ValueError, match="manager: it was built for another DSV41AttentionConfig"):
         stack.attach_cache(V41CacheManager(DSV41AttentionConfig.tiny(window=8), cfg))
+
+
+def test_attach_is_refused_while_requests_hold_tokens():
+    """A stack attached to a manager whose requests hold tokens would read its empty (NaN) pools."""
+    stack, manager, _ = _setup("qat")
+    manager.admit("a")
+    with torch.no_grad(), manager.step({"a": 5}) as step:
+        stack(torch.randn(CFG.num_layers, step.positions.shape[0], CFG.hidden_size), step)
+    other = DeepseekV41AttentionStack(CFG, NUMERICS["qat"])
+    with pytest.raises(RuntimeError, match=r"attach_cache: 1 admitted request\(s\) already hold tokens "
+                                           r"\(e\.g\. 'a': 5\)"):
+        other.attach_cache(manager)
+    assert not hasattr(other, "cache")
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -209,6 +209,23 @@ def test_compiled_forward_masks_foreign_stale_and_negative_tokens():
     manager.abort(step)
 
 
+def test_compiled_forward_masks_tokens_past_max_context():
+    """Issue 32: only the lower bound of live_tokens' position guard was tested. A hand-edited step
+    whose tokens sit at max_context or past it (up to the largest int32) runs compiled as padding:
+    nothing written (the window ring would take slot p % ring_size, the compressor states row p %
+    rows), rows 0."""
+    torch._dynamo.reset()
+    layer, manager, _ = _setup(CSA, "fp8")
+    manager.admit("a")
+    step = manager.prepare_step({"a": 16})
+    top = manager.cfg.max_context
+    step.positions.copy_(torch.tensor([top, top + 1, top + 3, 2 * top - 1, 2**31 - 1] + list(range(top, top + 11)),
+                                      dtype=torch.int32))
+    y = _compiled_run_writes_nothing(layer, torch.randn(16, CFG.hidden_size), step)
+    assert torch.isfinite(y).all() and (y == 0).all()
+    manager.abort(step)
+
+
 def test_released_request_in_a_compiled_step_is_skipped_and_the_others_run():
     torch._dynamo.reset()
     layer, manager, inputs = _setup(HCA, "bf16")

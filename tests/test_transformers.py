@@ -294,6 +294,58 @@ def test_paged_cache_interface_and_errors(base):
         assert manager.slot_of == {} and manager.open_step is None
 
 
+def test_a_transformers_cache_passed_again_is_refused_and_the_returned_cache_continues(base):
+    """Issue 32: `c = DynamicCache(...); model(ids, past_key_values=c); model(next, past_key_values=c)`
+    ran the second call on nothing before the new token (logits 1.42 off). The first call takes the
+    empty cache (generate's way); passing it again is refused before anything runs, and the
+    PagedCache the model returned continues the sequence as the unpatched model's DynamicCache does
+    (within the budget of its fp32 run against its fp64 run)."""
+    patched = _patched(base)
+    manager = patched.model.layers[0].self_attn.cache_manager
+    ids = _prompts(1, seed=12)[:, :30]
+    nxt = _prompts(1, seed=13)[:, :1]
+    with torch.no_grad():
+        given = DynamicCache(config=base.config)
+        first = patched(ids, past_key_values=given)
+        assert isinstance(first.past_key_values, PagedCache) and first.past_key_values.lengths() == [30]
+        with pytest.raises(TypeError, match=r"past_key_values: this DynamicCache was passed to the patched model "
+                                            r"before and holds none of that call's tokens .* pass the PagedCache the "
+                                            r"model returned \(output.past_key_values\) to continue"):
+            patched(nxt, past_key_values=given)
+        assert first.past_key_values.lengths() == [30] and manager.open_step is None
+        logits = patched(nxt, past_key_values=first.past_key_values).logits[0, -1]
+        refs = []
+        for model in (_double(base), base):
+            c = DynamicCache(config=model.config)
+            model(ids, past_key_values=c)
+            refs.append(model(nxt, past_key_values=c).logits[0, -1])
+    testing.assert_close_to_ref(logits, *refs, what="continued through the returned PagedCache")
+    first.past_key_values.release()
+
+
+def test_a_mask_with_holes_is_refused(base):
+    """Issue 32: generate() without an attention_mask on a prompt holding pad_token_id: transformers
+    infers a mask with 0s between 1s, which the patched model took for padding (the tokens dropped,
+    later positions shifted: the first generated token differed from the unpatched model's). A 0
+    between 1s in a call's columns is refused before anything changes (cached and stateless); left
+    and right padding stay padding, and with an explicit mask the prompt generates as transformers."""
+    patched = _patched(base)
+    manager = patched.model.layers[0].self_attn.cache_manager
+    ids = _prompts(1, seed=14)[:, :40]
+    ids[0, [10, 11, 25]] = base.config.pad_token_id
+    message = (r"attention_mask: expected each row's tokens \(1\) in one run with padding \(0\) only before or after "
+               r"them, got a 0 between 1s in row 0 at column 10 of the call's 40; .* pass the attention_mask, 1 for "
+               r"every token of the sequence")
+    with pytest.raises(ValueError, match=message):
+        _generate(patched, ids)
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        patched(ids, attention_mask=(ids != 0).long(), use_cache=False)
+    assert manager.slot_of == {} and manager.open_step is None
+    for layer in patched.model.layers:  # nothing was written: the pools are as allocated (NaN)
+        assert torch.isnan(layer.self_attn.cache.window).all()
+    _against_transformers(base, patched, ids, torch.ones_like(ids), what="pad id inside the prompt, explicit mask")
+
+
 def test_fp8_checkpoint_weights_dequantized_on_patch(base):
     """A model whose attention projections are transformers' FP8Linear (e4m3 weight + UE8M0
     weight_scale_inv per 128 x 128 tile) patches to dsv4ops layers holding the dequantized weights,

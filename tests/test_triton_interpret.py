@@ -236,6 +236,45 @@ def test_compressor_update(case, pool, split, monkeypatch):
     testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
 
 
+@pytest.fixture
+def programs_in_reverse(monkeypatch):
+    """The interpreter runs a launch's programs from the last to the first (it runs them one after
+    another in grid order): a write that is right only because a later program overwrites an
+    earlier one is then wrong, as it can be on a GPU, where programs run concurrently."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    forward = builder.set_grid_idx
+    seen = []
+
+    def reverse(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        seen.append(nx - 1 - x)
+        forward(nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    monkeypatch.setattr(builder, "set_grid_idx", reverse)
+    return seen
+
+
+@pytest.mark.parametrize("d, ratio, overlap", [(512, 4, True), (512, 16, False)], ids=["csa", "hca"])
+def test_compressor_state_save_keeps_the_last_writer_in_any_program_order(d, ratio, overlap, programs_in_reverse):
+    """Issue 32: tokens p and p + rows of one request in one step map to the same state row; only the
+    later may write it (_save_kernel's `later == 0`). With the programs in reverse order the earlier
+    token's program runs last: without the guard its values would stay in the row."""
+    width, rows = (2 * d, 2 * ratio) if overlap else (d, ratio)
+    t = 2 * rows + 3
+    pos, req = torch.arange(t, dtype=torch.int32), torch.zeros(t, dtype=torch.int32)
+    entry = torch.where((pos + 1) % ratio == 0, pos // ratio, -1).to(torch.int32)
+    kv, score, ape = torch.randn(t, width), torch.randn(t, width), torch.randn(ratio, width)
+    states = {}
+    for name, fn in (("kernel", compressor_tt.compressor_update), ("ref", compressor_ref.compressor_update)):
+        states[name] = torch.full((1, rows, 2 * width), float("nan"))
+        fn(kv, score, ape, pos, req, entry, torch.ones(d), INV_FREQ, states[name], _pool(torch.float32, d, 4), None,
+           1e-6, "exact")
+    assert programs_in_reverse[:2] == [t - 1, t - 2], "the interpreter ran the programs in reverse"
+    assert torch.equal(states["kernel"], states["ref"]), "a state row holds an earlier writer's values"
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])
 @pytest.mark.parametrize("pool", ["fp4_288", torch.bfloat16], ids=["fp4_288", "bf16"])
 @pytest.mark.parametrize("ratio", [2, 1])

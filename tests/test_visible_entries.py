@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsv4ops import testing as T
+from dsv4ops.visible_entries.api import visible_entries
 
 I32 = torch.int32
 POISON = 2**31 - 1
@@ -38,7 +39,8 @@ def random_case(ratio: int, block_size: int, blocks: int = 5, requests: int = 4,
     table fills (blocks x bs x ratio - 1) and past it up to the largest int32 position (where
     p + 1 overflows int32), and at random; every fifth token padding."""
     g = torch.Generator().manual_seed(seed)
-    table = torch.randperm(4 * requests * blocks, generator=g)[:requests * blocks].to(I32).view(requests, blocks)
+    # A pool of requests x blocks blocks: the table's numel, the pool_blocks T.call_public passes.
+    table = torch.randperm(requests * blocks, generator=g).to(I32).view(requests, blocks)
     table[torch.rand(table.shape, generator=g) < 0.25] = -1
     full = blocks * block_size * ratio
     edges = [0, ratio - 1, ratio, ratio + 1, 2 * ratio - 1, full - 1, full, 10 * full, 2**31 - 1]
@@ -74,8 +76,7 @@ def test_counts_at_the_entry_boundaries():
     # One request, blocks 7 and 2 of 4 entries, ratio 4: entry w closes at position 4w + 3.
     table = torch.tensor([[7, 2]], dtype=I32)
     pos = torch.tensor([0, 2, 3, 4, 7, 15, 31, 1000], dtype=I32)
-    out = T.call_public("visible_entries", dict(block_table=table, positions=pos, req_slots=torch.zeros(8, dtype=I32),
-                                                ratio=4, block_size=4))
+    out = visible_entries(table, pos, torch.zeros(8, dtype=I32), 4, 4, 8)
     a = [28, 29, 30, 31, 8, 9, 10, 11]  # the slots of entries 0..7
     assert out.tolist() == [[-1] * 8, [-1] * 8, a[:1] + [-1] * 7, a[:1] + [-1] * 7, a[:2] + [-1] * 6,
                             a[:4] + [-1] * 4, a, a]
@@ -84,8 +85,7 @@ def test_counts_at_the_entry_boundaries():
 def test_an_unallocated_block_gives_minus_one():
     # Entries 2..3 lie in block -1 (unallocated): -1, not the slot arithmetic of -1 x 2 + w % 2.
     table = torch.tensor([[5, -1, 7]], dtype=I32)
-    out = T.call_public("visible_entries", dict(block_table=table, positions=torch.tensor([5, 2], dtype=I32),
-                                                req_slots=torch.tensor([0, 0], dtype=I32), ratio=1, block_size=2))
+    out = visible_entries(table, torch.tensor([5, 2], dtype=I32), torch.tensor([0, 0], dtype=I32), 1, 2, 8)
     assert out.tolist() == [[10, 11, -1, -1, 14, 15], [10, 11, -1, -1, -1, -1]]
 
 
@@ -149,8 +149,21 @@ BAD = [
     ("req_slots-below-padding", wa("req_slots", lambda a: torch.tensor([0, 0, 0, 1, 1, -2], dtype=I32)),
      r"req_slots: expected values in \[-1, 2\) .*, got -2 at index 5", ("public",)),
     ("block_table-below-unallocated", wa("block_table", lambda a: torch.tensor([[0, 1, -1], [2, -3, -1]], dtype=I32)),
-     r"block_table: expected >= -1 \(-1 or a block of the pool\), got -3 at flat index 4", ("public",)),
+     r"block_table: expected values in \[-1, 6\) \(-1 or one of the pool's 6 blocks\), got -3 at flat index 4",
+     ("public",)),
+    # Issue 32: a block past the pool was accepted (its slots are no entry to sparse_attn).
+    ("block_table-past-the-pool", wa("block_table", lambda a: torch.tensor([[0, 1, -1], [2, 6, -1]], dtype=I32)),
+     r"block_table: expected values in \[-1, 6\) \(-1 or one of the pool's 6 blocks\), got 6 at flat index 4",
+     ("public",)),
 ]
+
+
+def test_pool_blocks_must_be_a_count():
+    args = ARGS()
+    for bad in (-1, 2.0, None):
+        with pytest.raises(ValueError, match=rf"pool_blocks: expected an int >= 0 \(the blocks of the pool the table "
+                                             rf"indexes\), got {bad!r}"):
+            visible_entries(args["block_table"], args["positions"], args["req_slots"], 1, 4, bad)
 
 
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])

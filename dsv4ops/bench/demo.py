@@ -109,6 +109,24 @@ def oracle_check(stack: Stack, x: torch.Tensor, out: torch.Tensor) -> dict:
             "scale": ref.abs().max().item(), "beyond": int((per_token > bound).sum()), "tokens": x.shape[0]}
 
 
+def device_arg(text: str) -> torch.device:
+    """--device: cpu, or cuda / cuda:N of a GPU this machine has (argparse reports the error)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type == "cpu" and device.index not in (None, 0):
+        # torch accepts "cpu:1" but its tensors land on "cpu": the layers and the cache would disagree.
+        raise argparse.ArgumentTypeError(f"expected cpu (the CPU has no device index), got {text!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if not count or (device.index is not None and device.index >= count):
+            raise argparse.ArgumentTypeError(f"expected one of this machine's {count} CUDA devices, got {text!r}")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return device
+
+
 def main(argv=None):
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(prog="python -m dsv4ops", description=__doc__)
@@ -126,7 +144,7 @@ def main(argv=None):
                     help="torch.compile of the step: cudagraphs = Inductor + CUDA graphs (mode='reduce-overhead'); "
                          "aot_eager = one Dynamo graph per bucket running the ops eagerly (CPU default: Inductor's "
                          "CPU compile alone takes minutes)")
-    ap.add_argument("--device", default="cuda" if gpu else "cpu")
+    ap.add_argument("--device", type=device_arg, default="cuda" if gpu else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.requests < 1 or args.layers < 1 or args.context < 2 or args.step_tokens < args.requests:

@@ -104,9 +104,10 @@ class KVCacheManager:
     window ring and the compressor states are copied. `usage()` reports blocks, shared blocks and
     bytes."""
 
+    model_type = DSV4AttentionConfig  # the model config this manager plans for
+
     def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None):
-        if not isinstance(cfg, CacheConfig):
-            raise TypeError(f"cfg: expected a CacheConfig, got {type(cfg).__name__}")
+        self._check_args(model, cfg)
         self.model, self.cfg, self.device = model, cfg, torch.device(device or "cpu")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device: name it
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -135,6 +136,14 @@ class KVCacheManager:
         self._open: _OpenStep | None = None
         self._steps = itertools.count(1)
         self._topk_workspace: dict[torch.device, torch.Tensor] = {}
+
+    def _check_args(self, model, cfg) -> None:
+        if not isinstance(model, self.model_type):
+            raise TypeError(f"model: expected a {self.model_type.__name__}, got {type(model).__name__} (V4: "
+                            f"KVCacheManager(DSV4AttentionConfig, ...); V4.1: V41CacheManager(DSV41AttentionConfig, "
+                            f"...))")
+        if not isinstance(cfg, CacheConfig):
+            raise TypeError(f"cfg: expected a CacheConfig, got {type(cfg).__name__}")
 
     def _compressed_pools(self, model) -> tuple[dict, set]:
         """({pool group: ratio}, the groups the model has): the compressed pools whose blocks this
@@ -198,7 +207,16 @@ class KVCacheManager:
     # ---- layers ---------------------------------------------------------------------------------
     def attach(self, cache) -> None:
         """Register a layer's LayerCache (done by `layer.attach_cache`): abort restores its
-        compressor states, and its `generations` buffer follows the slots' generations."""
+        compressor states, and its `generations` buffer follows the slots' generations. Refused
+        while a step is open or an admitted request holds tokens: the new pools would hold nothing
+        of them, and the layer would attend to never-written (NaN-poisoned) rows."""
+        self._no_open_step("attach_cache")
+        written = [r for r, n in self.length.items() if n > 0]
+        if written:
+            r = written[0]
+            raise RuntimeError(f"attach_cache: {len(written)} admitted request(s) already hold tokens (e.g. {r!r}: "
+                               f"{self.length[r]}), which the new layer's pools would not have; attach every layer "
+                               f"before the first step, or release those requests first")
         self._caches.add(cache)
         cache.generations.copy_(torch.tensor(self.generation, dtype=torch.int32))
 

@@ -152,8 +152,13 @@ class V41CacheManager(KVCacheManager):
     the CacheConfig gives capacity, block size, buckets and the dtype of exact pools (its V4 modes
     kv_cache / indexer_cache are not read)."""
 
+    model_type = DSV41AttentionConfig
+
     def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
                  device=None):
+        self._check_args(model, cfg)
+        if not isinstance(numerics, V41Numerics):
+            raise TypeError(f"numerics: expected a V41Numerics, got {type(numerics).__name__}")
         stack_pools(model, cfg, numerics)  # a block size the formats cannot page raises here, before any state
         self.numerics = numerics
         super().__init__(model, cfg, device)

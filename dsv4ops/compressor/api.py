@@ -41,7 +41,8 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
 
     Checked in eager mode: positions >= 0; req_slots in [-1, requests); the tokens of a request are
     one contiguous run with consecutive positions (the pooling finds rows of the call by offset);
-    entry_slots in [-1, pool slots) and distinct among the closing tokens."""
+    entry_slots in [-1, pool slots), distinct among the closing tokens and -1 for the other live
+    tokens (slots of another ratio)."""
     latent_out = None
     if latent:
         latent_out = torch.empty(kv.shape[0], norm_weight.shape[0], dtype=checks.entry_dtype(cache, fmt),
@@ -55,8 +56,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
                          f"-1 or one of the {state.shape[0]} requests of the state")
         _values.request_runs(positions, req_slots)
         check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
-        closes = (req_slots >= 0) & ((positions.long() + 1) % m == 0)
-        _values.distinct("entry_slots", entry_slots[closes], "slots among the tokens that close an entry")
+        _values.closing_slots(entry_slots, positions, req_slots, m)
     _compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
                        latent_out, eps, fmt)
     return latent_out

@@ -80,6 +80,13 @@ def entry_slots(block_table: Tensor, req: Tensor, entries: Tensor, block_size: i
     return torch.where((blocks >= 0) & (blocks < pool_blocks), blocks * block_size + entries % block_size, -1)
 
 
+# Elements of one chunk's score rows [tokens, heads, columns] (or gathered keys [tokens, columns,
+# d]): 2^22 fp32 = 16 MiB. A request's tokens are scored a chunk at a time over the entries they see
+# (its keys read once), so the reference's memory and time follow the real context, never the block
+# table's width (max_context / ratio entries: at 1M positions and ratio 4, 262144 columns a token).
+_CHUNK_ELEMENTS = 1 << 22
+
+
 def _candidate_entries(cand: Tensor, cand_block: int) -> Tensor:
     """[T, blocks * cand_block] entry indices of the candidate blocks (-1 for block -1)."""
     blocks = cand.long()[:, :, None]
@@ -87,39 +94,66 @@ def _candidate_entries(cand: Tensor, cand_block: int) -> Tensor:
     return entries.where(blocks >= 0, -1).flatten(1)
 
 
+def _top_slots(scores: Tensor, visible: Tensor, slots: Tensor, k: int) -> Tensor:
+    """[n, min(k, columns)] the slots of the k best visible columns (exact ties to the lower column),
+    in column order, -1 after them."""
+    e = scores.shape[1]
+    best = stable_topk(scores, min(k, e))
+    picked = visible.gather(1, best)
+    col = torch.where(picked, best, e).sort(dim=1).values
+    return slots.gather(1, col.clamp(max=max(e - 1, 0))).where(col < e, -1)
+
+
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,
                  block_table: Tensor, cand: Tensor | None, idx_out: Tensor, cand_out: Tensor | None, ratio: int,
                  cand_block: int, fmt: str) -> None:
-    t, k = idx_out.shape
+    k = idx_out.shape[1]
     bs = formats.block_size(cache.shape, fmt)
     n_max = block_table.shape[1] * bs
     live = (req_slots >= 0) & (req_slots < block_table.shape[0])  # other slots: padding
     # Entries past the table's width do not exist (the kernels clamp alike).
-    n_visible = torch.where(live, (positions.long() + 1) // ratio, 0).clamp(max=n_max)
-    if cand is None:
-        entries = torch.arange(n_max, device=q.device)[None].expand(t, -1)
-    else:
-        entries = _candidate_entries(cand, cand_block)
-        # Columns in entry order (absent ones last): the stable sort below then breaks exact score
-        # ties toward the lower entry whatever the order of the candidate blocks.
-        entries = torch.sort(entries.where(entries >= 0, n_max + entries.shape[1]), dim=1, stable=True).values
-    visible = (entries < n_visible[:, None]) & (entries < n_max)
-    slots = entry_slots(block_table, req_slots, entries.clamp(0, max(n_max - 1, 0)), bs, cache.shape[0])
-    visible &= slots >= 0
-    slots = slots.where(visible, -1)
-    e = entries.shape[1]
-    keys = torch.empty(t * e, cache.shape[-1] if fmt == formats.EXACT else formats.get(fmt).dim,
-                       dtype=torch.float32, device=q.device)
-    unpack_kv(cache, slots.reshape(-1), keys, fmt)
-    scores = torch.einsum("thd,ted->the", query_values(q), keys.view(t, e, keys.shape[-1])).relu()
-    scores = (scores * weights.float()[..., None]).sum(1).masked_fill(~visible, float("-inf"))
-    kk = min(k, e)
-    best = stable_topk(scores, kk)
-    picked = visible.gather(1, best)
-    # The picked columns (in entry order) ascending, then the -1 fill.
-    col = torch.where(picked, best, e).sort(dim=1).values
-    chosen = slots.gather(1, col.clamp(max=max(e - 1, 0))).where(col < e, -1)
+    n_visible = torch.where(live, (positions.long() + 1) // ratio, 0).clamp(0, n_max)
     idx_out.fill_(-1)
-    idx_out[:, :kk] = chosen.to(idx_out.dtype)
     if cand_out is not None:
-        cand_out.copy_(candidate_blocks(scores, n_visible, cand_block, cand_out.shape[1]).to(cand_out.dtype))
+        cand_out.fill_(-1)
+    qv, w = query_values(q), weights.float()
+    heads = qv.shape[1]
+    key_width = cache.shape[-1] if fmt == formats.EXACT else formats.get(fmt).dim
+    for r in req_slots[n_visible > 0].unique().tolist():
+        tokens = ((req_slots == r) & (n_visible > 0)).nonzero().flatten()
+        req = req_slots[tokens[:1]]
+        if cand is None:  # every visible entry: the request's keys, read once for all its tokens
+            n = int(n_visible[tokens].max())
+            entries = torch.arange(n, device=q.device)
+            slots = entry_slots(block_table, req, entries[None], bs, cache.shape[0])
+            keys = torch.empty(n, key_width, dtype=torch.float32, device=q.device)
+            unpack_kv(cache, slots[0], keys, fmt)
+            step = max(1, _CHUNK_ELEMENTS // (n * heads))
+        else:  # the candidates of each token (cand.shape[1] * cand_block columns at most)
+            step = max(1, _CHUNK_ELEMENTS // (cand.shape[1] * cand_block * max(heads, key_width)))
+        for chunk in tokens.split(step):
+            seen = n_visible[chunk, None]
+            if cand is None:
+                scores = torch.einsum("thd,ed->the", qv[chunk], keys)
+                visible = (entries[None] < seen) & (slots >= 0)
+                chunk_slots = slots.expand(len(chunk), -1)
+            else:
+                # Columns in entry order (absent ones last): the stable sort of the top-k then breaks
+                # exact score ties toward the lower entry whatever the order of the candidate blocks.
+                # The visible entries come first, so only as many columns as a token sees are read.
+                ce = _candidate_entries(cand[chunk], cand_block)
+                ce = torch.sort(ce.where(ce >= 0, n_max + ce.shape[1]), dim=1, stable=True).values
+                ce = ce[:, : max(int((ce < seen).sum(1).max()), 1)]
+                chunk_slots = entry_slots(block_table, req.expand(len(chunk)), ce.clamp(0, max(n_max - 1, 0)), bs,
+                                          cache.shape[0])
+                visible = (ce < seen) & (chunk_slots >= 0)
+                chunk_slots = chunk_slots.where(visible, -1)
+                keys_t = torch.empty(chunk_slots.numel(), key_width, dtype=torch.float32, device=q.device)
+                unpack_kv(cache, chunk_slots.reshape(-1), keys_t, fmt)
+                scores = torch.einsum("thd,ted->the", qv[chunk], keys_t.view(*ce.shape, key_width))
+            scores = (scores.relu() * w[chunk, :, None]).sum(1).masked_fill(~visible, float("-inf"))
+            top = _top_slots(scores, visible, chunk_slots.where(visible, -1), k)
+            idx_out[chunk, : top.shape[1]] = top.to(idx_out.dtype)
+            if cand_out is not None:
+                blocks = candidate_blocks(scores, n_visible[chunk], cand_block, cand_out.shape[1])
+                cand_out[chunk] = blocks.to(cand_out.dtype)

@@ -13,7 +13,11 @@ interface; the patched model makes one where transformers would make its own): e
 request of the manager. A row's real tokens (attention_mask 1; left or right padding alike) continue
 its request at the request's own length, so positions come from the cache, not from
 `position_ids`, and padding is neither stored nor attended. One forward is one step of every row's
-real tokens, committed when the forward returns and aborted if it raises. Without a cache
+real tokens, committed when the forward returns and aborted if it raises. An empty transformers
+cache passed in (generate's first call) is replaced by a PagedCache, which the model returns in its
+output: passing the transformers cache again is refused (it holds none of the tokens). A mask is
+padding only before or after a row's tokens: a 0 between 1s (what generate infers when a prompt
+holds pad_token_id and no attention_mask is given) is refused. Without a cache
 (`use_cache=False`) each row's real tokens run stateless from position 0. The unpatched model has no
 per-row lengths: with padding its compressors pool the padding into compressed entries, so a padded
 row differs there from the same prompt alone; a patched model's padded row equals its unpadded run.
@@ -48,6 +52,8 @@ from dsv4ops.router.modules import DeepseekV4HashRouter, DeepseekV4Router
 # transformers builds masks only for the implementations it registers masks for; this name is not one.
 ATTN_IMPLEMENTATION = "dsv4ops"
 _REQUEST_IDS = itertools.count()
+# The empty transformers caches a patched model took a call's tokens from (weakly held).
+_ADOPTED: weakref.WeakSet = weakref.WeakSet()
 
 
 def default_cache_config(config) -> CacheConfig:
@@ -292,7 +298,8 @@ def _patched_forward(inner: nn.Module, patch: _Patch):
         real = _real_tokens(kwargs.get("attention_mask"), b, s)
         use_cache = kwargs.get("use_cache")
         use_cache = inner.config.use_cache if use_cache is None else use_cache
-        cache = _paged_cache(kwargs.get("past_key_values"), use_cache, patch)
+        given = kwargs.get("past_key_values")
+        cache = _paged_cache(given, use_cache, patch)
         kwargs["past_key_values"] = cache
         rows = real.flatten().nonzero().squeeze(1).to(src.device)
         if cache is None:
@@ -304,6 +311,8 @@ def _patched_forward(inner: nn.Module, patch: _Patch):
             with patch.manager.step(new_tokens) as step:
                 out = _run(patch, _Call((b, s), rows, step, []), original, kwargs)
         cache.seen += s
+        if given is not None and given is not cache:
+            _ADOPTED.add(given)  # the call's tokens are in `cache`, not in the transformers cache given
         return out
 
     return forward
@@ -328,7 +337,20 @@ def _real_tokens(mask, b: int, s: int) -> Tensor:
         got = f"shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
         raise ValueError(f"attention_mask: expected the 2-D padding mask [batch {b}, >= {s} columns] (1 = token, "
                          f"0 = padding), got {got}")
-    return mask[:, mask.shape[1] - s:].cpu() != 0
+    real = mask[:, mask.shape[1] - s:].cpu() != 0
+    # Padding sits before or after a row's tokens. A 0 between 1s is a token the unpatched model
+    # keeps at its position and only hides from attention; here it would be dropped and every later
+    # position would shift, so it is refused.
+    seen = real.int()
+    hole = ~real & (seen.cummax(1).values > 0) & (seen.flip(1).cummax(1).values.flip(1) > 0)
+    if bool(hole.any()):
+        r, c = hole.nonzero()[0].tolist()
+        raise ValueError(f"attention_mask: expected each row's tokens (1) in one run with padding (0) only before or "
+                         f"after them, got a 0 between 1s in row {r} at column {c} of the call's {s}; a masked-out "
+                         f"token inside a sequence is not padding (generate() infers such a mask when the prompt "
+                         f"holds pad_token_id and no attention_mask is given): pass the attention_mask, 1 for "
+                         f"every token of the sequence")
+    return real
 
 
 def _paged_cache(cache, use_cache: bool, patch: _Patch) -> PagedCache | None:
@@ -339,7 +361,15 @@ def _paged_cache(cache, use_cache: bool, patch: _Patch) -> PagedCache | None:
     if cache is None:
         return PagedCache(patch) if use_cache else None
     if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-        return PagedCache(patch)  # an empty transformers cache (generate makes one): nothing to carry over
+        # An empty transformers cache (generate makes one for the first call, then passes the
+        # model's output.past_key_values): nothing to carry over. A call's tokens go to a PagedCache,
+        # so the same object passed again holds none of them: refused, not served from nothing.
+        if cache in _ADOPTED:
+            raise TypeError(f"past_key_values: this {type(cache).__name__} was passed to the patched model before and "
+                            f"holds none of that call's tokens (a patched model keeps its KV in dsv4ops' PagedCache): "
+                            f"pass the PagedCache the model returned (output.past_key_values) to continue, or "
+                            f"PagedCache(model) or None to start over")
+        return PagedCache(patch)
     raise TypeError(f"past_key_values: a patched model keeps its KV in dsv4ops' PagedCache, got a "
                     f"{type(cache).__name__} holding {cache.get_seq_length()} tokens")
 

@@ -44,12 +44,17 @@ def pack_kv(x: Tensor, slots: Tensor, cache: Tensor, fmt: str) -> None:
     format `fmt`, in place.
 
     slot -1 skips the row (padding); other slots must lie in [0, blocks x block_size) and be
-    distinct (checked in eager mode). Byte formats need d = the format's row width; exact pools
-    store x cast to their dtype."""
+    distinct (checked in eager mode). Byte formats need d = the format's row width and finite rows
+    (checked in eager mode: no format has a code for inf or NaN, and a row's scales come from its
+    amax, so an inf would be stored as the largest code with its tile scaled as if it were 448 or
+    6); exact pools store x cast to their dtype, inf and NaN included."""
     if _values.has_data(x, slots, cache):
         checks.pack_kv(x, slots, cache, fmt)
         check_slots("slots", slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
         _values.distinct("slots", slots, "slots (one row per slot)")
+        if fmt != formats.EXACT:  # the rows stored (a skipped row may hold anything)
+            _values.finite("x", x.masked_fill((slots < 0)[:, None], 0),
+                           f"the rows stored in format {fmt}: its scales come from each tile's amax")
     _pack_kv(x, slots, cache, fmt)
 
 

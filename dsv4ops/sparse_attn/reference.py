@@ -14,32 +14,38 @@ from dsv4ops.qkv_prep.reference import window_slots
 from dsv4ops.quant.reference import unpack_kv, valid_slots
 from dsv4ops.reference.functional import sink_attention
 
-# Queries per gather: bounds the [chunk, window + top-k, 512] key copy of the reference.
-_CHUNK = 64
+# Elements of one chunk's gathered keys [queries, window + listed entries, d]: 2^22 fp32 = 16 MiB.
+# Only the columns some query lists (the first max(comp_lens) of comp_idx) are read, so memory and
+# time follow the entries the step's queries see, never comp_idx's width (an HCA key list is
+# max_context / 128 columns wide: 8192 at 1M positions).
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
-    d = q.shape[-1]
+    t, h, d = q.shape
     ends = positions if window_ends is None else window_ends
-    listed = torch.arange(comp_idx.shape[1], device=q.device)[None] < comp_lens.long()[:, None]
-    comp_idx = comp_idx.where(listed, -1)
+    lens = comp_lens.long().clamp(0, comp_idx.shape[1])
+    n = int(lens.max()) if t else 0
+    step = max(1, _CHUNK_ELEMENTS // ((window + n) * max(d, h)))
+    listed = torch.arange(n, device=q.device)[None] < lens[:, None]
+    back = torch.arange(window - 1, -1, -1, device=q.device)
     # A request slot past the window pool is a padding token; a listed entry past the compressed
     # pool is no entry (kernels never index out of range).
-    for s in range(0, q.shape[0], _CHUNK):
-        qs, end, req, idx = q[s:s + _CHUNK], ends[s:s + _CHUNK].long(), req_slots[s:s + _CHUNK], comp_idx[s:s + _CHUNK]
-        n = qs.shape[0]
+    for s in range(0, t, step):
+        qs, end, req = q[s:s + step], ends[s:s + step].long(), req_slots[s:s + step]
+        idx = comp_idx[s:s + step, :n].where(listed[s:s + step], -1)
+        c = qs.shape[0]
         live = (req >= 0) & valid_slots(req.long() * ring_size, window_cache, window_fmt)
-        back = torch.arange(window - 1, -1, -1, device=q.device)
         wpos = end[:, None] - back  # oldest first
         wvalid = (wpos >= 0) & live[:, None]
         wslots = window_slots(wpos.clamp(min=0), req[:, None].expand(-1, window), ring_size).where(wvalid, -1)
-        wkeys = torch.empty(n * window, d, dtype=q.dtype, device=q.device)
+        wkeys = torch.empty(c * window, d, dtype=q.dtype, device=q.device)
         unpack_kv(window_cache, wslots.reshape(-1), wkeys, window_fmt)
         cvalid = valid_slots(idx, comp_cache, comp_fmt) & live[:, None]
-        ckeys = torch.empty(n * idx.shape[1], d, dtype=q.dtype, device=q.device)
+        ckeys = torch.empty(c * n, d, dtype=q.dtype, device=q.device)
         unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys, comp_fmt)
-        keys = torch.cat([wkeys.view(n, window, d), ckeys.view(n, idx.shape[1], d)], 1)
+        keys = torch.cat([wkeys.view(c, window, d), ckeys.view(c, n, d)], 1)
         o = sink_attention(qs, keys, torch.cat([wvalid, cvalid], 1), sinks, scale)
-        out[s:s + _CHUNK] = o.where(live[:, None, None], 0).to(out.dtype)
+        out[s:s + step] = o.where(live[:, None, None], 0).to(out.dtype)

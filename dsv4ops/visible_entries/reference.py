@@ -9,12 +9,15 @@ from torch import Tensor
 
 def visible_entries(block_table: Tensor, positions: Tensor, req_slots: Tensor, out: Tensor, ratio: int,
                     block_size: int) -> None:
-    n_req, n_blocks = block_table.shape
+    n_req = block_table.shape[0]
     live = (req_slots >= 0) & (req_slots < n_req) & (positions >= 0)
-    # Padding tokens read an extra all -1 row: no entry is visible through it.
-    table = torch.cat([block_table, block_table.new_full((1, n_blocks), -1)]).long()
-    blocks = table[torch.where(live, req_slots, n_req).long()].repeat_interleave(block_size, dim=1)  # [T, W]
-    w = torch.arange(out.shape[1], device=out.device)
-    count = (positions.long() + 1) // ratio  # int64: no overflow at the largest int32 position
+    # int64: no overflow at the largest int32 position; a padding token sees nothing.
+    count = torch.where(live, (positions.long() + 1) // ratio, 0).clamp(max=out.shape[1])
+    out.fill_(-1)
+    # Only the first max(count) columns hold entries: the work follows the tokens' real context, not
+    # the table's width (max_context / ratio columns).
+    n = int(count.max()) if count.numel() else 0
+    w = torch.arange(n, device=out.device)
+    blocks = block_table[req_slots.clamp(0, max(n_req - 1, 0)).long()[:, None], (w // block_size)[None]].long()
     visible = (w < count[:, None]) & (blocks >= 0)
-    out.copy_(torch.where(visible, blocks * block_size + w % block_size, -1))
+    out[:, :n] = torch.where(visible, blocks * block_size + w % block_size, -1).to(out.dtype)
