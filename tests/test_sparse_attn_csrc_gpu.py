@@ -5,6 +5,7 @@ and the combine kernel) and a prefill chunk (one split), windows cut short below
 entries and shortened comp_lens, padding tokens, draft-block window ends, head counts that leave a
 CTA partly empty; outputs poisoned with NaN before the call."""
 
+import builders
 import pytest
 import torch
 
@@ -19,8 +20,8 @@ pytestmark = [pytest.mark.gpu,
 BS, RING, WINDOW, FMT = 64, 256, 128, "fp8_584"
 
 
-def _case(heads: int, prefill: bool, entries: int = 512, pool=testing.FP8):
-    return testing.sparse_attn_gpu_case(heads, prefill, entries, pool, padding=True, block_size=BS, ring=RING)
+def _case(heads: int, prefill: bool, entries: int = 512, pool=builders.FP8):
+    return builders.sparse_attn_gpu_case(heads, prefill, entries, pool, padding=True, block_size=BS, ring=RING)
 
 
 def _run(fn, dtype, q, wc, cc, pos, req, idx, lens, sinks, ends=None, fmt=FMT):
@@ -103,8 +104,8 @@ def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens):
 
     heads, f = 64, formats.get(FMT)
     slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
-    wc = testing.fill_pool(testing.page_pool(tokens * RING // BS, BS, 512, testing.FP8, device="cuda"), 512,
-                           testing.FP8)
+    wc = builders.fill_pool(builders.page_pool(tokens * RING // BS, BS, 512, builders.FP8, device="cuda"), 512,
+                           builders.FP8)
     rows = torch.arange(tokens, device="cuda")[:, None]
     codes = (torch.arange(448, device="cuda") + 37 * rows) % 256
     codes = torch.where(codes % 128 == 127, codes - 1, codes).to(torch.uint8)  # 0x7f / 0xff are NaN
