@@ -1,4 +1,23 @@
-"""Test helpers: transformers interop, random weights, and reference-relative tolerances."""
+"""Helpers to check dsv4ops against references and to try it without a checkpoint.
+
+Models and weights (examples and tests run on these; no download):
+- `randomize_(module, seed)`: random weights at scales that keep every branch of a layer alive.
+- `hf_config(cfg, **overrides)`: transformers' `DeepseekV4Config` with a config's attention numbers.
+- `tiny_causal_lm(cfg, seed)`: a random transformers `DeepseekV4ForCausalLM` of the tiny attention.
+- `deepseek_state_dict(module, fp8_block)`: a layer's or stack's weights under DeepSeek's checkpoint
+  names, optionally block-FP8 as DeepSeek ships them.
+- `hf_attention(hf_layer, hf_cfg, x)`: drive transformers' attention layer as its model does.
+
+Tolerances (expected values from the fp64 reference, budgets from its low-precision run):
+- `assert_close_to_ref(out, ref64, lowp)`: within rtol x the low-precision run's error.
+- `rounding_twins(fn)`: the oracle with every rounding point nudged up and down (what a one-step
+  flip at an FP8 / bf16 boundary costs), to add to an FP8 path's budget.
+- `assert_topk_within(entries, scores64, k, tol)`: a top-k checked by score, ties within `tol`.
+- `recorded_selections()`, `assert_matches_oracle(layer, x, out, selection)`: a CSA layer's indexer
+  selection, and its output against the fp64 oracle fed that selection.
+
+V4.1's tie-aware selection checks are in dsv4ops.testing_v41. Importing this module imports
+neither transformers nor triton (the transformers helpers import it when called)."""
 
 from __future__ import annotations
 
@@ -58,6 +77,64 @@ def randomize_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
                 v = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
             p.copy_(v.to(p.dtype))
     return module
+
+
+def tiny_causal_lm(cfg: DSV4AttentionConfig | None = None, seed: int = 0):
+    """A transformers `DeepseekV4ForCausalLM` with `cfg`'s attention (default
+    `DSV4AttentionConfig.tiny()`: 4 layers, hidden 256, vocab 512), random weights (`randomize_`
+    per attention layer) and hash-routed experts in every layer (a random token -> experts table,
+    so routing cannot flip between two numerically close runs), pad token 0, no EOS; eval mode."""
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = cfg or DSV4AttentionConfig.tiny()
+    hc = hf_config(cfg, moe_intermediate_size=32, pad_token_id=0, eos_token_id=None,
+                   mlp_layer_types=["hash_moe"] * cfg.num_layers)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(hc).eval()
+    g = torch.Generator().manual_seed(seed)
+    for layer in model.model.layers:
+        randomize_(layer.self_attn, seed=seed + layer.layer_idx)
+        table = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
+                             for _ in range(cfg.vocab_size)])
+        layer.mlp.gate.tid2eid.copy_(table)
+    return model
+
+
+def deepseek_state_dict(module: torch.nn.Module, fp8_block: int | None = None) -> dict:
+    """The weights of `module` (a DeepseekV4Attention or a DeepseekV41AttentionStack) under DeepSeek's
+    checkpoint names (`layers.{i}.attn.wq_a.weight`, ...), as a checkpoint shard holds them. With
+    `fp8_block`, every 2-D `.weight` is block FP8 as DeepSeek ships it (V4: 128, V4.1: 32): e4m3 bytes
+    and a UE8M0 scale per fp8_block x fp8_block tile under `<name>.scale`, the smallest power of two
+    that keeps the tile's amax within e4m3's 448."""
+    from dsv4ops import layers, layers_v41
+
+    if isinstance(module, layers.DeepseekV4Attention):
+        names = {v: k for k, v in layers.DEEPSEEK_NAMES.items()}
+        items = [(f"layers.{module.layer_idx}.{names[k]}", v) for k, v in module.state_dict().items()]
+    else:
+        names = {v: k for k, v in layers_v41.DEEPSEEK_NAMES.items()}
+        items = [(f"layers.{k.split('.')[1]}.{names[k.split('.', 2)[2]]}", v) for k, v in module.state_dict().items()]
+    sd = {}
+    for key, value in items:
+        value = value.detach().clone()
+        if fp8_block and value.dim() == 2 and key.endswith(".weight"):
+            sd[key], sd[key[:-len("weight")] + "scale"] = _block_fp8(value, fp8_block)
+        else:
+            sd[key] = value
+    return sd
+
+
+def _block_fp8(w: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    n, k = w.shape
+    tn, tk = -(-n // block), -(-k // block)
+    tiles = w.float().new_zeros(tn * block, tk * block)
+    tiles[:n, :k] = w.float()
+    tiles = tiles.view(tn, block, tk, block)
+    amax = tiles.abs().amax((1, 3))
+    # Exact powers of two from 2^-127 (UE8M0's smallest; an all-zero tile takes it) up: UE8M0 holds them.
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)).clamp(min=-127))
+    q = (tiles / scale[:, None, :, None]).view(tn * block, tk * block)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
 
 
 def hf_attention(hf_layer, hf_cfg, x: Tensor, cache=None, start: int = 0) -> Tensor:
