@@ -25,6 +25,7 @@ from dsv4ops.quant import checks as _quant_checks
 from dsv4ops.quant import reference as _quant
 from dsv4ops.router import checks as _router_checks
 from dsv4ops.router import reference as _router
+from dsv4ops.router.cuda import bind_cuda_kernel as _bind_router_kernel
 from dsv4ops.sparse_attn import checks as _sparse_attn_checks
 from dsv4ops.sparse_attn import reference as _sparse_attn
 from dsv4ops.visible_entries import checks as _visible_entries_checks
@@ -38,9 +39,7 @@ def _on_cuda_kernel(name: str, t: Tensor, args: tuple) -> bool:
     arch table names the reference for this GPU. A failed build raises: no silent fallback."""
     if t.device.type != "cuda" or "cuda" in globals()[name]._disabled_kernel:  # set_kernel_enabled("cuda", False)
         return False
-    from dsv4ops.router.api import bind_cuda_kernel
-
-    if not bind_cuda_kernel(name, torch.cuda.get_device_capability(t.device)):
+    if not _bind_router_kernel(name, torch.cuda.get_device_capability(t.device)):
         return False
     getattr(torch.ops.dsv4, name).default(*args)
     return True

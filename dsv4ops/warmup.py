@@ -108,7 +108,7 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
         ops.unpack_kv(window, none, rows, main_fmt)
         calls += 2
     if device.type == "cuda":
-        from dsv4ops.router.api import bind_cuda_kernel
+        from dsv4ops.router.cuda import bind_cuda_kernel
 
         # The router's CUDA kernels build and bind here rather than at a first call inside a capture.
         bind_cuda_kernel("gate_topk", torch.cuda.get_device_capability(device))

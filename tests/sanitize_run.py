@@ -19,7 +19,9 @@ fp8_linear with and without split-K, both scale types; the
 V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
 router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90, cuBLAS + gate_topk above)."""
 
+import builders
 import torch
+from drivers_v41 import serve_schedule
 
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
@@ -27,7 +29,6 @@ from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics
-from dsv4ops.testing_v41 import serve_schedule
 from dsv4ops.indexer.api import indexer_q_prep, indexer_topk
 from dsv4ops.fp8_linear.api import fp8_linear
 from dsv4ops.quant.api import pack_kv, unpack_kv
@@ -84,7 +85,7 @@ def layers_v41():
 
 
 def _fp8_pool(blocks: int, dim: int, fmt: str) -> torch.Tensor:
-    return testing.fill_pool(testing.page_pool(blocks, 64, dim, fmt, device=DEV), dim, fmt)
+    return builders.fill_pool(builders.page_pool(blocks, 64, dim, fmt, device=DEV), dim, fmt)
 
 
 def topk():
@@ -111,7 +112,7 @@ def topk():
         q, w = torch.randn(2, 64, 128, device=DEV), torch.randn(2, 64, device=DEV)
         pos = torch.tensor([4 * visible - 1, 0], dtype=I32, device=DEV)
         req = torch.tensor([0, -1], dtype=I32, device=DEV)
-        q8, w8 = indexer_q_prep(q, w, pos, testing.rope_table(64).to(DEV), fmt="fp8_132")
+        q8, w8 = indexer_q_prep(q, w, pos, builders.rope_table(64).to(DEV), fmt="fp8_132")
         indexer_topk(q8, w8, pos, req, cache, table, k, 4, "fp8_132")
         path = f"grid, {ctas or 'a CTA a tile'}" if sizes == default and visible > workspace.GRID_TILE else \
             f"{len(workspace.merge_levels(visible, k))} merge levels"
@@ -129,12 +130,12 @@ def topk_mx4():
     two tokens (one padding), all entries and candidate blocks."""
     visible, k = 40000, 512
     blocks = -(-visible // 128)
-    cache = testing.fill_pool(testing.page_pool(blocks, 128, 128, "mxfp4_68", device=DEV), 128, "mxfp4_68")
+    cache = builders.fill_pool(builders.page_pool(blocks, 128, 128, "mxfp4_68", device=DEV), 128, "mxfp4_68")
     table = torch.randperm(blocks, device=DEV).to(I32)[None]
     q, w = torch.randn(2, 32, 128, device=DEV), torch.randn(2, 32, device=DEV)
     pos = torch.tensor([2 * visible - 1, 0], dtype=I32, device=DEV)
     req = torch.tensor([0, -1], dtype=I32, device=DEV)
-    qx, wx = indexer_q_prep(q, w, pos, testing.rope_table(64).to(DEV), fmt="mxfp4_68")
+    qx, wx = indexer_q_prep(q, w, pos, builders.rope_table(64).to(DEV), fmt="mxfp4_68")
     indexer_topk(qx, wx, pos, req, cache, table, k, 2, "mxfp4_68")
     say(f"indexer_topk mxfp4_68, {visible} visible entries, 32 heads")
     cand = torch.arange(0, visible // 16, 2, dtype=I32, device=DEV).expand(2, -1).contiguous()
@@ -174,12 +175,12 @@ def _attention(window_fmt: str, comp_fmt: str):
 def pack_unpack():
     for fmt, dim in (("fp8_584", 512), ("fp8_132", 128), ("fp8_528", 512), ("fp4_288", 512), ("mxfp4_68", 128)):
         # mxfp4_68 pages hold 128 rows (17 x 512 B); the others 64.
-        pool = testing.page_pool(2, 128 if fmt == "mxfp4_68" else 64, dim, fmt, device=DEV)
+        pool = builders.page_pool(2, 128 if fmt == "mxfp4_68" else 64, dim, fmt, device=DEV)
         slots = torch.tensor([3, -1, 70, 127, -1, 0], dtype=I32, device=DEV)
         pack_kv(torch.randn(6, dim, device=DEV, dtype=torch.bfloat16), slots, pool, fmt)
         unpack_kv(pool, slots, dim, torch.bfloat16, fmt)
         say(f"pack_kv / unpack_kv {fmt}")
-    pool = testing.page_pool(2, 64, 512, torch.bfloat16, device=DEV)
+    pool = builders.page_pool(2, 64, 512, torch.bfloat16, device=DEV)
     slots = torch.tensor([3, -1, 70], dtype=I32, device=DEV)
     pack_kv(torch.randn(3, 512, device=DEV, dtype=torch.bfloat16), slots, pool, "exact")
     unpack_kv(pool, slots, 512, torch.bfloat16, "exact")
@@ -191,7 +192,7 @@ def projections():
     split, V4.1's 32 x 32 tiles; ragged N and K, UE8M0 and fp32 scales."""
     for m, n, k, block, scale_dtype in ((1, 1000, 4100, 128, torch.float8_e8m0fnu), (300, 520, 700, 128, torch.float32),
                                         (17, 200, 300, 32, torch.float8_e8m0fnu)):
-        weight, scale = testing.block_fp8_weight(n, k, block, scale_dtype)
+        weight, scale = builders.block_fp8_weight(n, k, block, scale_dtype)
         fp8_linear(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.to(DEV), block)
         say(f"fp8_linear {m} x {k} -> {n}, {block} x {block} tiles")
 

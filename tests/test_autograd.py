@@ -5,11 +5,11 @@ partial gradient. Issue 10."""
 
 from functools import partial
 
+import builders
 import pytest
 import torch
 
 from dsv4ops import DeepseekV4Attention, DeepseekV4HashRouter, DeepseekV4Router, DSV4AttentionConfig, testing
-from dsv4ops import testing as T
 from dsv4ops._autograd import op_names
 from dsv4ops.cache import CacheConfig, KVCacheManager
 
@@ -20,21 +20,21 @@ NO_BACKWARD = r"has no backward \(the dsv4:: ops are inference kernels\); run in
 # writer, which raises at the call.
 OPS = {
     "unpack_kv": None,  # reads a cache only: no float input that could require grad
-    "pack_kv": (partial(T.pack_kv_args, torch.float32), "x", None),
-    "qkv_prep": (partial(T.qkv_prep_args, torch.float32), "kv", None),
-    "compressor_update": (partial(T.compressor_update_args, torch.float32), "kv", None),
-    "indexer_q_prep": (partial(T.indexer_q_prep_args, torch.float32), "q", "w_out"),
+    "pack_kv": (partial(builders.pack_kv_args, torch.float32), "x", None),
+    "qkv_prep": (partial(builders.qkv_prep_args, torch.float32), "kv", None),
+    "compressor_update": (partial(builders.compressor_update_args, torch.float32), "kv", None),
+    "indexer_q_prep": (partial(builders.indexer_q_prep_args, torch.float32), "q", "w_out"),
     "indexer_topk": None,  # integer output
     "visible_entries": None,  # integer inputs and output
-    "sparse_attn": (partial(T.sparse_attn_args, torch.float32), "q", "out"),
-    "inv_rope": (partial(T.inv_rope_args, torch.float32), "o", "out"),
-    "fp8_linear": (partial(T.fp8_linear_args, torch.float32), "x", "out"),
+    "sparse_attn": (partial(builders.sparse_attn_args, torch.float32), "q", "out"),
+    "inv_rope": (partial(builders.inv_rope_args, torch.float32), "o", "out"),
+    "fp8_linear": (partial(builders.fp8_linear_args, torch.float32), "x", "out"),
 }
 
 
 def test_every_op_has_the_no_backward_kernel():
-    assert op_names() == T.dsv4_ops()
-    for name in T.dsv4_ops():
+    assert op_names() == builders.dsv4_ops()
+    for name in builders.dsv4_ops():
         for key in ("AutogradCPU", "AutogradCUDA"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dsv4::{name}", key), (name, key)
 
@@ -46,23 +46,23 @@ def test_raw_op_backward_raises(name):
     args[key] = args[key].requires_grad_()
     if out is None:  # stores the input in a cache: no gradient could come back
         with pytest.raises(RuntimeError, match=rf"dsv4::{name}: an input requires grad, but the op stores it in"):
-            T.call_op(name, args)
+            builders.call_op(name, args)
         return
-    T.call_op(name, args)  # the forward runs in grad mode
+    builders.call_op(name, args)  # the forward runs in grad mode
     assert torch.isfinite(args[out]).all()
     with pytest.raises(RuntimeError, match=rf"dsv4::{name} {NO_BACKWARD}"):
         args[out].sum().backward()
     with torch.no_grad():  # inference: no graph at all
         fresh = factory()
         fresh[key].requires_grad_()
-        T.call_op(name, fresh)
+        builders.call_op(name, fresh)
     assert fresh[out].grad_fn is None
 
 
 def test_public_function_backward_raises():
-    args = T.sparse_attn_args(torch.float32)
+    args = builders.sparse_attn_args(torch.float32)
     args["q"].requires_grad_()
-    out = T.call_public("sparse_attn", args)
+    out = builders.call_public("sparse_attn", args)
     with pytest.raises(RuntimeError, match=rf"dsv4::sparse_attn {NO_BACKWARD}"):
         (out * 2).sum().backward()
     assert args["q"].grad is None

@@ -1,6 +1,7 @@
 """Block-FP8 checkpoint weights dequantized on load, against a decode of the e4m3 and UE8M0 bits
 (tests/format_model.py); DeepSeek's V4 checkpoint names against transformers' conversion rules."""
 
+import builders
 import format_model as M
 import pytest
 import torch
@@ -170,7 +171,7 @@ def _unchanged(module, before: dict):
     after = _tensors(module)
     assert after.keys() == before.keys()
     for name, t in before.items():
-        same = t is after[name] if isinstance(t, type) else testing.bytes_equal(after[name], t)
+        same = t is after[name] if isinstance(t, type) else builders.bytes_equal(after[name], t)
         assert same, f"the failed load changed {name}"
 
 

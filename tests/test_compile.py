@@ -3,6 +3,7 @@ recompiles across decode steps, Inductor (CPU) equal to eager. Kept few: CI has 
 
 import re
 
+import drivers
 import expecttest
 import pytest
 import torch
@@ -130,7 +131,7 @@ def test_inductor_cpu_matches_eager(kind):
         fn = torch.compile(layer, fullgraph=True) if compile_it else layer
         x = torch.randn(48, CFG.hidden_size, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            runs.append(testing.serve_schedule(fn, manager, {0: x}, [{0: 16}] * 3)[0])
+            runs.append(drivers.serve_schedule(fn, manager, {0: x}, [{0: 16}] * 3)[0])
     params = {k: v.double() for k, v in layer.named_parameters()}
     ref64 = reference.attention(params, CFG, LAYER[kind], x[None].double())[0]
     testing.assert_close_to_ref(runs[1], ref64, runs[0], what="inductor")

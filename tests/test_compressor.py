@@ -5,16 +5,17 @@ entries closing within a step, splits across steps, what a call writes, bad inpu
 
 from functools import partial
 
+import builders
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import FP8
 
 from dsv4ops import reference
 from dsv4ops import testing as T
 from dsv4ops.quant.api import unpack_kv
 from dsv4ops.reference.functional import apply_rope, rope_angles
 from dsv4ops.reference.numerics import round_indexer_key, round_kv
-from dsv4ops.testing import FP8
 
 HIDDEN, EPS, I32 = 16, 1e-6, torch.int32
 CSA, HCA = (4, True), (128, False)  # (ratio, overlap)
@@ -24,7 +25,7 @@ BLOCK = 4
 def _weights(ratio: int, overlap: bool, d: int) -> dict:
     width = (2 if overlap else 1) * d
     return dict(kv=torch.randn(width, HIDDEN) / 4, gate=torch.randn(width, HIDDEN) / 4, ape=torch.randn(ratio, width),
-                norm=1 + 0.1 * torch.randn(d), inv_freq=T.rope_table(min(64, d // 2)), ratio=ratio, d=d)
+                norm=1 + 0.1 * torch.randn(d), inv_freq=builders.rope_table(min(64, d // 2)), ratio=ratio, d=d)
 
 
 def _oracle(x: torch.Tensor, w: dict, mode: str = "exact") -> torch.Tensor:
@@ -47,8 +48,8 @@ class Stream:
         self.per_request = blocks_per_request * BLOCK
         # slack: ring rows past the span (CacheConfig.state_rows sizes them for rewinds).
         self.state = torch.full((requests, width // w["d"] * w["ratio"] + slack, 2 * width), float("nan"))
-        self.cache = T.page_pool(requests * blocks_per_request, BLOCK, w["d"], fmt)
-        self.fmt = T.format_name(fmt, w["d"])
+        self.cache = builders.page_pool(requests * blocks_per_request, BLOCK, w["d"], fmt)
+        self.fmt = builders.format_name(fmt, w["d"])
         self.spare = requests * self.per_request - 1  # never a real entry in these tests
 
     def step(self, new: dict, entry_slots=None):
@@ -59,16 +60,16 @@ class Stream:
             rows_a.append(self.a[r][s:s + n])
             rows_z.append(self.z[r][s:s + n])
             self.done[r] = s + n
-        positions, req_slots = T.step_tokens(*runs, pad=1)
+        positions, req_slots = builders.step_tokens(*runs, pad=1)
         positions[-1] = self.w["ratio"] - 1
         width = self.w["kv"].shape[0]
         kv = torch.cat(rows_a + [torch.randn(1, width)])
         score = torch.cat(rows_z + [torch.randn(1, width)])
         if entry_slots is None:
-            entry_slots = T.entry_slots_of(positions, req_slots, self.w["ratio"], self.per_request)
+            entry_slots = builders.entry_slots_of(positions, req_slots, self.w["ratio"], self.per_request)
         entry_slots[-1] = self.spare
         self.positions, self.req_slots, self.kv, self.score = positions, req_slots, kv, score
-        T.call_public("compressor_update", dict(
+        builders.call_public("compressor_update", dict(
             kv=kv, score=score, ape=self.w["ape"], positions=positions, req_slots=req_slots, entry_slots=entry_slots,
             norm_weight=self.w["norm"], inv_freq=self.w["inv_freq"], state=self.state, cache=self.cache,
             latent_out=None, eps=self.eps, fmt=self.fmt))
@@ -139,7 +140,7 @@ def _independent(x: torch.Tensor, w: dict, dtype: torch.dtype) -> torch.Tensor:
         p = torch.exp(slots_z - slots_z.max(0).values)
         c = (p / p.sum(0) * slots_a).sum(0)
         c = c / torch.sqrt(c.square().mean() + EPS) * w["norm"].to(dtype)
-        entries.append(T.complex_rope(c[None], torch.tensor([e * m]), w["inv_freq"])[0])
+        entries.append(builders.complex_rope(c[None], torch.tensor([e * m]), w["inv_freq"])[0])
     return torch.stack(entries)
 
 
@@ -248,7 +249,7 @@ def test_closing_token_with_entry_slot_minus_one_stores_nothing():
     w = _weights(*CSA, d=8)
     stream = Stream(w, _xs({0: 8}))
     positions = torch.arange(8, dtype=I32)
-    slots = T.entry_slots_of(positions, torch.zeros(8, dtype=I32), 4, stream.per_request)
+    slots = builders.entry_slots_of(positions, torch.zeros(8, dtype=I32), 4, stream.per_request)
     slots = torch.cat([slots, slots[:1]])
     slots[3] = -1  # entry 0 is not stored; entry 1 is
     stream.step({0: 8}, entry_slots=slots)
@@ -257,8 +258,8 @@ def test_closing_token_with_entry_slot_minus_one_stores_nothing():
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-ARGS = partial(T.compressor_update_args, torch.float32)
-wa = T.with_arg
+ARGS = partial(builders.compressor_update_args, torch.float32)
+wa = builders.with_arg
 
 
 def _entry_twice(a):
@@ -339,7 +340,7 @@ BAD = [
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
-    T.assert_bad_case("compressor_update", ARGS(), mutate, match, via)
+    builders.assert_bad_case("compressor_update", ARGS(), mutate, match, via)
 
 
 # ---- V4.1 (spec V4.1 2.3): ratio 2 = a 2-slot pool without overlap or position bias, ratio 1 = a
@@ -410,7 +411,7 @@ def test_v41_ratio2_keeps_a_pending_row_and_a_decode_step_at_an_even_position_em
     stream.step({0: 1})  # position 3 closes entry 1 with the pending row of 2
     before = stream.cache.clone()
     stream.step({0: 1})  # position 4 (even): no entry
-    assert T.bytes_equal(stream.cache, before)
+    assert builders.bytes_equal(stream.cache, before)
     stream.step({0: 1})
     _, want64 = _v41_formula(xs[0], w, torch.float64)
     _, want32 = _v41_formula(xs[0], w, torch.float32)
@@ -450,10 +451,10 @@ def test_v41_quantized_pool_holds_the_codec_of_the_bf16_entry(ratio):
 
 @pytest.mark.parametrize("ratio", [2, 1])
 def test_latent_out_is_the_entry_before_rope_in_every_closing_row_and_zero_elsewhere(ratio):
-    args = T.compressor_update_args(torch.float32, ratio=ratio, overlap=False, latent=True)
+    args = builders.compressor_update_args(torch.float32, ratio=ratio, overlap=False, latent=True)
     args["ape"].zero_()
     args["latent_out"].fill_(float("nan"))  # poison: every row must be written
-    T.call_op("compressor_update", args)
+    builders.call_op("compressor_update", args)
     pos, req = args["positions"].long(), args["req_slots"].long()
     closes = (req >= 0) & ((pos + 1) % ratio == 0)
     lat = args["latent_out"]
@@ -464,7 +465,7 @@ def test_latent_out_is_the_entry_before_rope_in_every_closing_row_and_zero_elsew
 
 
 def test_latent_out_public_function_returns_it_in_the_entry_dtype():
-    args = T.compressor_update_args(torch.float32, "fp4_288", ratio=2, overlap=False, runs=((0, 0, 4),), pad=0)
-    lat = T.call_public("compressor_update", dict(args, latent_out=torch.empty(0)))
+    args = builders.compressor_update_args(torch.float32, "fp4_288", ratio=2, overlap=False, runs=((0, 0, 4),), pad=0)
+    lat = builders.call_public("compressor_update", dict(args, latent_out=torch.empty(0)))
     assert lat.dtype == torch.bfloat16 and lat.shape == (4, 512)
-    assert T.call_public("compressor_update", T.compressor_update_args(torch.float32)) is None
+    assert builders.call_public("compressor_update", builders.compressor_update_args(torch.float32)) is None

@@ -56,3 +56,31 @@ def test_demo_rejects_bad_arguments(capsys):
         assert re.search(rf"python -m dsv4ops: error: argument --device: {match}", capsys.readouterr().err)
     with pytest.raises(SystemExit, match=r"--layers: the tiny preset has 4 layers, got 9"):
         demo.main(["--layers", "9"])
+
+
+def test_demo_runs_on_one_cpu_thread_and_restores_the_callers(monkeypatch):
+    """On a CPU the demo's ops run on one thread unless --threads says otherwise (threads that
+    spin-wait for each other on a loaded machine made decode steps ~30x slower), and the caller's
+    thread count comes back afterwards, also when the run raises."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the caller's count (distinct from the demo's default)
+    try:
+        monkeypatch.setattr(demo, "run", lambda args: torch.get_num_threads())
+        assert demo.main(["--device", "cpu"]) == 1
+        assert torch.get_num_threads() == 2
+        assert demo.main(["--device", "cpu", "--threads", "3"]) == 3
+        assert torch.get_num_threads() == 2
+
+        def fails(args):
+            raise RuntimeError("the run failed")
+
+        monkeypatch.setattr(demo, "run", fails)
+        with pytest.raises(RuntimeError, match="the run failed"):
+            demo.main(["--device", "cpu"])
+        assert torch.get_num_threads() == 2
+        with pytest.raises(SystemExit):
+            demo.main(["--threads", "0"])
+    finally:
+        torch.set_num_threads(before)

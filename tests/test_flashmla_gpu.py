@@ -4,6 +4,7 @@ FlashMLA is an independent check of the cache layout and of the kernel. Decode a
 shapes, -1 entries and shortened comp_lens, windows cut short at positions < 127, padding tokens
 (ours only: FlashMLA has none), 64 and 128 heads."""
 
+import builders
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ BS, RING, WINDOW, FMT = 64, 256, 128, "fp8_584"
 
 
 def _case(heads: int, prefill: bool):
-    return testing.sparse_attn_gpu_case(heads, prefill, block_size=BS, ring=RING)
+    return builders.sparse_attn_gpu_case(heads, prefill, block_size=BS, ring=RING)
 
 
 def _ours(q, wc, cc, pos, req, idx, lens, sinks):

@@ -5,6 +5,8 @@ a V4 layer loaded with keep_fp8=True against the same layer dequantized on load.
 
 from functools import partial
 
+import builders
+import drivers
 import format_model as M
 import pytest
 import torch
@@ -51,7 +53,7 @@ def check_against_dequant64(out, x, weight, scale, block, what):
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
 def test_matches_a_tile_by_tile_decode(dtype, block, scale_dtype):
     n, k = SHAPES[block]
-    weight, scale = T.block_fp8_weight(n, k, block, scale_dtype, seed=block)
+    weight, scale = builders.block_fp8_weight(n, k, block, scale_dtype, seed=block)
     for m in (1, 3, 17, 130):
         x = torch.randn(m, k).to(dtype)
         out = fp8_linear(x, weight, scale, block)
@@ -60,7 +62,7 @@ def test_matches_a_tile_by_tile_decode(dtype, block, scale_dtype):
 
 
 def test_leading_dims_and_empty_batches():
-    weight, scale = T.block_fp8_weight(70, 100, 32)
+    weight, scale = builders.block_fp8_weight(70, 100, 32)
     x = torch.randn(2, 3, 100)
     out = fp8_linear(x, weight, scale, 32)
     assert out.shape == (2, 3, 70)
@@ -69,18 +71,18 @@ def test_leading_dims_and_empty_batches():
 
 
 def test_writes_every_output_element_and_nothing_else():
-    args = T.fp8_linear_args(BF16, noncontig=True)  # x rows with a stride gap
+    args = builders.fp8_linear_args(BF16, noncontig=True)  # x rows with a stride gap
     wide = torch.full((3, 76), float("nan"), dtype=BF16)
     args["out"] = wide[:, :70]  # out rows with a stride gap: the gap must stay poisoned
-    T.call_op("fp8_linear", args)
+    builders.call_op("fp8_linear", args)
     assert not args["out"].isnan().any()
     assert wide[:, 70:].isnan().all()
     check_against_dequant64(args["out"], args["x"], args["weight"], args["scale"], 32, "strided out")
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-ARGS = partial(T.fp8_linear_args, FP32)
-wa = T.with_arg
+ARGS = partial(builders.fp8_linear_args, FP32)
+wa = builders.with_arg
 BAD = [
     ("block", wa("block", lambda a: 64), r"block: expected a tile size in \[32, 128\], got 64"),
     ("x-ndim", wa("x", lambda a: a["x"][0]), r"x: expected 2-D \[tokens, in_features\]", ("op",)),
@@ -113,12 +115,12 @@ BAD = [
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
-    T.assert_bad_case("fp8_linear", ARGS(), mutate, match, via)
+    builders.assert_bad_case("fp8_linear", ARGS(), mutate, match, via)
 
 
 # ---- BlockFP8Linear ----------------------------------------------------------------------------
 def _module(scale_dtype=E8M0) -> BlockFP8Linear:
-    weight, scale = T.block_fp8_weight(70, 100, 32, scale_dtype)
+    weight, scale = builders.block_fp8_weight(70, 100, 32, scale_dtype)
     module = BlockFP8Linear(100, 70, 32, scale_dtype)
     module.load_state_dict({"weight": weight, "weight_scale_inv": scale})
     return module
@@ -130,7 +132,7 @@ def test_module_keeps_the_checkpoint_bytes_through_dtype_casts(scale_dtype):
     weight, scale = module.weight.clone(), module.weight_scale_inv.clone()
     for cast in (lambda m: m.to(BF16), lambda m: m.half(), lambda m: m.float(), lambda m: m.to("cpu", BF16)):
         cast(module)
-        assert T.bytes_equal(module.weight, weight) and T.bytes_equal(module.weight_scale_inv, scale)
+        assert builders.bytes_equal(module.weight, weight) and builders.bytes_equal(module.weight_scale_inv, scale)
     x = torch.randn(4, 100).to(BF16)
     check_against_dequant64(module(x), x, weight, scale, 32, "module")
 
@@ -140,7 +142,7 @@ def test_module_rejects_a_float_weight_instead_of_casting_it():
     before = module.weight.clone()
     with pytest.raises(RuntimeError, match=r"weight: expected dtype torch.float8_e4m3fn \(a block-FP8 projection"):
         module.load_state_dict({"weight": torch.randn(70, 100), "weight_scale_inv": module.weight_scale_inv})
-    assert T.bytes_equal(module.weight, before)
+    assert builders.bytes_equal(module.weight, before)
     with pytest.raises(ValueError, match=r"block: expected a tile size in \[32, 128\], got 64"):
         BlockFP8Linear(100, 70, 64)
 
@@ -165,7 +167,7 @@ def _fp8_checkpoint(layer, scale_dtype) -> dict:
     for i, (name, p) in enumerate(layer.named_parameters()):
         key = f"layers.{layer.layer_idx}.{inverse[name]}"
         if p.dim() == 2 and name.endswith("proj.weight"):
-            w, s = T.block_fp8_weight(*p.shape, 128, scale_dtype, seed=i)
+            w, s = builders.block_fp8_weight(*p.shape, 128, scale_dtype, seed=i)
             # ~1/sqrt(fan_in) weights, as randomize_ makes them: the scale carries it
             sd[key], sd[key[: -len("weight")] + "scale"] = w, (s.float() * p.shape[1] ** -0.5).to(s.dtype)
         else:
@@ -215,7 +217,7 @@ def test_layer_with_fp8_projections_serves_like_the_dequantized_layer():
         manager = KVCacheManager(CFG, cache)
         layer.attach_cache(manager)
         with torch.no_grad():
-            outs[name] = T.serve_schedule(layer, manager, {r: v.to(dtype) for r, v in inputs.items()}, schedule)
+            outs[name] = drivers.serve_schedule(layer, manager, {r: v.to(dtype) for r, v in inputs.items()}, schedule)
     for r in inputs:
         T.assert_close_to_ref(outs["fp8"][r], outs["ref"][r], outs["deq"][r], what=f"request {r}")
 
@@ -225,7 +227,7 @@ def test_keep_fp8_rejects_a_tile_size_without_a_kernel_and_keeps_the_layer():
     inverse = {v: k for k, v in DEEPSEEK_NAMES.items()}
     sd = {f"layers.0.{inverse[n]}": p.detach().clone() for n, p in src.named_parameters()}
     key = "layers.0.attn.wq_a.weight"
-    sd[key], sd["layers.0.attn.wq_a.scale"] = T.block_fp8_weight(*src.q_a_proj.weight.shape, 64)
+    sd[key], sd["layers.0.attn.wq_a.scale"] = builders.block_fp8_weight(*src.q_a_proj.weight.shape, 64)
     layer = DeepseekV4Attention(CFG, 0)
     with pytest.raises(ValueError, match=r"block: expected a tile size in \[32, 128\], got 64"):
         layer.load_deepseek_state_dict(sd, block=64, keep_fp8=True)

@@ -9,6 +9,7 @@ ref64 the reference kernel in float64 and ref_bf16 the reference kernel on the b
 Run: python -m pytest -m gpu tests/test_fp8_linear_gpu.py
 """
 
+import builders
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ FLASH = {"q_a": (F.q_lora_rank, F.hidden_size), "q_b": (F.num_heads * F.head_dim
 
 
 def _weights(n, k, block, scale_dtype, seed=0):
-    weight, scale = T.block_fp8_weight(n, k, block, scale_dtype, seed=seed)
+    weight, scale = builders.block_fp8_weight(n, k, block, scale_dtype, seed=seed)
     if scale_dtype == torch.float8_e8m0fnu:
         scale = scale.view(torch.uint8)
     # ~1/sqrt(K) weights: the scale carries it (as a checkpoint's does)
@@ -81,7 +82,7 @@ def test_captures_in_a_cuda_graph():
 
 def test_module_under_torch_compile():
     n, k = FLASH["q_a"]
-    weight, scale = T.block_fp8_weight(n, k, 128)
+    weight, scale = builders.block_fp8_weight(n, k, 128)
     module = BlockFP8Linear(k, n, 128).cuda()
     module.load_state_dict({"weight": weight, "weight_scale_inv": scale})
     x = torch.randn(4, k, device="cuda", dtype=BF16)

@@ -6,8 +6,9 @@ ValueError that leaves the caches as they were.
 
 RoPE expected values take the angle as transformers does, fp32(position) x inv_freq in fp32 (at
 2^20 that product carries ~0.03 rad of fp32 rounding, the same in every implementation), and rotate
-in fp64; the budget is testing.complex_rope run in the op's dtype."""
+in fp64; the budget is builders.complex_rope run in the op's dtype."""
 
+import builders
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -56,12 +57,12 @@ def _runs(draw, requests: int, ring: int, window: int):
 def test_inv_rope(t, h, dtype, data):
     pos = torch.tensor(data.draw(st.lists(POSITION, min_size=t, max_size=t)), dtype=I32)
     o = torch.randn(t, h, 24, dtype=dtype)
-    inv_freq = T.rope_table(8)
+    inv_freq = builders.rope_table(8)
     out = inv_rope(o, pos, inv_freq)
     assert out.shape == o.shape and out.dtype == dtype
     if t:
         T.assert_close_to_ref(out, rope64(o, pos, inv_freq, inverse=True),
-                              T.complex_rope(o, pos, inv_freq, inverse=True), what="inv_rope")
+                              builders.complex_rope(o, pos, inv_freq, inverse=True), what="inv_rope")
     if t and data.draw(st.booleans()):
         pos[data.draw(st.integers(0, t - 1))] = -1
         with pytest.raises(ValueError, match=r"positions: expected >= 0 \(token positions\), got -1"):
@@ -73,11 +74,11 @@ def test_inv_rope(t, h, dtype, data):
 def test_qkv_prep(h, dtype, data):
     ring, dim, requests = 8, 16, 2
     runs, pad = _runs(data.draw, requests, ring, 1)
-    pos, req = T.step_tokens(*runs, pad=pad)
+    pos, req = builders.step_tokens(*runs, pad=pad)
     t = pos.shape[0]
     q, kv = torch.randn(t, h, dim, dtype=dtype), torch.randn(t, dim, dtype=dtype)
-    inv_freq = T.rope_table(8)
-    pool = T.page_pool(requests * ring // 4, 4, dim, torch.float32)  # NaN: never written
+    inv_freq = builders.rope_table(8)
+    pool = builders.page_pool(requests * ring // 4, 4, dim, torch.float32)  # NaN: never written
     bad = t and data.draw(st.booleans())
     if bad:  # a request slot past the pool's requests: rejected, nothing written
         req[data.draw(st.integers(0, t - 1))] = requests
@@ -91,7 +92,7 @@ def test_qkv_prep(h, dtype, data):
         return
     normed = q.double() * torch.rsqrt(q.double().square().mean(-1, keepdim=True) + 1e-6)
     lowp = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + 1e-6).to(dtype)
-    T.assert_close_to_ref(q_out, rope64(normed, pos, inv_freq), T.complex_rope(lowp, pos, inv_freq), what="q_out")
+    T.assert_close_to_ref(q_out, rope64(normed, pos, inv_freq), builders.complex_rope(lowp, pos, inv_freq), what="q_out")
     live = req >= 0
     slots = (req.long() * ring + pos.long() % ring)[live]
     rows = unpack_kv(pool, torch.arange(requests * ring, dtype=I32), dim, torch.float32, "exact")
@@ -99,7 +100,7 @@ def test_qkv_prep(h, dtype, data):
     assert sorted(written.nonzero().flatten().tolist()) == sorted(slots.tolist())  # live tokens' slots only
     if live.any():
         T.assert_close_to_ref(rows[slots], rope64(kv[live], pos[live], inv_freq),
-                              T.complex_rope(kv[live], pos[live], inv_freq), what="window rows")
+                              builders.complex_rope(kv[live], pos[live], inv_freq), what="window rows")
 
 
 @FUZZ
@@ -127,11 +128,11 @@ def test_visible_entries(ratio, block_size, t, data):
 def test_indexer_q_prep(t, h, dtype, data):
     pos = torch.tensor(data.draw(st.lists(POSITION, min_size=t, max_size=t)), dtype=I32)
     q, w = torch.randn(t, h, 16, dtype=dtype), torch.randn(t, h, dtype=dtype)
-    inv_freq = T.rope_table(8)
+    inv_freq = builders.rope_table(8)
     q_out, w_out = indexer_q_prep(q, w, pos, inv_freq)
     assert q_out.shape == (t, h, 16) and w_out.shape == (t, h)
     if t:
-        T.assert_close_to_ref(q_out, rope64(q, pos, inv_freq), T.complex_rope(q, pos, inv_freq), what="q_out")
+        T.assert_close_to_ref(q_out, rope64(q, pos, inv_freq), builders.complex_rope(q, pos, inv_freq), what="q_out")
         torch.testing.assert_close(w_out, w.float() * 16**-0.5 * h**-0.5, rtol=2**-20, atol=0)
 
 
@@ -145,14 +146,14 @@ def test_pack_then_unpack(fmt, n, data):
     slots = [s if s < 0 or s not in slots_all[:i] else -1 for i, s in enumerate(slots_all)]  # distinct
     slots = torch.tensor(slots, dtype=I32)
     x = torch.randn(n, dim) * data.draw(st.sampled_from([1.0, 1e-3, 300.0]))
-    pool = T.page_pool(2, 4, dim, torch.float32 if fmt == "exact" else fmt)
+    pool = builders.page_pool(2, 4, dim, torch.float32 if fmt == "exact" else fmt)
     before = pool.clone()
     if n and data.draw(st.booleans()):
         bad = slots.clone()
         bad[0] = 8
         with pytest.raises(ValueError, match=r"slots: expected values in \[-1, 8\)"):
             pack_kv(x, bad, pool, fmt)
-        assert T.bytes_equal(pool, before)
+        assert builders.bytes_equal(pool, before)
     pack_kv(x, slots, pool, fmt)
     back = unpack_kv(pool, slots, dim, torch.float32, fmt)
     live = slots >= 0
@@ -171,10 +172,10 @@ def test_sparse_attn(h, window, data):
     attention over exactly those keys; padding rows are zero."""
     ring, dim, requests, n_comp = 8, 16, 2, 8
     runs, pad = _runs(data.draw, requests, ring, window)
-    pos, req = T.step_tokens(*runs, pad=pad)
+    pos, req = builders.step_tokens(*runs, pad=pad)
     t = pos.shape[0]
-    window_cache = T.fill_pool(T.page_pool(requests * ring // 4, 4, dim, torch.float32), dim, torch.float32)
-    comp_cache = T.fill_pool(T.page_pool(n_comp // 4, 4, dim, torch.float32), dim, torch.float32)
+    window_cache = builders.fill_pool(builders.page_pool(requests * ring // 4, 4, dim, torch.float32), dim, torch.float32)
+    comp_cache = builders.fill_pool(builders.page_pool(n_comp // 4, 4, dim, torch.float32), dim, torch.float32)
     width = data.draw(st.integers(0, 4))
     comp_idx = torch.tensor(data.draw(st.lists(st.lists(st.integers(-1, n_comp - 1), min_size=width, max_size=width),
                                                min_size=t, max_size=t)), dtype=I32).view(t, width)
@@ -221,10 +222,10 @@ def test_indexer_topk(k, data):
     runs, pad = [], data.draw(st.integers(0, 2))
     for r in range(data.draw(st.integers(0, requests))):
         runs.append((r, data.draw(st.integers(0, ratio * bs * blocks - 3)), data.draw(st.integers(1, 3))))
-    pos, req = T.step_tokens(*runs, pad=pad)
+    pos, req = builders.step_tokens(*runs, pad=pad)
     t = pos.shape[0]
     table = torch.randperm(requests * blocks).to(I32).view(requests, blocks)  # any physical block order
-    pool = T.fill_pool(T.page_pool(requests * blocks, bs, dim, torch.float32), dim, torch.float32)
+    pool = builders.fill_pool(builders.page_pool(requests * blocks, bs, dim, torch.float32), dim, torch.float32)
     keys = unpack_kv(pool, torch.arange(requests * blocks * bs, dtype=I32), dim, torch.float32, "exact")
     q, w = torch.randn(t, heads, dim), torch.rand(t, heads) + 0.1
     idx = indexer_topk(q, w, pos, req, pool, table, k, ratio, "exact")
@@ -287,15 +288,15 @@ def test_every_public_function_takes_an_empty_step():
     """T = 0 tokens: each public function returns its empty outputs and writes nothing."""
     for name in ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "visible_entries", "sparse_attn",
                  "inv_rope", "pack_kv", "unpack_kv"):
-        args = getattr(T, f"{name}_args")()
+        args = getattr(builders, f"{name}_args")()
         for key, value in args.items():  # every per-token tensor cut to 0 rows
             if isinstance(value, torch.Tensor) and key not in ("cache", "window_cache", "comp_cache", "state",
                                                                  "ape", "norm_weight", "inv_freq", "sinks",
                                                                  "block_table", "workspace"):
                 args[key] = value[:0]
         pools = {k: v.clone() for k, v in args.items() if k in ("cache", "window_cache", "comp_cache", "state")}
-        out = T.call_public(name, args)
+        out = builders.call_public(name, args)
         for k, v in pools.items():
-            assert T.bytes_equal(args[k], v), (name, k)
+            assert builders.bytes_equal(args[k], v), (name, k)
         outs = out if isinstance(out, tuple) else (out,)
         assert all(o is None or o.shape[0] == 0 for o in outs), name

@@ -6,15 +6,16 @@ bad inputs. Issues 3, 16."""
 
 from functools import partial
 
+import builders
 import pytest
 import torch
+from builders import FP8
 
 import format_model as M
 from dsv4ops import testing as T
 from dsv4ops.quant.reference import pack_kv
 from dsv4ops.reference.functional import apply_rope, rope_angles
 from dsv4ops.reference.numerics import quantize_indexer_query, round_indexer_key
-from dsv4ops.testing import FP8
 
 BF16, FP32, E4M3, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32
 
@@ -23,15 +24,15 @@ BF16, FP32, E4M3, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torc
 @pytest.mark.parametrize("dtype,fp8", [(FP32, False), (BF16, False), (BF16, True), (FP32, True)],
                          ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8"])
 def test_q_prep_ropes_the_query_and_folds_the_weights(dtype, fp8):
-    args = T.indexer_q_prep_args(dtype, "fp8_132" if fp8 else "exact", heads=3, tokens=4, noncontig=True)
+    args = builders.indexer_q_prep_args(dtype, "fp8_132" if fp8 else "exact", heads=3, tokens=4, noncontig=True)
     args["q_out"].view(torch.uint8).fill_(0xFF)  # poison: NaN in every float dtype
     args["w_out"].fill_(float("nan"))
-    T.call_op("indexer_q_prep", args)
+    builders.call_op("indexer_q_prep", args)
     q, pos, inv_freq = args["q"], args["positions"], args["inv_freq"]
     # The same expression as the op (one fp32 product per element): bit for bit.
     w = args["weights"].float() * (q.shape[2]**-0.5 * 3**-0.5)  # d^-1/2 x H^-1/2
-    rot64 = T.complex_rope(q.double(), pos, inv_freq)  # expected values: RoPE written independently
-    rot_lowp = T.complex_rope(q, pos, inv_freq)
+    rot64 = builders.complex_rope(q.double(), pos, inv_freq)  # expected values: RoPE written independently
+    rot_lowp = builders.complex_rope(q, pos, inv_freq)
     if not fp8:
         T.assert_close_to_ref(args["q_out"], rot64, rot_lowp, what="q_out")
         assert torch.equal(args["w_out"], w)
@@ -49,10 +50,10 @@ def test_q_prep_ropes_the_query_and_folds_the_weights(dtype, fp8):
 def test_q_prep_mx4_writes_the_packed_68_byte_row_of_each_head(dtype):
     # V4.1's FP4 query (spec 2.5.1): MX4 of the RoPE'd head row, 64 B of nibbles then 4 UE8M0 bytes;
     # the weights are not touched by the quantizer (one scale per 32 elements cannot fold).
-    args = T.indexer_q_prep_args(dtype, "mxfp4_68", heads=3, tokens=4, noncontig=True)
+    args = builders.indexer_q_prep_args(dtype, "mxfp4_68", heads=3, tokens=4, noncontig=True)
     args["q_out"].fill_(0xAA)
     args["w_out"].fill_(float("nan"))
-    T.call_op("indexer_q_prep", args)
+    builders.call_op("indexer_q_prep", args)
     cos, sin = rope_angles(args["positions"], args["inv_freq"], dtype)
     rotated = apply_rope(args["q"], cos[:, None], sin[:, None])
     for t in range(4):
@@ -63,11 +64,11 @@ def test_q_prep_mx4_writes_the_packed_68_byte_row_of_each_head(dtype):
 
 
 def test_q_prep_public_function_allocates_contiguous_outputs():
-    args = T.indexer_q_prep_args(BF16, "fp8_132", noncontig=True)
-    q_out, w_out = T.call_public("indexer_q_prep", args)
-    T.call_op("indexer_q_prep", args)
+    args = builders.indexer_q_prep_args(BF16, "fp8_132", noncontig=True)
+    q_out, w_out = builders.call_public("indexer_q_prep", args)
+    builders.call_op("indexer_q_prep", args)
     assert q_out.is_contiguous() and q_out.dtype == E4M3 and w_out.dtype == FP32
-    assert T.bytes_equal(q_out, args["q_out"]) and torch.equal(w_out, args["w_out"])
+    assert builders.bytes_equal(q_out, args["q_out"]) and torch.equal(w_out, args["w_out"])
 
 
 # ---- indexer_topk ------------------------------------------------------------------------------
@@ -81,14 +82,14 @@ ENTRIES = {0: 5, 1: 1}  # entries each request has stored
 def _topk_case(fmt, k: int, zero_weights: bool = False):
     """Arguments with keys stored at the requests' entry slots only (every other slot poison) and
     the fp64 scores of every (token, entry) from those keys."""
-    positions, req_slots = T.step_tokens(*RUNS, pad=1)
+    positions, req_slots = builders.step_tokens(*RUNS, pad=1)
     t = positions.shape[0]
     dim = 128 if fmt == FP8 else D
-    pool = T.page_pool(6, BS, dim, fmt)
+    pool = builders.page_pool(6, BS, dim, fmt)
     keys = {r: torch.randn(n, dim) for r, n in ENTRIES.items()}
     for r, kr in keys.items():
         w = torch.arange(kr.shape[0])
-        pack_kv(kr, (TABLE[r, w // BS].long() * BS + w % BS).to(I32), pool, T.format_name(fmt, dim))
+        pack_kv(kr, (TABLE[r, w // BS].long() * BS + w % BS).to(I32), pool, builders.format_name(fmt, dim))
     q = torch.randn(t, H, dim)
     if fmt == FP8:
         q = q.to(E4M3)
@@ -96,8 +97,8 @@ def _topk_case(fmt, k: int, zero_weights: bool = False):
     weights = torch.zeros(t, H) if zero_weights else torch.rand(t, H) + 0.5
     args = dict(q=q, weights=weights, positions=positions, req_slots=req_slots, cache=pool,
                 block_table=TABLE.clone(), cand=None, idx_out=torch.full((t, k), 7777, dtype=I32), cand_out=None,
-                workspace=T.topk_workspace(t, TABLE.shape[1] * BS, k), ratio=RATIO, cand_block=0,
-                fmt=T.format_name(fmt, dim))
+                workspace=builders.topk_workspace(t, TABLE.shape[1] * BS, k), ratio=RATIO, cand_block=0,
+                fmt=builders.format_name(fmt, dim))
     return args, keys
 
 
@@ -133,7 +134,7 @@ def test_topk_selects_the_best_visible_entries(fmt, k):
     if fmt == BF16:
         keys = {r: kr.bfloat16().float() for r, kr in keys.items()}
         args["q"] = args["q"].bfloat16()
-    T.call_op("indexer_topk", args)
+    builders.call_op("indexer_topk", args)
     # Every row written (7777 gone); padding rows and entries past the visible ones are -1; keys in
     # unallocated or foreign slots are NaN poison, so reading one would scramble the order. The
     # kernel scores in fp32: against fp64 scores, entries within twice the fp32 run's error of the
@@ -146,13 +147,13 @@ def test_topk_selects_the_best_visible_entries(fmt, k):
     T.assert_topk_within(entries, s64, k, tol, what="op")
     chosen = entries.masked_fill(entries < 0, 1 << 40)  # the -1 fill sorts last
     assert torch.equal(chosen, chosen.sort(-1).values), "selection not in ascending entry order"
-    idx = T.call_public("indexer_topk", args)
+    idx = builders.call_public("indexer_topk", args)
     assert torch.equal(idx, args["idx_out"]) and idx.dtype == I32  # the same kernel on the same inputs
 
 
 def test_topk_ties_pick_the_lower_entry():
     args, keys = _topk_case(FP32, 3, zero_weights=True)  # every score 0
-    T.call_op("indexer_topk", args)
+    builders.call_op("indexer_topk", args)
     # Token 4 of request 0 (position 9) sees entries 0..4 in blocks 5, 2: the first three are slots
     # 20, 21, 22; request 1 at position 2 sees entry 0 (slot 0).
     assert args["idx_out"][4].tolist() == [20, 21, 22]
@@ -161,11 +162,11 @@ def test_topk_ties_pick_the_lower_entry():
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-Q_PREP = partial(T.indexer_q_prep_args, FP32)
-TOPK = partial(T.indexer_topk_args, FP32)
-TOPK_FP8 = partial(T.indexer_topk_args, E4M3, FP8)
-K_PREP = partial(T.indexer_k_prep_args, FP32)
-wa = T.with_arg
+Q_PREP = partial(builders.indexer_q_prep_args, FP32)
+TOPK = partial(builders.indexer_topk_args, FP32)
+TOPK_FP8 = partial(builders.indexer_topk_args, E4M3, FP8)
+K_PREP = partial(builders.indexer_k_prep_args, FP32)
+wa = builders.with_arg
 BAD = [
     # (id, op, factory, mutation, message[, paths])
     ("q-ndim", "indexer_q_prep", Q_PREP, wa("q", lambda a: a["q"][0]), r"q: expected 3-D \[tokens, index_heads"),
@@ -245,14 +246,14 @@ BAD = [
      r"\(position 5 sees 3 entries\)", ("public",)),
     ("q_prep-fmt-unknown", "indexer_q_prep", Q_PREP, wa("fmt", lambda a: "fp4_288"),
      r"fmt: expected one of \['exact', 'fp8_132', 'mxfp4_68'\], got 'fp4_288'"),
-    ("q_prep-mx4-width", "indexer_q_prep", partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
+    ("q_prep-mx4-width", "indexer_q_prep", partial(builders.indexer_q_prep_args, FP32, "mxfp4_68"),
      wa("q", lambda a: a["q"][..., :64].contiguous()), r"q: format mxfp4_68 quantizes 128-d rows, got 64-d rows"),
-    ("q_prep-mx4-row", "indexer_q_prep", partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
+    ("q_prep-mx4-row", "indexer_q_prep", partial(builders.indexer_q_prep_args, FP32, "mxfp4_68"),
      wa("q_out", lambda a: a["q_out"][..., :64].contiguous()),
      r"q_out: expected size 68 \(mxfp4_68 query row\) at dim 2, got 64", ("op",)),
-    ("q_prep-mx4-dtype", "indexer_q_prep", partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
+    ("q_prep-mx4-dtype", "indexer_q_prep", partial(builders.indexer_q_prep_args, FP32, "mxfp4_68"),
      wa("q_out", lambda a: a["q_out"].float()), r"q_out: expected dtype in \[torch.uint8\]", ("op",)),
-    ("topk-q-mx4-row", "indexer_topk", partial(T.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7),
+    ("topk-q-mx4-row", "indexer_topk", partial(builders.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7),
      wa("q", lambda a: a["q"][..., :64].contiguous()),
      r"q: expected size 68 \(bytes of a packed mxfp4_68 query row\) at dim 2, got 64"),
     ("topk-fmt-unknown", "indexer_topk", TOPK, wa("fmt", lambda a: "fp8"), r"fmt: expected .*'fp8_584'"),
@@ -312,7 +313,7 @@ BAD = [
     ("k_prep-ratio-of-other-slots", "indexer_k_prep", K_PREP, wa("ratio", lambda a: 4),
      r"entry_slots: expected -1 for the tokens that close no entry at ratio 4 \(\(position \+ 1\) % 4 != 0\), got 2 "
      r"at index 3 \(position 5\); were the slots planned for another ratio\?", ("public",)),
-    ("block_table-narrow", "indexer_topk", partial(T.indexer_topk_args, FP32, ratio=1),
+    ("block_table-narrow", "indexer_topk", partial(builders.indexer_topk_args, FP32, ratio=1),
      wa("block_table", lambda a: a["block_table"][:, :1].contiguous()),
      r"block_table: expected 2 blocks for the 6 visible entries of request 0 at position 5, got a table 1 blocks "
      r"wide", ("public",)),
@@ -322,7 +323,7 @@ BAD = [
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, name, factory, mutate, match, *via = case
-    T.assert_bad_case(name, factory(), mutate, match, via)
+    builders.assert_bad_case(name, factory(), mutate, match, via)
 
 
 # ---- V4.1: index keys (spec 2.4) ---------------------------------------------------------------
@@ -348,9 +349,9 @@ def _k_formula(args: dict, dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("ratio", [2, 1])
 def test_k_prep_stores_the_key_of_every_closing_token_only(ratio):
-    args = T.indexer_k_prep_args(FP32, ratio=ratio, noncontig=True, block_size=8)
+    args = builders.indexer_k_prep_args(FP32, ratio=ratio, noncontig=True, block_size=8)
     args["cache"].fill_(float("nan"))  # poison: only the closing tokens' slots may change
-    T.call_op("indexer_k_prep", args)
+    builders.call_op("indexer_k_prep", args)
     want64, want32 = _k_formula(args, torch.float64), _k_formula(args, torch.float32)
     rows = args["cache"].view(-1, args["cache"].shape[-1])
     assert want64 and sorted(want64) == [s for s in range(rows.shape[0]) if not rows[s].isnan().any()]
@@ -363,21 +364,21 @@ def test_k_prep_quantized_pool_holds_the_codec_of_the_key(fmt):
     # The same keys through an exact bf16 pool and a quantized one: the quantized pool holds exactly
     # the format's codes of the bf16 key (the model's bytes), every other byte untouched.
     bs = 7 if fmt == "mxfp4_68" else 4
-    exact = T.indexer_k_prep_args(BF16, BF16, di=128, block_size=bs, blocks=6)
-    quant = dict(exact, cache=T.page_pool(6, bs, 128, fmt), fmt=T.format_name(fmt, 128))
+    exact = builders.indexer_k_prep_args(BF16, BF16, di=128, block_size=bs, blocks=6)
+    quant = dict(exact, cache=builders.page_pool(6, bs, 128, fmt), fmt=builders.format_name(fmt, 128))
     exact["cache"].fill_(float("nan"))
-    T.call_op("indexer_k_prep", exact)
-    T.call_op("indexer_k_prep", quant)
+    builders.call_op("indexer_k_prep", exact)
+    builders.call_op("indexer_k_prep", quant)
     rows = exact["cache"].view(-1, 128)
     live = {s: rows[s].float().tolist() for s in range(rows.shape[0]) if not rows[s].isnan().any()}
     assert bytes(quant["cache"].view(-1).tolist()) == M.pool_bytes(quant["fmt"], 6, bs, live)
 
 
 def test_k_prep_public_function_checks_slots_and_writes_nothing_for_padding():
-    args = T.indexer_k_prep_args(FP32, runs=(), pad=3)
+    args = builders.indexer_k_prep_args(FP32, runs=(), pad=3)
     before = args["cache"].clone()
-    T.call_public("indexer_k_prep", args)
-    assert T.bytes_equal(args["cache"], before)
+    builders.call_public("indexer_k_prep", args)
+    assert builders.bytes_equal(args["cache"], before)
 
 
 # ---- V4.1: MX4 queries x MX4 keys, the candidate pool (spec 2.5-2.8) ---------------------------
@@ -397,17 +398,17 @@ def _mx4_case(n_entries: int, t: int = 6, heads: int = 2, bs: int = 7, seed: int
     keys[5] = keys[2]
     blocks = -(-n_entries // bs)
     table = torch.arange(blocks, dtype=I32)[None].flip(1)  # pages in reverse order
-    pool = T.page_pool(blocks, bs, 128, "mxfp4_68")
+    pool = builders.page_pool(blocks, bs, 128, "mxfp4_68")
     w = torch.arange(n_entries)
     pack_kv(keys, (table[0, w // bs].long() * bs + w % bs).to(I32), pool, "mxfp4_68")
     positions = torch.arange(n_entries - t, n_entries, dtype=I32)
-    q = T.mx4_query(torch.randn(t, heads, 128, generator=g))
+    q = builders.mx4_query(torch.randn(t, heads, 128, generator=g))
     weights = torch.exp2(torch.randint(-3, 3, (t, heads), generator=g).float()) * (
         torch.randint(0, 2, (t, heads), generator=g) * 2 - 1)
     kv = torch.tensor([M.roundtrip("mxfp4_68", k.tolist()) for k in keys], dtype=torch.float64)
     args = dict(q=q, weights=weights, positions=positions, req_slots=torch.zeros(t, dtype=I32), cache=pool,
                 block_table=table, cand=None, idx_out=torch.full((t, 8), 7777, dtype=I32), cand_out=None,
-                workspace=T.topk_workspace(t, blocks * bs, 8), ratio=1, cand_block=4, fmt="mxfp4_68")
+                workspace=builders.topk_workspace(t, blocks * bs, 8), ratio=1, cand_block=4, fmt="mxfp4_68")
     return args, kv, table, bs
 
 
@@ -431,7 +432,7 @@ def _best(scores_row, entries, k):
 def test_topk_mx4_query_and_keys_against_the_format_model():
     args, kv, table, bs = _mx4_case(40)
     scores = _mx4_scores(args, kv)
-    T.call_op("indexer_topk", args)
+    builders.call_op("indexer_topk", args)
     for i in range(6):
         want = [_slot(table, bs, e) for e in _best(scores[i], range(40), 8)]
         assert args["idx_out"][i].tolist() == want, i
@@ -455,13 +456,13 @@ def test_candidate_blocks_of_the_source_scores(keep):
     args, kv, table, bs = _mx4_case(40)
     scores = _mx4_scores(args, kv)
     args["cand_out"] = torch.full((6, keep), 7777, dtype=I32)
-    T.call_op("indexer_topk", args)
+    builders.call_op("indexer_topk", args)
     for i in range(6):
         want = _expected_blocks(scores[i], int(args["positions"][i]) + 1, 4, keep)
         assert args["cand_out"][i].tolist() == want, i
     # The source's own top-k is over every visible entry, not its pool (pitfall 13): unchanged.
     plain = dict(args, cand_out=None, idx_out=torch.empty_like(args["idx_out"]))
-    T.call_op("indexer_topk", plain)
+    builders.call_op("indexer_topk", plain)
     assert torch.equal(plain["idx_out"], args["idx_out"])
 
 
@@ -469,7 +470,7 @@ def test_candidate_pool_forces_the_newest_block_even_when_it_scores_lowest():
     args, kv, table, bs = _mx4_case(40)
     args["weights"] = -args["weights"].abs()  # every score <= 0: the newest block may score lowest
     args["cand_out"] = torch.empty(6, 2, dtype=I32)
-    T.call_op("indexer_topk", args)
+    builders.call_op("indexer_topk", args)
     for row, p in zip(args["cand_out"].tolist(), args["positions"].tolist(), strict=True):
         assert p // 4 in row, (row, p)
 
@@ -483,14 +484,14 @@ def test_reindex_scores_only_the_candidate_entries(keep, monkeypatch):
 
     src, kv, table, bs = _mx4_case(40)
     src["cand_out"] = torch.empty(6, keep, dtype=I32)
-    T.call_op("indexer_topk", src)
+    builders.call_op("indexer_topk", src)
     g = torch.Generator().manual_seed(1)
-    args = dict(src, q=T.mx4_query(torch.randn(6, 2, 128, generator=g)), weights=torch.rand(6, 2, generator=g).round(),
+    args = dict(src, q=builders.mx4_query(torch.randn(6, 2, 128, generator=g)), weights=torch.rand(6, 2, generator=g).round(),
                 cand=src["cand_out"], cand_out=None, idx_out=torch.full((6, 8), 7777, dtype=I32))
     read = []
     real = ref.unpack_kv
     monkeypatch.setattr(ref, "unpack_kv", lambda c, s, o, f: (read.append(int((s >= 0).sum())), real(c, s, o, f)))
-    T.call_op("indexer_topk", args)
+    builders.call_op("indexer_topk", args)
     scores = _mx4_scores(args, kv)
     pools = [[e for b in row if b >= 0 for e in range(4 * b, 4 * b + 4) if e <= p]
              for p, row in zip(args["positions"].tolist(), src["cand_out"].tolist(), strict=True)]

@@ -9,10 +9,11 @@ each of the four k32 steps may round at 2^-13 of the running sum, bounded by 2^-
 (key 0 = no entry: past its visible entries, an unallocated block, a padding token, an unlisted
 candidate block) and nothing else is."""
 
+import builders
 import pytest
 import torch
 
-from dsv4ops import csrc, testing
+from dsv4ops import csrc
 from dsv4ops.indexer import workspace as ws
 from dsv4ops.quant import codecs, formats
 from dsv4ops.quant import reference as quant_ref
@@ -45,7 +46,7 @@ def _case(t: int, heads: int, pages: int, g: torch.Generator, fmt: str = "fp8_13
     table = torch.randperm(2 * pages, device=DEV, generator=g).to(torch.int32).view(2, pages)
     table[0, 1] = -1
     table[1, pages - 1] = -1
-    cache = testing.page_pool(2 * pages, bs, 128, fmt, device=DEV)
+    cache = builders.page_pool(2 * pages, bs, 128, fmt, device=DEV)
     rows = torch.randn(2 * n, 128, device=DEV, generator=g)
     rows = rows * torch.rand(2 * n, 1, device=DEV, generator=g).mul(6).exp2()
     if fmt == "mxfp4_68":

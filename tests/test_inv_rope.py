@@ -3,10 +3,10 @@ position (interleaved pairs), the rest copied; every row written; bad inputs. Is
 
 from functools import partial
 
+import builders
 import pytest
 import torch
 
-from dsv4ops import testing as T
 from dsv4ops.reference.functional import apply_rope, rope_angles
 
 BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
@@ -14,11 +14,11 @@ BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
 
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
 def test_rotates_the_rope_channels_back(dtype):
-    args = T.inv_rope_args(dtype, heads=3, dim=16, tokens=4, noncontig=True)
+    args = builders.inv_rope_args(dtype, heads=3, dim=16, tokens=4, noncontig=True)
     args["out"].fill_(float("nan"))
-    T.call_op("inv_rope", args)
+    builders.call_op("inv_rope", args)
     o, out = args["o"], args["out"]
-    assert T.bytes_equal(out[..., :8], o[..., :8])  # the nope channels are copied
+    assert builders.bytes_equal(out[..., :8], o[..., :8])  # the nope channels are copied
     # Independently of reference.functional, in fp64: pair i of the trailing 8 channels times e^(-i t theta_i).
     z = torch.view_as_complex(o[..., 8:].double().unflatten(-1, (4, 2)).contiguous())
     angle = args["positions"].double()[:, None, None] * args["inv_freq"].double()
@@ -28,17 +28,17 @@ def test_rotates_the_rope_channels_back(dtype):
     # 32 x 2^-24. bf16: one final rounding, half an ulp = 2^-8 relative.
     tol = (2.0**-8 if dtype == BF16 else 32 * 2.0**-24) * z.abs().amax()
     assert ((out[..., 8:].double() - expect).abs() <= tol).all()
-    public = T.call_public("inv_rope", args)
-    assert public.is_contiguous() and T.bytes_equal(public, out)
+    public = builders.call_public("inv_rope", args)
+    assert public.is_contiguous() and builders.bytes_equal(public, out)
 
 
 def test_undoes_the_rope_at_the_same_position():
     o = torch.randn(5, 2, 16)
     positions = torch.tensor([0, 1, 7, 100, 4096], dtype=I32)
-    inv_freq = T.rope_table(8)
+    inv_freq = builders.rope_table(8)
     cos, sin = rope_angles(positions, inv_freq, o.dtype)
     rotated = apply_rope(o, cos[:, None], sin[:, None])
-    back = T.call_public("inv_rope", dict(o=rotated, positions=positions, inv_freq=inv_freq, out=None))
+    back = builders.call_public("inv_rope", dict(o=rotated, positions=positions, inv_freq=inv_freq, out=None))
     # Both rotations use the same rounded angle, so R(-a) R(a) = (cos^2 + sin^2) I up to the rounding
     # of 2 x (2 products + 1 sum) and of cos^2 + sin^2 itself: under 8 fp32 ulps of |o|.
     assert ((back - o).abs() <= 8 * 2.0**-24 * o.abs().amax()).all()
@@ -46,8 +46,8 @@ def test_undoes_the_rope_at_the_same_position():
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-ARGS = partial(T.inv_rope_args, FP32)
-wa = T.with_arg
+ARGS = partial(builders.inv_rope_args, FP32)
+wa = builders.with_arg
 BAD = [
     ("o-ndim", wa("o", lambda a: a["o"][0]), r"o: expected 3-D \[tokens, heads, head_dim\]"),
     ("o-dtype", wa("o", lambda a: a["o"].int()), r"o: expected dtype in"),
@@ -75,4 +75,4 @@ BAD = [
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
-    T.assert_bad_case("inv_rope", ARGS(), mutate, match, via)
+    builders.assert_bad_case("inv_rope", ARGS(), mutate, match, via)

@@ -15,6 +15,7 @@ the same tests on CPU with the launchers under the Triton interpreter, at smalle
 import os
 import sys
 
+import builders
 import pytest
 import torch
 
@@ -61,12 +62,12 @@ def _inv_freq(layer_idx: int = 1) -> torch.Tensor:
 
 
 def _pool(fmt, dim: int, blocks: int, bs: int = BS) -> torch.Tensor:
-    return testing.page_pool(blocks, bs, dim, fmt, device=DEV)
+    return builders.page_pool(blocks, bs, dim, fmt, device=DEV)
 
 
 def _fmt(pool: torch.Tensor, dim: int) -> str:
     """The V4 format of a pool: fp8_584 / fp8_132 by width for uint8 pools, exact otherwise."""
-    return testing.format_name(FP8 if pool.dtype == torch.uint8 else pool.dtype, dim)
+    return builders.format_name(FP8 if pool.dtype == torch.uint8 else pool.dtype, dim)
 
 
 def _n_slots(pool: torch.Tensor, dim: int) -> int:
@@ -109,12 +110,12 @@ def test_pack_unpack_bit_exact(dim, pool, dtype):
     fmt = _fmt(got, dim)
     _op("pack_kv")(x, slots, got, fmt)
     quant_ref.pack_kv(x, slots, want, fmt)
-    assert testing.bytes_equal(got, want), "pack_kv"
+    assert builders.bytes_equal(got, want), "pack_kv"
     out = torch.full((n, dim), float("nan"), dtype=dtype, device=DEV)
     expect = torch.empty(n, dim, dtype=dtype, device=DEV)
     _op("unpack_kv")(want, slots, out, fmt)
     quant_ref.unpack_kv(want, slots, expect, fmt)
-    assert testing.bytes_equal(out, expect), "unpack_kv"
+    assert builders.bytes_equal(out, expect), "unpack_kv"
 
 
 # ---- qkv_prep ----------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ def test_compressor_update(case, pool):
         for name, (state, cache) in runs.items():
             fn = _op("compressor_update") if name == "kernel" else compressor_ref.compressor_update
             fn(kv, score, ape, pos, req, entry, w, _inv_freq(), state, cache, None, 1e-6, _fmt(cache, d))
-        assert testing.bytes_equal(runs["kernel"][0], runs["ref"][0]), "state rows (exact)"
+        assert builders.bytes_equal(runs["kernel"][0], runs["ref"][0]), "state rows (exact)"
     got, lowp, ref = (_rows(runs[n][1], d) for n in ("kernel", "ref", "ref64"))
     written = _written(ref)
     assert written.any() and torch.equal(written, _written(got)), "entries written where the reference writes"
@@ -209,7 +210,7 @@ def test_compressor_state_row_holds_its_last_writer(case):
             states[name] = torch.full((1, rows, 2 * width), float("nan"), device=DEV)
             fn(kv, score, ape, pos, req, entry, w, _inv_freq(), states[name], _pool(torch.float32, d, blocks), None,
                1e-6, "exact")
-        assert testing.bytes_equal(states["kernel"], states["ref"]), "a state row holds another writer's values"
+        assert builders.bytes_equal(states["kernel"], states["ref"]), "a state row holds another writer's values"
         last = torch.arange(t - rows, t, device=DEV)  # the last writer of each row, in row order p % rows
         want = torch.cat([kv[last], score[last] + ape[last % ratio]], 1)[torch.argsort(last % rows)]
         assert torch.equal(states["ref"][0], want), "the reference's rows are the last writers'"
@@ -269,7 +270,7 @@ def test_indexer_topk_exact(q_dtype, pool, k):
 
 
 def _workspace(q, table, k):
-    return testing.topk_workspace(q.shape[0], table.shape[1] * BS, k, device=DEV)
+    return builders.topk_workspace(q.shape[0], table.shape[1] * BS, k, device=DEV)
 
 
 def test_indexer_topk_selection_random():
@@ -360,9 +361,9 @@ def _attn_case(heads, w_pool, c_pool, prefill: bool, entries: int):
         starts = [0, 5, 7, 8, 100, 5000] if ON_CPU else [0, 5, 126, 127, 128, 1000, 4095, 70000] * 2
         pos, req = _steps(*[(i, s, 1) for i, s in enumerate(starts)], pad=3)
     t, n_req = pos.shape[0], int(req.max()) + 1
-    wc = testing.fill_pool(_pool(w_pool, 512, n_req * RING // BS), 512, w_pool)
+    wc = builders.fill_pool(_pool(w_pool, 512, n_req * RING // BS), 512, w_pool)
     c_blocks = max(2, -(-2 * entries // BS))
-    cc = testing.fill_pool(_pool(c_pool, 512, c_blocks), 512, c_pool)
+    cc = builders.fill_pool(_pool(c_pool, 512, c_blocks), 512, c_pool)
     idx = torch.stack([torch.randperm(c_blocks * BS, device=DEV)[:entries] for _ in range(t)]).to(torch.int32)
     keep = torch.randint(0, entries + 1, (t, 1), device=DEV)
     idx = torch.where(torch.arange(entries, device=DEV)[None] < keep, idx, -1).to(torch.int32)
@@ -456,7 +457,7 @@ def test_inv_rope(heads):
 def _op_args(name: str, fp8: bool = True) -> tuple:
     h, pos, req = HEADS[0], *_steps((0, 3, 3), (1, 0, 2), pad=1)
     t = pos.shape[0]
-    win = testing.fill_pool(_pool(FP8, 512, 2 * RING // BS), 512, FP8)
+    win = builders.fill_pool(_pool(FP8, 512, 2 * RING // BS), 512, FP8)
     if name == "pack_kv":
         return (torch.randn(t, 512, device=DEV), torch.arange(t, dtype=torch.int32, device=DEV), _pool(FP8, 512, 1),
                 "fp8_584")
@@ -494,7 +495,7 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
         return (torch.randn(t, 512, device=DEV), pos, req, entry, torch.randn(128, 512, device=DEV) / 512**0.5,
                 torch.ones(128, device=DEV), _inv_freq(), _pool("mxfp4_68", 128, 2, 7), 2, 1e-6, "mxfp4_68")
     if name == "fp8_linear":
-        weight, scale = testing.block_fp8_weight(512, 4096, 128)
+        weight, scale = builders.block_fp8_weight(512, 4096, 128)
         return (torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.view(torch.uint8).to(DEV),
                 torch.empty(t, 512, device=DEV, dtype=torch.bfloat16), 128)
     raise KeyError(name)
@@ -597,7 +598,7 @@ def test_pool_over_2gib_written_and_read_at_its_far_end():
 
 def _fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """x through the 584-B entry format (the reference packer and unpacker), float64."""
-    pool = testing.page_pool(1, x.shape[0], 512, FP8, device=x.device)
+    pool = builders.page_pool(1, x.shape[0], 512, FP8, device=x.device)
     slots = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
     quant_ref.pack_kv(x, slots, pool, "fp8_584")
     out = torch.empty_like(x, dtype=torch.float32)

@@ -9,6 +9,7 @@ Tolerances as tests/test_kernels_gpu.py: bit-exact where the math is exact, else
 max|kernel - ref64| <= 2 x max|ref_lowp - ref64| (dsv4ops.testing.assert_close_to_ref).
 """
 
+import builders
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ def _i32(values) -> torch.Tensor:
 
 
 def _inv_freq() -> torch.Tensor:
-    return testing.rope_table(64).to(DEV)
+    return builders.rope_table(64).to(DEV)
 
 
 def _rows(pool, dim, fmt) -> torch.Tensor:
@@ -62,7 +63,7 @@ def test_pack_unpack_bit_exact(fmt, bs):
     slots = torch.randperm(n + 100, device=DEV)[:n].to(torch.int32)
     slots[5] = -1
     blocks = -(-(n + 100) // bs)
-    got, want = testing.page_pool(blocks, bs, dim, fmt, DEV), testing.page_pool(blocks, bs, dim, fmt, DEV)
+    got, want = builders.page_pool(blocks, bs, dim, fmt, DEV), builders.page_pool(blocks, bs, dim, fmt, DEV)
     _op("pack_kv")(x, slots, got, fmt)
     quant_ref.pack_kv(x, slots, want, fmt)
     assert torch.equal(got, want)
@@ -80,8 +81,8 @@ def test_qkv_prep_fp8_528_without_q_norm():
     q, kv = torch.randn(t, HEADS, 512, device=DEV), torch.randn(t, 512, device=DEV)
 
     def run(fn, dtype, kind):
-        fmt = testing.format_name(kind, 512)
-        cache = testing.page_pool(3 * RING // 64, 64, 512, kind, DEV)
+        fmt = builders.format_name(kind, 512)
+        cache = builders.page_pool(3 * RING // 64, 64, 512, kind, DEV)
         q_out = torch.full((t, HEADS, 512), float("nan"), dtype=dtype, device=DEV)
         fn(q.to(dtype), kv.to(dtype), pos, req, _inv_freq(), q_out, cache, RING, 1e-6, False, fmt)
         return q_out, _rows(cache, 512, fmt)
@@ -101,7 +102,7 @@ def test_compressor_v41_with_latent(ratio):
     steps = [[(0, 0, 37), (1, 0, 8), (2, 0, 1)], [(0, 37, 1), (1, 8, 1), (2, 1, 1)], [(1, 9, 50)]]
     adt = torch.float32 if ratio == 2 else torch.bfloat16
     ape, w = torch.randn(ratio, 512, device=DEV), 1 + 0.1 * torch.randn(512, device=DEV)
-    runs = {name: (torch.full((3, ratio, 1024), float("nan"), device=DEV), testing.page_pool(64, 64, 512, kind, DEV))
+    runs = {name: (torch.full((3, ratio, 1024), float("nan"), device=DEV), builders.page_pool(64, 64, 512, kind, DEV))
             for name, kind in (("kernel", "fp4_288"), ("ref", "fp4_288"), ("ref64", torch.float32))}
     for step in steps:
         pos, req = _steps(*step, pad=2)
@@ -133,8 +134,8 @@ def test_indexer_k_prep_and_q_prep_mx4():
     wk, kw = torch.randn(128, 512, device=DEV) / 512**0.5, 1 + 0.1 * torch.randn(128, device=DEV)
 
     def keys(fn, dtype, kind):
-        fmt = testing.format_name(kind, 128)
-        cache = testing.page_pool(40, 128, 128, kind, DEV)
+        fmt = builders.format_name(kind, 128)
+        cache = builders.page_pool(40, 128, 128, kind, DEV)
         fn(latent.to(dtype), pos, req, entry, wk, kw, _inv_freq(), cache, 2, 1e-6, fmt)
         return _rows(cache, 128, fmt)
 
@@ -173,7 +174,7 @@ def test_candidate_source_and_reindex_are_exact(n):
     g = torch.Generator().manual_seed(n)
     bs = 128
     pages = -(-n // bs)
-    cache = testing.page_pool(pages, bs, 128, "mxfp4_68", DEV)
+    cache = builders.page_pool(pages, bs, 128, "mxfp4_68", DEV)
     quant_ref.pack_kv(_grid(pages * bs, 128, g=g).to(DEV), torch.arange(pages * bs, dtype=torch.int32, device=DEV),
                       cache, "mxfp4_68")
     table = torch.randperm(pages, generator=g).int().view(1, -1).to(DEV)
@@ -181,24 +182,24 @@ def test_candidate_source_and_reindex_are_exact(n):
     pos = _i32([n - 1, n // 2, 17, 2 * n // 3, 0, 5])
     req = _i32([0, 0, 0, 0, 0, -1])
     w = torch.tensor([1.0, -0.5, 2.0, 0.25] * (INDEX_HEADS // 4), device=DEV).repeat(t, 1)
-    q = testing.mx4_query(_grid(t, INDEX_HEADS, 128, g=g)).to(DEV)
+    q = builders.mx4_query(_grid(t, INDEX_HEADS, 128, g=g)).to(DEV)
     out = {}
     for name, fn in (("kernel", _op("indexer_topk")), ("ref", indexer_ref.indexer_topk)):
         idx = torch.full((t, TOPK), 99, dtype=torch.int32, device=DEV)
         cand = torch.full((t, KEEP), 99, dtype=torch.int32, device=DEV)
         args = (q, w, pos, req, cache, table, None, idx, cand)
         if name == "kernel":
-            args += (testing.topk_workspace(t, pages * bs, TOPK, DEV, keep=KEEP, cand_block=CB),)
+            args += (builders.topk_workspace(t, pages * bs, TOPK, DEV, keep=KEEP, cand_block=CB),)
         fn(*args, 1, CB, "mxfp4_68")
         out[name] = idx, cand
     assert torch.equal(out["kernel"][1], out["ref"][1]), "candidate pool"
     assert torch.equal(out["kernel"][0], out["ref"][0]), "source top-k"
     cand = out["ref"][1]
-    q2 = testing.mx4_query(_grid(t, INDEX_HEADS, 128, g=g)).to(DEV)
+    q2 = builders.mx4_query(_grid(t, INDEX_HEADS, 128, g=g)).to(DEV)
     got = torch.full((t, TOPK), 99, dtype=torch.int32, device=DEV)
     want = torch.empty_like(got)
     _op("indexer_topk")(q2, w, pos, req, cache, table, cand, got, None,
-                        testing.topk_workspace(t, pages * bs, TOPK, DEV, cand_cols=KEEP * CB), 1, CB, "mxfp4_68")
+                        builders.topk_workspace(t, pages * bs, TOPK, DEV, cand_cols=KEEP * CB), 1, CB, "mxfp4_68")
     indexer_ref.indexer_topk(q2, w, pos, req, cache, table, cand, want, None, 1, CB, "mxfp4_68")
     assert torch.equal(got, want), "reindex top-k"
 
@@ -211,8 +212,8 @@ def test_sparse_attn_fp8_528_window_fp4_288_entries(prefill):
     else:
         pos, req = _steps(*[(i, s, 1) for i, s in enumerate([0, 5, 126, 127, 128, 1000, 4095, 70000] * 2)], pad=3)
     t, n_req = pos.shape[0], int(req.max()) + 1
-    wc = testing.fill_pool(testing.page_pool(n_req * RING // 64, 64, 512, "fp8_528", DEV), 512, "fp8_528")
-    cc = testing.fill_pool(testing.page_pool(32, 64, 512, "fp4_288", DEV), 512, "fp4_288")
+    wc = builders.fill_pool(builders.page_pool(n_req * RING // 64, 64, 512, "fp8_528", DEV), 512, "fp8_528")
+    cc = builders.fill_pool(builders.page_pool(32, 64, 512, "fp4_288", DEV), 512, "fp4_288")
     idx = torch.stack([torch.randperm(32 * 64, device=DEV)[:TOPK] for _ in range(t)]).to(torch.int32)
     keep = torch.randint(0, TOPK + 1, (t, 1), device=DEV)
     idx = torch.where(torch.arange(TOPK, device=DEV)[None] < keep, idx, -1).to(torch.int32)

@@ -5,12 +5,12 @@ still raise the checks' message. Issue 3."""
 
 from functools import partial
 
+import builders
 import pytest
 import torch
+from builders import FP8
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dsv4ops import testing as T
-from dsv4ops.testing import FP8
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -18,17 +18,17 @@ BF16, FP32 = torch.bfloat16, torch.float32
 # The op whose public function runs, and the factory of its arguments (bf16 and FP8 pools where
 # they apply, strided views of q / o where allowed).
 CALLS = {
-    "pack_kv": partial(T.pack_kv_args, BF16, FP8),
-    "unpack_kv": partial(T.unpack_kv_args, BF16, FP8),
-    "qkv_prep": partial(T.qkv_prep_args, BF16, FP8, noncontig=True),
-    "compressor_update": partial(T.compressor_update_args, BF16, FP8),
-    "indexer_q_prep": partial(T.indexer_q_prep_args, BF16, "mxfp4_68", noncontig=True),
-    "indexer_k_prep": partial(T.indexer_k_prep_args, BF16, "mxfp4_68", block_size=7, blocks=2),
-    "indexer_topk": partial(T.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7, ratio=1, pool_blocks=2),
-    "sparse_attn": partial(T.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288", noncontig=True, blocks=True),
-    "visible_entries": partial(T.visible_entries_args, ratio=1),
-    "inv_rope": partial(T.inv_rope_args, BF16, noncontig=True),
-    "fp8_linear": partial(T.fp8_linear_args, BF16, noncontig=True),
+    "pack_kv": partial(builders.pack_kv_args, BF16, FP8),
+    "unpack_kv": partial(builders.unpack_kv_args, BF16, FP8),
+    "qkv_prep": partial(builders.qkv_prep_args, BF16, FP8, noncontig=True),
+    "compressor_update": partial(builders.compressor_update_args, BF16, FP8),
+    "indexer_q_prep": partial(builders.indexer_q_prep_args, BF16, "mxfp4_68", noncontig=True),
+    "indexer_k_prep": partial(builders.indexer_k_prep_args, BF16, "mxfp4_68", block_size=7, blocks=2),
+    "indexer_topk": partial(builders.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7, ratio=1, pool_blocks=2),
+    "sparse_attn": partial(builders.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288", noncontig=True, blocks=True),
+    "visible_entries": partial(builders.visible_entries_args, ratio=1),
+    "inv_rope": partial(builders.inv_rope_args, BF16, noncontig=True),
+    "fp8_linear": partial(builders.fp8_linear_args, BF16, noncontig=True),
 }
 
 
@@ -47,13 +47,13 @@ def _fake_args(args: dict, device: str) -> dict:
 @pytest.mark.parametrize("device", ["cpu", "cuda", "meta"])
 @pytest.mark.parametrize("name", CALLS)
 def test_public_function_matches_a_real_run(name, device):
-    real = _outputs(T.call_public(name, CALLS[name]()))
+    real = _outputs(builders.call_public(name, CALLS[name]()))
     args = CALLS[name]()
     if device == "meta":
-        got = _outputs(T.call_public(name, _fake_args(args, "meta")))
+        got = _outputs(builders.call_public(name, _fake_args(args, "meta")))
     else:
         with FakeTensorMode():
-            got = _outputs(T.call_public(name, _fake_args(args, device)))
+            got = _outputs(builders.call_public(name, _fake_args(args, device)))
     assert len(got) == len(real)
     for g, r in zip(got, real, strict=True):
         assert (g.shape, g.dtype, g.stride(), g.device.type) == (r.shape, r.dtype, r.stride(), device)
@@ -64,11 +64,11 @@ def test_public_function_compiles_without_graph_breaks(name):
     torch._dynamo.reset()
     eager = CALLS[name]()
     traced = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in eager.items()}
-    want = _outputs(T.call_public(name, eager))
-    got = _outputs(torch.compile(T.public(name), fullgraph=True, backend="aot_eager")(traced))
+    want = _outputs(builders.call_public(name, eager))
+    got = _outputs(torch.compile(builders.public(name), fullgraph=True, backend="aot_eager")(traced))
     # Same reference kernels in both runs: outputs and every mutated argument agree bit for bit.
-    assert all(T.bytes_equal(g, w) for g, w in zip(got, want, strict=True))
-    assert all(T.bytes_equal(traced[k], v) for k, v in eager.items() if isinstance(v, torch.Tensor))
+    assert all(builders.bytes_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert all(builders.bytes_equal(traced[k], v) for k, v in eager.items() if isinstance(v, torch.Tensor))
 
 
 # name -> (argument to replace, its bad replacement, the checks' message). Replacements are new
@@ -92,7 +92,7 @@ BAD_SHAPES = {
 
 
 def test_every_public_function_is_covered():
-    assert set(CALLS) == set(BAD_SHAPES) == T.dsv4_ops() - T.ROUTER_OPS  # the router is tested on its own
+    assert set(CALLS) == set(BAD_SHAPES) == builders.dsv4_ops() - builders.ROUTER_OPS  # the router is tested on its own
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -104,4 +104,4 @@ def test_bad_shape_raises_under_fake_mode(name, device):
         args = _fake_args(real, device)
         args[key] = bad(args)
         with pytest.raises(RuntimeError, match=match):
-            T.call_public(name, args)
+            builders.call_public(name, args)

@@ -7,12 +7,12 @@ with a ValueError (their bad-input tables). Issue 10."""
 import os
 from functools import partial
 
+import builders
 import pytest
 import torch
+from builders import FP8
 
-from dsv4ops import testing as T
 from dsv4ops.quant.reference import capacity
-from dsv4ops.testing import FP8
 
 BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
 
@@ -39,50 +39,50 @@ def _pool_slots(key, fmt="fmt"):
 
 # (id, op, factory, (key, index, out-of-range value or fn(args)), the same with -1 / padding)
 CASES = [
-    ("pack_kv-slot", "pack_kv", partial(T.pack_kv_args, FP32, FP8), ("slots", 0, _pool_slots("cache")),
+    ("pack_kv-slot", "pack_kv", partial(builders.pack_kv_args, FP32, FP8), ("slots", 0, _pool_slots("cache")),
      _set("slots", 0, -1)),
-    ("pack_kv-float-slot", "pack_kv", partial(T.pack_kv_args, FP32), ("slots", 2, _pool_slots("cache")),
+    ("pack_kv-float-slot", "pack_kv", partial(builders.pack_kv_args, FP32), ("slots", 2, _pool_slots("cache")),
      _set("slots", 2, -1)),
-    ("pack_kv-indexer-slot", "pack_kv", partial(T.pack_kv_args, FP32, FP8, main=False),
+    ("pack_kv-indexer-slot", "pack_kv", partial(builders.pack_kv_args, FP32, FP8, main=False),
      ("slots", 0, _pool_slots("cache")), _set("slots", 0, -1)),
-    ("pack_kv-fp4_288-slot", "pack_kv", partial(T.pack_kv_args, FP32, "fp4_288"), ("slots", 2, _pool_slots("cache")),
+    ("pack_kv-fp4_288-slot", "pack_kv", partial(builders.pack_kv_args, FP32, "fp4_288"), ("slots", 2, _pool_slots("cache")),
      _set("slots", 2, -1)),
-    ("pack_kv-mxfp4_68-slot", "pack_kv", partial(T.pack_kv_args, FP32, "mxfp4_68", block_size=7),
+    ("pack_kv-mxfp4_68-slot", "pack_kv", partial(builders.pack_kv_args, FP32, "mxfp4_68", block_size=7),
      ("slots", 0, _pool_slots("cache")), _set("slots", 0, -1)),
-    ("unpack_kv-slot", "unpack_kv", partial(T.unpack_kv_args, FP32, FP8), ("slots", 2, lambda a: 10**6),
+    ("unpack_kv-slot", "unpack_kv", partial(builders.unpack_kv_args, FP32, FP8), ("slots", 2, lambda a: 10**6),
      _set("slots", 2, -1)),
-    ("unpack_kv-fp8_528-slot", "unpack_kv", partial(T.unpack_kv_args, FP32, "fp8_528"), ("slots", 2, lambda a: 10**6),
+    ("unpack_kv-fp8_528-slot", "unpack_kv", partial(builders.unpack_kv_args, FP32, "fp8_528"), ("slots", 2, lambda a: 10**6),
      _set("slots", 2, -1)),
-    ("qkv_prep-request", "qkv_prep", partial(T.qkv_prep_args, FP32, FP8), ("req_slots", 1, lambda a: 2),
+    ("qkv_prep-request", "qkv_prep", partial(builders.qkv_prep_args, FP32, FP8), ("req_slots", 1, lambda a: 2),
      _set("req_slots", 1, -1)),
-    ("qkv_prep-negative-position", "qkv_prep", partial(T.qkv_prep_args, FP32, FP8), ("positions", 1, lambda a: -3),
+    ("qkv_prep-negative-position", "qkv_prep", partial(builders.qkv_prep_args, FP32, FP8), ("positions", 1, lambda a: -3),
      _both(_set("positions", 1, -3), _set("req_slots", 1, -1))),
-    ("compressor-request", "compressor_update", partial(T.compressor_update_args, FP32, FP8),
+    ("compressor-request", "compressor_update", partial(builders.compressor_update_args, FP32, FP8),
      ("req_slots", 2, lambda a: 2), _set("req_slots", 2, -1)),
-    ("compressor-negative-position", "compressor_update", partial(T.compressor_update_args, FP32, FP8),
+    ("compressor-negative-position", "compressor_update", partial(builders.compressor_update_args, FP32, FP8),
      ("positions", 5, lambda a: -5), _both(_set("positions", 5, -5), _set("req_slots", 5, -1))),
     # Token 1 (request 0 at position 3) closes an entry: its slot past the pool stores nothing.
-    ("compressor-entry-slot", "compressor_update", partial(T.compressor_update_args, FP32, FP8),
+    ("compressor-entry-slot", "compressor_update", partial(builders.compressor_update_args, FP32, FP8),
      ("entry_slots", 1, _pool_slots("cache")), _set("entry_slots", 1, -1)),
-    ("indexer_k_prep-entry-slot", "indexer_k_prep", partial(T.indexer_k_prep_args, FP32, "mxfp4_68", block_size=7),
+    ("indexer_k_prep-entry-slot", "indexer_k_prep", partial(builders.indexer_k_prep_args, FP32, "mxfp4_68", block_size=7),
      ("entry_slots", 1, _pool_slots("cache")), _set("entry_slots", 1, -1)),
-    ("indexer_topk-request", "indexer_topk", partial(T.indexer_topk_args, FP32), ("req_slots", 0, lambda a: 2),
+    ("indexer_topk-request", "indexer_topk", partial(builders.indexer_topk_args, FP32), ("req_slots", 0, lambda a: 2),
      _set("req_slots", 0, -1)),
     # A position past the table's width sees the entries the table has, as its last position does.
-    ("indexer_topk-position-past-table", "indexer_topk", partial(T.indexer_topk_args, FP32),
+    ("indexer_topk-position-past-table", "indexer_topk", partial(builders.indexer_topk_args, FP32),
      ("positions", 0, lambda a: 10**6),
      lambda a: _set("positions", 0, a["block_table"].shape[1] * 4 * a["ratio"] - 1)(a)),
-    ("indexer_topk-block", "indexer_topk", partial(T.indexer_topk_args, FP32), ("block_table", (0, 0), lambda a: 4),
+    ("indexer_topk-block", "indexer_topk", partial(builders.indexer_topk_args, FP32), ("block_table", (0, 0), lambda a: 4),
      _set("block_table", (0, 0), -1)),
-    ("visible_entries-request", "visible_entries", partial(T.visible_entries_args, ratio=1),
+    ("visible_entries-request", "visible_entries", partial(builders.visible_entries_args, ratio=1),
      ("req_slots", 1, lambda a: 2), _set("req_slots", 1, -1)),
-    ("visible_entries-negative-position", "visible_entries", partial(T.visible_entries_args, ratio=1),
+    ("visible_entries-negative-position", "visible_entries", partial(builders.visible_entries_args, ratio=1),
      ("positions", 1, lambda a: -3), _both(_set("positions", 1, -3), _set("req_slots", 1, -1))),
-    ("visible_entries-block", "visible_entries", partial(T.visible_entries_args, ratio=1),
+    ("visible_entries-block", "visible_entries", partial(builders.visible_entries_args, ratio=1),
      ("block_table", (0, 0), lambda a: -5), _set("block_table", (0, 0), -1)),
-    ("sparse_attn-request", "sparse_attn", partial(T.sparse_attn_args, FP32), ("req_slots", 3, lambda a: 2),
+    ("sparse_attn-request", "sparse_attn", partial(builders.sparse_attn_args, FP32), ("req_slots", 3, lambda a: 2),
      _set("req_slots", 3, -1)),
-    ("sparse_attn-entry", "sparse_attn", partial(T.sparse_attn_args, FP32), ("comp_idx", (0, 0), lambda a: 8),
+    ("sparse_attn-entry", "sparse_attn", partial(builders.sparse_attn_args, FP32), ("comp_idx", (0, 0), lambda a: 8),
      _set("comp_idx", (0, 0), -1)),
 ]
 
@@ -95,11 +95,11 @@ def _run(fn, args: dict) -> dict:
 def _assert_same_outputs(name, fn, bad: dict, none: dict):
     """Run fn on both argument sets; every tensor the two sets agreed on before (the outputs and
     caches among them) must agree after."""
-    inputs = [k for k, v in bad.items() if isinstance(v, torch.Tensor) and not T.bytes_equal(v, none[k])]
+    inputs = [k for k, v in bad.items() if isinstance(v, torch.Tensor) and not builders.bytes_equal(v, none[k])]
     got, want = _run(fn, bad), _run(fn, none)
     for k in want:
         if k not in inputs:
-            assert T.bytes_equal(got[k], want[k]), f"{name}: {k} differs from the run with -1"
+            assert builders.bytes_equal(got[k], want[k]), f"{name}: {k} differs from the run with -1"
 
 
 def _cases(cases):

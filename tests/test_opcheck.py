@@ -4,11 +4,11 @@ options). Issues 3, 16."""
 
 from functools import partial
 
+import builders
 import pytest
 import torch
+from builders import FP8
 
-from dsv4ops import testing as T
-from dsv4ops.testing import FP8
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -17,89 +17,89 @@ BF16, FP32 = torch.bfloat16, torch.float32
 # has a gap (allowed: only the last dim must be contiguous).
 SAMPLES = {
     "pack_kv": [
-        partial(T.pack_kv_args, FP32),
-        partial(T.pack_kv_args, FP32, BF16, slots=(1,)),
-        partial(T.pack_kv_args, BF16, FP8),
-        partial(T.pack_kv_args, FP32, FP8, main=False),
-        partial(T.pack_kv_args, BF16, "fp8_528"),
-        partial(T.pack_kv_args, FP32, "fp4_288", slots=(1, 2)),
-        partial(T.pack_kv_args, BF16, "mxfp4_68", block_size=7, slots=(13, -1)),
+        partial(builders.pack_kv_args, FP32),
+        partial(builders.pack_kv_args, FP32, BF16, slots=(1,)),
+        partial(builders.pack_kv_args, BF16, FP8),
+        partial(builders.pack_kv_args, FP32, FP8, main=False),
+        partial(builders.pack_kv_args, BF16, "fp8_528"),
+        partial(builders.pack_kv_args, FP32, "fp4_288", slots=(1, 2)),
+        partial(builders.pack_kv_args, BF16, "mxfp4_68", block_size=7, slots=(13, -1)),
     ],
     "unpack_kv": [
-        partial(T.unpack_kv_args, FP32),
-        partial(T.unpack_kv_args, BF16, slots=(-1,)),
-        partial(T.unpack_kv_args, BF16, FP8),
-        partial(T.unpack_kv_args, FP32, FP8, main=False),
-        partial(T.unpack_kv_args, BF16, "fp8_528"),
-        partial(T.unpack_kv_args, FP32, "fp4_288"),
-        partial(T.unpack_kv_args, FP32, "mxfp4_68", block_size=7, slots=(13, -1)),
+        partial(builders.unpack_kv_args, FP32),
+        partial(builders.unpack_kv_args, BF16, slots=(-1,)),
+        partial(builders.unpack_kv_args, BF16, FP8),
+        partial(builders.unpack_kv_args, FP32, FP8, main=False),
+        partial(builders.unpack_kv_args, BF16, "fp8_528"),
+        partial(builders.unpack_kv_args, FP32, "fp4_288"),
+        partial(builders.unpack_kv_args, FP32, "mxfp4_68", block_size=7, slots=(13, -1)),
     ],
     "qkv_prep": [
-        partial(T.qkv_prep_args, FP32),
-        partial(T.qkv_prep_args, BF16, FP8),
-        partial(T.qkv_prep_args, BF16, heads=1, runs=((1, 3, 1),), pad=0),
-        partial(T.qkv_prep_args, FP32, noncontig=True),
-        partial(T.qkv_prep_args, BF16, "fp8_528", q_norm=False),
+        partial(builders.qkv_prep_args, FP32),
+        partial(builders.qkv_prep_args, BF16, FP8),
+        partial(builders.qkv_prep_args, BF16, heads=1, runs=((1, 3, 1),), pad=0),
+        partial(builders.qkv_prep_args, FP32, noncontig=True),
+        partial(builders.qkv_prep_args, BF16, "fp8_528", q_norm=False),
     ],
     "compressor_update": [
-        partial(T.compressor_update_args, FP32),
-        partial(T.compressor_update_args, BF16, FP8),
-        partial(T.compressor_update_args, FP32, FP8, main=False),
-        partial(T.compressor_update_args, BF16, ratio=128, overlap=False, runs=((1, 125, 4),), pad=0),
-        partial(T.compressor_update_args, FP32, runs=((0, 3, 1),), pad=0),
-        partial(T.compressor_update_args, FP32, "fp4_288", ratio=2, overlap=False, latent=True),
-        partial(T.compressor_update_args, BF16, ratio=1, overlap=False, latent=True),
+        partial(builders.compressor_update_args, FP32),
+        partial(builders.compressor_update_args, BF16, FP8),
+        partial(builders.compressor_update_args, FP32, FP8, main=False),
+        partial(builders.compressor_update_args, BF16, ratio=128, overlap=False, runs=((1, 125, 4),), pad=0),
+        partial(builders.compressor_update_args, FP32, runs=((0, 3, 1),), pad=0),
+        partial(builders.compressor_update_args, FP32, "fp4_288", ratio=2, overlap=False, latent=True),
+        partial(builders.compressor_update_args, BF16, ratio=1, overlap=False, latent=True),
     ],
     "indexer_q_prep": [
-        partial(T.indexer_q_prep_args, FP32),
-        partial(T.indexer_q_prep_args, BF16, "fp8_132"),
-        partial(T.indexer_q_prep_args, FP32, "mxfp4_68"),
-        partial(T.indexer_q_prep_args, BF16, heads=1, tokens=1),
-        partial(T.indexer_q_prep_args, FP32, noncontig=True),
+        partial(builders.indexer_q_prep_args, FP32),
+        partial(builders.indexer_q_prep_args, BF16, "fp8_132"),
+        partial(builders.indexer_q_prep_args, FP32, "mxfp4_68"),
+        partial(builders.indexer_q_prep_args, BF16, heads=1, tokens=1),
+        partial(builders.indexer_q_prep_args, FP32, noncontig=True),
     ],
     "indexer_topk": [
-        partial(T.indexer_topk_args, FP32),
-        partial(T.indexer_topk_args, torch.float8_e4m3fn, FP8),
-        partial(T.indexer_topk_args, BF16, heads=1, runs=((0, 7, 1),), pad=0, k=1),
-        partial(T.indexer_topk_args, FP32, noncontig=True),
-        partial(T.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7),
-        partial(T.indexer_topk_args, FP32, ratio=1, pool_blocks=3),
-        partial(T.indexer_topk_args, BF16, ratio=1, cand_blocks=3),
+        partial(builders.indexer_topk_args, FP32),
+        partial(builders.indexer_topk_args, torch.float8_e4m3fn, FP8),
+        partial(builders.indexer_topk_args, BF16, heads=1, runs=((0, 7, 1),), pad=0, k=1),
+        partial(builders.indexer_topk_args, FP32, noncontig=True),
+        partial(builders.indexer_topk_args, torch.uint8, "mxfp4_68", block_size=7),
+        partial(builders.indexer_topk_args, FP32, ratio=1, pool_blocks=3),
+        partial(builders.indexer_topk_args, BF16, ratio=1, cand_blocks=3),
     ],
     "indexer_k_prep": [
-        partial(T.indexer_k_prep_args, FP32),
-        partial(T.indexer_k_prep_args, BF16, "mxfp4_68", block_size=7, blocks=2),
-        partial(T.indexer_k_prep_args, FP32, FP8, ratio=1, noncontig=True),
+        partial(builders.indexer_k_prep_args, FP32),
+        partial(builders.indexer_k_prep_args, BF16, "mxfp4_68", block_size=7, blocks=2),
+        partial(builders.indexer_k_prep_args, FP32, FP8, ratio=1, noncontig=True),
     ],
     "sparse_attn": [
-        partial(T.sparse_attn_args, FP32),
-        partial(T.sparse_attn_args, BF16, FP8),
-        partial(T.sparse_attn_args, BF16, heads=1, runs=((1, 2, 1),), pad=0),
-        partial(T.sparse_attn_args, FP32, noncontig=True),
-        partial(T.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
-        partial(T.sparse_attn_args, FP32, blocks=True),
+        partial(builders.sparse_attn_args, FP32),
+        partial(builders.sparse_attn_args, BF16, FP8),
+        partial(builders.sparse_attn_args, BF16, heads=1, runs=((1, 2, 1),), pad=0),
+        partial(builders.sparse_attn_args, FP32, noncontig=True),
+        partial(builders.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
+        partial(builders.sparse_attn_args, FP32, blocks=True),
     ],
     "visible_entries": [
-        partial(T.visible_entries_args),
-        partial(T.visible_entries_args, ratio=1, runs=((0, 9, 2),), pad=0),  # reaches the unallocated block
-        partial(T.visible_entries_args, ratio=128, block_size=64, runs=((1, 127, 1),), pad=2),
+        partial(builders.visible_entries_args),
+        partial(builders.visible_entries_args, ratio=1, runs=((0, 9, 2),), pad=0),  # reaches the unallocated block
+        partial(builders.visible_entries_args, ratio=128, block_size=64, runs=((1, 127, 1),), pad=2),
     ],
     "inv_rope": [
-        partial(T.inv_rope_args, FP32),
-        partial(T.inv_rope_args, BF16),
-        partial(T.inv_rope_args, BF16, heads=1, tokens=1),
-        partial(T.inv_rope_args, FP32, noncontig=True),
+        partial(builders.inv_rope_args, FP32),
+        partial(builders.inv_rope_args, BF16),
+        partial(builders.inv_rope_args, BF16, heads=1, tokens=1),
+        partial(builders.inv_rope_args, FP32, noncontig=True),
     ],
     "fp8_linear": [
-        partial(T.fp8_linear_args, FP32),
-        partial(T.fp8_linear_args, BF16, 128, n=200, k=300, scale_dtype=FP32),
-        partial(T.fp8_linear_args, BF16, tokens=1, noncontig=True),
+        partial(builders.fp8_linear_args, FP32),
+        partial(builders.fp8_linear_args, BF16, 128, n=200, k=300, scale_dtype=FP32),
+        partial(builders.fp8_linear_args, BF16, tokens=1, noncontig=True),
     ],
 }
 
 
 def test_every_attention_op_has_samples():
-    assert set(SAMPLES) == T.dsv4_ops() - T.ROUTER_OPS  # the router's opchecks live with the router
+    assert set(SAMPLES) == builders.dsv4_ops() - builders.ROUTER_OPS  # the router's opchecks live with the router
 
 
 def _id(factory: partial) -> str:

@@ -4,6 +4,7 @@ the indexer's top-k over all 262,144 visible CSA entries (the newest one visible
 closing token on), and HCA attention over all 8,192 entries. Expected values are written here; RoPE
 angles are fp32(p) x inv_freq in fp32 (tests/test_fuzz_ops.rope64)."""
 
+import builders
 import pytest
 import torch
 from test_fuzz_ops import rope64
@@ -36,10 +37,10 @@ def test_compressor_closes_entries_near_1m(ratio, overlap):
     state = torch.randn(1, rows, 2 * width, generator=g)
     before = state.clone()
     norm = 1 + 0.1 * torch.randn(d, generator=g)
-    inv_freq = T.rope_table(8)
+    inv_freq = builders.rope_table(8)
     closes = (pos + 1) % ratio == 0
     entry_slots = torch.where(closes, torch.cumsum(closes, 0) - 1, -1).to(I32)
-    cache = T.page_pool(1, 4, d, torch.float32)
+    cache = builders.page_pool(1, 4, d, torch.float32)
     compressor_update(a, z, ape, pos, req, entry_slots, norm, inv_freq, state, cache, EPS, "exact")
 
     def row(q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +63,7 @@ def test_compressor_closes_entries_near_1m(ratio, overlap):
             c = (torch.softmax(sz, 0) * sa).sum(0)
             c = c * torch.rsqrt(c.square().mean() + EPS) * norm.to(dtype)
             at = torch.tensor([p // ratio * ratio])
-            out.append((rope64 if dtype == torch.float64 else T.complex_rope)(c[None], at, inv_freq)[0])
+            out.append((rope64 if dtype == torch.float64 else builders.complex_rope)(c[None], at, inv_freq)[0])
         return torch.stack(out)
 
     got = unpack_kv(cache, torch.arange(int(closes.sum()), dtype=I32), d, torch.float32, "exact")
@@ -107,8 +108,8 @@ def test_hca_attention_over_8192_entries_at_1m():
     2^20 - 128 .. 2^20 - 1) and all 8,192 HCA entries."""
     ring, window, d, heads, n = 256, 128, 16, 2, M // 128
     g = torch.Generator().manual_seed(2)
-    window_cache = T.fill_pool(T.page_pool(ring // 64, 64, d, torch.float32), d, torch.float32)
-    comp_cache = T.fill_pool(T.page_pool(n // 64, 64, d, torch.float32), d, torch.float32)
+    window_cache = builders.fill_pool(builders.page_pool(ring // 64, 64, d, torch.float32), d, torch.float32)
+    comp_cache = builders.fill_pool(builders.page_pool(n // 64, 64, d, torch.float32), d, torch.float32)
     q, sinks = torch.randn(1, heads, d, generator=g), torch.randn(heads, generator=g)
     pos, req = torch.tensor([M - 1], dtype=I32), torch.zeros(1, dtype=I32)
     comp_idx = torch.randperm(n, generator=g).to(I32)[None]

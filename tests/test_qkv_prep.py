@@ -3,13 +3,14 @@ insert in the pool's format (exactly the live tokens' slots), padding tokens, ba
 
 from functools import partial
 
+import builders
 import pytest
 import torch
+from builders import FP8
 
 import format_model as M
 from dsv4ops import testing as T
 from dsv4ops.quant.api import pool_slots, unpack_kv
-from dsv4ops.testing import FP8
 
 BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
 # Request 0 continues at positions 5..7; request 1 at 9, 10 wraps its 8-slot ring (slots 8 + 1, 8 + 2).
@@ -25,8 +26,8 @@ def _independent(args: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     q, kv, pos = args["q"].to(dtype), args["kv"].to(dtype), args["positions"]
     if args["q_norm"]:
         q = q * torch.rsqrt(q.to(acc).square().mean(-1, keepdim=True) + args["eps"]).to(dtype)
-    q_out = T.complex_rope(q, pos, args["inv_freq"])
-    rows = T.complex_rope(kv, pos, args["inv_freq"])[args["req_slots"] >= 0]
+    q_out = builders.complex_rope(q, pos, args["inv_freq"])
+    rows = builders.complex_rope(kv, pos, args["inv_freq"])[args["req_slots"] >= 0]
     fmt = args["window_fmt"]
     if dtype != torch.float64:
         if fmt == "exact":
@@ -49,10 +50,10 @@ def _stored(args: dict, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
                                                (FP32, FP8, True), (BF16, "fp8_528", False), (FP32, FP32, False)],
                          ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8", "v41-bf16-fp8_528", "v41-fp32"])
 def test_writes_q_out_and_the_live_tokens_window_slots(dtype, fmt, q_norm):
-    args = T.qkv_prep_args(dtype, fmt, runs=RUNS, pad=2, noncontig=dtype == FP32, q_norm=q_norm)
+    args = builders.qkv_prep_args(dtype, fmt, runs=RUNS, pad=2, noncontig=dtype == FP32, q_norm=q_norm)
     args["window_cache"].fill_(255 if args["window_cache"].dtype == torch.uint8 else float("nan"))  # poison
     args["q_out"].fill_(float("nan"))
-    T.call_op("qkv_prep", args)
+    builders.call_op("qkv_prep", args)
     dim = args["q"].shape[-1]
     q64, rows64 = _independent(args, torch.float64)
     q_lowp, rows_lowp = _independent(args, dtype)
@@ -66,29 +67,29 @@ def test_writes_q_out_and_the_live_tokens_window_slots(dtype, fmt, q_norm):
 def test_q_norm_flag_is_the_only_difference_between_v4_and_v41_queries():
     # Same inputs: V4's q is RoPE(q / rms(q)); V4.1's is RoPE(q). The norm scales each head by one
     # number, so the V4 row is the V4.1 row times that head's rsqrt(mean(q^2) + eps).
-    args = T.qkv_prep_args(FP32, runs=RUNS, pad=0)
+    args = builders.qkv_prep_args(FP32, runs=RUNS, pad=0)
     v41 = dict(args, q_norm=False, q_out=torch.empty_like(args["q_out"]))
-    T.call_op("qkv_prep", args)
-    T.call_op("qkv_prep", v41)
+    builders.call_op("qkv_prep", args)
+    builders.call_op("qkv_prep", v41)
     rms = torch.rsqrt(args["q"].double().square().mean(-1, keepdim=True) + args["eps"])
     torch.testing.assert_close(args["q_out"].double(), v41["q_out"].double() * rms, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(args["q_out"], v41["q_out"])
 
 
 def test_public_function_returns_q_out():
-    args = T.qkv_prep_args(BF16, FP8, runs=RUNS, pad=1, noncontig=True)
+    args = builders.qkv_prep_args(BF16, FP8, runs=RUNS, pad=1, noncontig=True)
     same = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    out = T.call_public("qkv_prep", args)
-    T.call_op("qkv_prep", same)  # the same kernel on the same inputs: bit for bit
-    assert out.is_contiguous() and T.bytes_equal(out, same["q_out"])
-    assert T.bytes_equal(args["window_cache"], same["window_cache"])
+    out = builders.call_public("qkv_prep", args)
+    builders.call_op("qkv_prep", same)  # the same kernel on the same inputs: bit for bit
+    assert out.is_contiguous() and builders.bytes_equal(out, same["q_out"])
+    assert builders.bytes_equal(args["window_cache"], same["window_cache"])
 
 
 def test_padding_tokens_write_nothing():
-    args = T.qkv_prep_args(FP32, runs=(), pad=3)
+    args = builders.qkv_prep_args(FP32, runs=(), pad=3)
     before = args["window_cache"].clone()
-    q_out = T.call_public("qkv_prep", args)
-    assert T.bytes_equal(args["window_cache"], before)
+    q_out = builders.call_public("qkv_prep", args)
+    assert builders.bytes_equal(args["window_cache"], before)
     T.assert_close_to_ref(q_out, _independent(args, torch.float64)[0], _independent(args, FP32)[0])
 
 
@@ -105,9 +106,9 @@ def test_window_slots_give_no_slot_to_a_negative_position_of_a_live_request():
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-ARGS = partial(T.qkv_prep_args, FP32)
-FP8_ARGS = partial(T.qkv_prep_args, BF16, FP8)
-w = T.with_arg
+ARGS = partial(builders.qkv_prep_args, FP32)
+FP8_ARGS = partial(builders.qkv_prep_args, BF16, FP8)
+w = builders.with_arg
 BAD = [
     ("q-ndim", ARGS, w("q", lambda a: a["q"][0]), r"q: expected 3-D \[tokens, heads, head_dim\]"),
     ("q-dtype", ARGS, w("q", lambda a: a["q"].double()), r"q: expected dtype in"),
@@ -162,4 +163,4 @@ BAD = [
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, factory, mutate, match, *via = case
-    T.assert_bad_case("qkv_prep", factory(), mutate, match, via)
+    builders.assert_bad_case("qkv_prep", factory(), mutate, match, via)

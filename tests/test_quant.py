@@ -7,11 +7,12 @@ writes and reads nothing), int64 offsets, bad inputs. Issues 3, 16."""
 
 from functools import partial
 
+import builders
 import pytest
 import torch
+from builders import FP8
 
 import format_model as M
-from dsv4ops import testing as T
 from dsv4ops.quant import api, codecs, formats
 from dsv4ops.quant.reference import (
     INDEXER_ENTRY_BYTES,
@@ -22,7 +23,6 @@ from dsv4ops.quant.reference import (
     main_block_bytes,
 )
 from dsv4ops.reference.numerics import round_indexer_key, round_kv
-from dsv4ops.testing import FP8
 
 U8 = torch.uint8
 BYTE_FORMATS = sorted(formats.FORMATS)
@@ -83,7 +83,7 @@ def test_pool_bytes_equal_the_independent_model(name):
     bs, blocks = BS[name], 3
     x = _rows(name, 5)
     slots = [2 * bs - 1, 0, bs, 3 * bs - 1, 1]  # page ends and starts, first and last page
-    pool = T.page_pool(blocks, bs, formats.FORMATS[name].dim, name)
+    pool = builders.page_pool(blocks, bs, formats.FORMATS[name].dim, name)
     api.pack_kv(x, torch.tensor(slots, dtype=torch.int32), pool, name)
     want = M.pool_bytes(name, blocks, bs, {s: x[i].tolist() for i, s in enumerate(slots)})
     got = bytes(pool.view(-1).tolist())
@@ -167,7 +167,7 @@ def _varied_rows(n: int, dim: int) -> torch.Tensor:
 def test_main_round_trip():
     x = _varied_rows(4, 512)
     slots = torch.tensor([6, 0, 3, 7], dtype=torch.int32)
-    pool = T.page_pool(2, 4, 512, FP8)
+    pool = builders.page_pool(2, 4, 512, FP8)
     api.pack_kv(x, slots, pool, "fp8_584")
     y = api.unpack_kv(pool, slots, 512, torch.float32, "fp8_584")
     assert torch.equal(y[:, 448:], x[:, 448:].bfloat16().float())  # the rope half is bit exact
@@ -186,7 +186,7 @@ def test_main_round_trip():
 def test_indexer_round_trip():
     x = torch.randn(5, 128) * torch.logspace(-4, 3, 5)[:, None]
     slots = torch.tensor([2, 9, 0, 4, 11], dtype=torch.int32)
-    pool = T.page_pool(3, 4, 128, FP8)
+    pool = builders.page_pool(3, 4, 128, FP8)
     api.pack_kv(x, slots, pool, "fp8_132")
     y = api.unpack_kv(pool, slots, 128, torch.float32, "fp8_132")
     assert torch.equal(y, round_indexer_key(x, "fp8"))
@@ -201,7 +201,7 @@ def test_v41_round_trip_reads_back_the_model_values(name):
     f = formats.FORMATS[name]
     x = _rows(name, 4).clamp(-1000, 1000)  # no overflowing fp4_288 scale here (amax / 6 < 464)
     slots = torch.tensor([1, 0, 2 * BS[name] - 1, BS[name]], dtype=torch.int32)
-    pool = T.page_pool(2, BS[name], f.dim, name)
+    pool = builders.page_pool(2, BS[name], f.dim, name)
     api.pack_kv(x, slots, pool, name)
     y = api.unpack_kv(pool, slots, f.dim, torch.float32, name).double()
     for i in range(4):
@@ -241,7 +241,7 @@ def test_v41_quantization_error_is_within_half_a_step(name):
 def test_float_pool_round_trip(fmt, dtype):
     x = torch.randn(3, 16, dtype=dtype)
     slots = torch.tensor([7, 1, 4], dtype=torch.int32)
-    pool = T.page_pool(2, 4, 16, fmt)
+    pool = builders.page_pool(2, 4, 16, fmt)
     api.pack_kv(x, slots, pool, "exact")
     assert torch.equal(api.unpack_kv(pool, slots, 16, dtype, "exact"), x.to(fmt).to(dtype))
 
@@ -254,16 +254,16 @@ FORMAT_IDS = BYTE_FORMATS + ["exact"]
 @pytest.mark.parametrize("fmt,dim", FORMAT_CASES, ids=FORMAT_IDS)
 def test_pack_writes_its_slots_only(fmt, dim):
     bs = BS.get(fmt, 4)
-    name = T.format_name(fmt, dim)
-    pool = T.page_pool(3, bs, dim, fmt)
+    name = builders.format_name(fmt, dim)
+    pool = builders.page_pool(3, bs, dim, fmt)
     slots = torch.tensor([2 * bs + 1, -1, 2, -1], dtype=torch.int32)
     x = torch.randn(4, dim)
     api.pack_kv(x, slots, pool, name)
-    fresh = T.page_pool(3, bs, dim, fmt)
+    fresh = builders.page_pool(3, bs, dim, fmt)
     for s, row in zip([2 * bs + 1, 2], [x[0], x[2]], strict=True):  # each written entry, alone, into a fresh pool
         api.pack_kv(row[None], torch.tensor([s], dtype=torch.int32), fresh, name)
-    assert T.bytes_equal(pool, fresh)  # rows with slot -1 wrote nothing; nothing else changed
-    poisoned = T.page_pool(3, bs, dim, fmt)
+    assert builders.bytes_equal(pool, fresh)  # rows with slot -1 wrote nothing; nothing else changed
+    poisoned = builders.page_pool(3, bs, dim, fmt)
     touched = (pool.view(U8) != poisoned.view(U8)) if pool.dtype == U8 else ~pool.isnan()
     per_entry = formats.FORMATS[name].row_bytes if pool.dtype == U8 else dim
     assert int(touched.sum()) <= 2 * per_entry
@@ -271,83 +271,83 @@ def test_pack_writes_its_slots_only(fmt, dim):
 
 @pytest.mark.parametrize("fmt,dim", FORMAT_CASES, ids=FORMAT_IDS)
 def test_unpack_slot_minus_one_reads_nothing(fmt, dim):
-    pool = T.page_pool(2, BS.get(fmt, 4), dim, fmt)  # all poison: any read is NaN
+    pool = builders.page_pool(2, BS.get(fmt, 4), dim, fmt)  # all poison: any read is NaN
     out = torch.full((3, dim), float("nan"))
-    T.call_op("unpack_kv", dict(cache=pool, slots=torch.full((3,), -1, dtype=torch.int32), out=out,
-                                fmt=T.format_name(fmt, dim)))
+    builders.call_op("unpack_kv", dict(cache=pool, slots=torch.full((3,), -1, dtype=torch.int32), out=out,
+                                fmt=builders.format_name(fmt, dim)))
     assert (out == 0).all()
 
 
 @pytest.mark.parametrize("fmt", [FP8, "fp4_288", "mxfp4_68"])
 def test_unpack_writes_every_row(fmt):
-    args = T.unpack_kv_args(torch.float32, fmt, slots=(5, -1, 0), block_size=BS.get(fmt, 4))
+    args = builders.unpack_kv_args(torch.float32, fmt, slots=(5, -1, 0), block_size=BS.get(fmt, 4))
     args["out"].fill_(float("nan"))
-    T.call_op("unpack_kv", args)
+    builders.call_op("unpack_kv", args)
     assert not args["out"].isnan().any() and (args["out"][1] == 0).all()
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-PACK_FP32 = partial(T.pack_kv_args, torch.float32)
-PACK_FP8 = partial(T.pack_kv_args, torch.float32, FP8)
-PACK_MX4 = partial(T.pack_kv_args, torch.float32, "mxfp4_68", block_size=7)
-UNPACK_FP32 = partial(T.unpack_kv_args, torch.float32)
+PACK_FP32 = partial(builders.pack_kv_args, torch.float32)
+PACK_FP8 = partial(builders.pack_kv_args, torch.float32, FP8)
+PACK_MX4 = partial(builders.pack_kv_args, torch.float32, "mxfp4_68", block_size=7)
+UNPACK_FP32 = partial(builders.unpack_kv_args, torch.float32)
 I32 = torch.int32
 BAD = [
     # (id, op, factory, mutation, error, message, paths)
-    ("x-ndim", "pack_kv", PACK_FP32, T.with_arg("x", lambda a: a["x"][None]), r"x: expected 2-D \[rows, dim\]"),
-    ("x-dtype", "pack_kv", PACK_FP32, T.with_arg("x", lambda a: a["x"].double()), r"x: expected dtype in"),
-    ("slots-ndim", "pack_kv", PACK_FP32, T.with_arg("slots", lambda a: a["slots"][:, None]), r"slots: expected 1-D"),
-    ("slots-dtype", "pack_kv", PACK_FP32, T.with_arg("slots", lambda a: a["slots"].long()),
+    ("x-ndim", "pack_kv", PACK_FP32, builders.with_arg("x", lambda a: a["x"][None]), r"x: expected 2-D \[rows, dim\]"),
+    ("x-dtype", "pack_kv", PACK_FP32, builders.with_arg("x", lambda a: a["x"].double()), r"x: expected dtype in"),
+    ("slots-ndim", "pack_kv", PACK_FP32, builders.with_arg("slots", lambda a: a["slots"][:, None]), r"slots: expected 1-D"),
+    ("slots-dtype", "pack_kv", PACK_FP32, builders.with_arg("slots", lambda a: a["slots"].long()),
      r"slots: expected dtype in \[torch.int32\], got torch.int64"),
-    ("slots-size", "pack_kv", PACK_FP32, T.with_arg("slots", lambda a: a["slots"][:2]),
+    ("slots-size", "pack_kv", PACK_FP32, builders.with_arg("slots", lambda a: a["slots"][:2]),
      r"slots: expected size 3 \(tokens of x\) at dim 0, got 2"),
-    ("slots-device", "pack_kv", PACK_FP32, T.with_arg("slots", lambda a: a["slots"].to("meta")),
+    ("slots-device", "pack_kv", PACK_FP32, builders.with_arg("slots", lambda a: a["slots"].to("meta")),
      r"slots: expected device cpu \(as x\), got meta"),
-    ("cache-contiguous", "pack_kv", PACK_FP32, T.with_arg("cache", lambda a: a["cache"].transpose(0, 1)),
+    ("cache-contiguous", "pack_kv", PACK_FP32, builders.with_arg("cache", lambda a: a["cache"].transpose(0, 1)),
      r"cache: expected a contiguous tensor"),
-    ("cache-device", "pack_kv", PACK_FP32, T.with_arg("cache", lambda a: a["cache"].to("meta")),
+    ("cache-device", "pack_kv", PACK_FP32, builders.with_arg("cache", lambda a: a["cache"].to("meta")),
      r"cache: expected device cpu \(as the activations\), got meta"),
-    ("cache-fp8-ndim", "pack_kv", PACK_FP8, T.with_arg("cache", lambda a: a["cache"][None]),
+    ("cache-fp8-ndim", "pack_kv", PACK_FP8, builders.with_arg("cache", lambda a: a["cache"][None]),
      r"cache: expected 2-D \[blocks, page bytes\] \(fp8_584 pages\)"),
-    ("cache-fp8-width", "pack_kv", PACK_FP8, T.with_arg("x", lambda a: a["x"][:, :256]),
+    ("cache-fp8-width", "pack_kv", PACK_FP8, builders.with_arg("x", lambda a: a["x"][:, :256]),
      r"cache: format fp8_584 stores 512-d rows, got 256-d rows"),
-    ("cache-fp8-page", "pack_kv", PACK_FP8, T.with_arg("cache", lambda a: a["cache"][:, :-1].contiguous()),
+    ("cache-fp8-page", "pack_kv", PACK_FP8, builders.with_arg("cache", lambda a: a["cache"][:, :-1].contiguous()),
      r"cache: expected a page of whole 584-B fp8_584 rows \(2880 B for 4 rows\), got 2879 B"),
-    ("cache-mx4-page", "pack_kv", PACK_MX4, T.with_arg("cache", lambda a: a["cache"][:, :-4].contiguous()),
+    ("cache-mx4-page", "pack_kv", PACK_MX4, builders.with_arg("cache", lambda a: a["cache"][:, :-4].contiguous()),
      r"cache: expected a page of whole 68-B mxfp4_68 rows \(512 B for 7 rows\), got 508 B"),
-    ("fmt-unknown", "pack_kv", PACK_FP8, T.with_arg("fmt", lambda a: "fp8"),
+    ("fmt-unknown", "pack_kv", PACK_FP8, builders.with_arg("fmt", lambda a: "fp8"),
      r"fmt: expected one of \['fp8_584', 'fp8_132', 'fp8_528', 'fp4_288', 'mxfp4_68', 'exact'\], got 'fp8'"),
-    ("fmt-other-format", "pack_kv", PACK_FP8, T.with_arg("fmt", lambda a: "fp4_288"),
+    ("fmt-other-format", "pack_kv", PACK_FP8, builders.with_arg("fmt", lambda a: "fp4_288"),
      r"cache: expected a page of whole 288-B fp4_288 rows"),
-    ("fmt-exact-on-bytes", "unpack_kv", partial(T.unpack_kv_args, torch.float32, "fp8_528"),
-     T.with_arg("fmt", lambda a: "exact"), r"cache: expected dtype in \[torch.float32, torch.bfloat16, "),
-    ("cache-dtype", "pack_kv", PACK_FP32, T.with_arg("cache", lambda a: a["cache"].double()),
+    ("fmt-exact-on-bytes", "unpack_kv", partial(builders.unpack_kv_args, torch.float32, "fp8_528"),
+     builders.with_arg("fmt", lambda a: "exact"), r"cache: expected dtype in \[torch.float32, torch.bfloat16, "),
+    ("cache-dtype", "pack_kv", PACK_FP32, builders.with_arg("cache", lambda a: a["cache"].double()),
      r"cache: expected dtype in"),
-    ("cache-ndim", "pack_kv", PACK_FP32, T.with_arg("cache", lambda a: a["cache"][0]),
+    ("cache-ndim", "pack_kv", PACK_FP32, builders.with_arg("cache", lambda a: a["cache"][0]),
      r"cache: expected 3-D \[blocks, block_size, dim\]"),
-    ("cache-width", "pack_kv", PACK_FP32, T.with_arg("x", lambda a: a["x"][:, :8]),
+    ("cache-width", "pack_kv", PACK_FP32, builders.with_arg("x", lambda a: a["x"][:, :8]),
      r"cache: expected size 8 \(row width\) at dim 2, got 16"),
-    ("out-ndim", "unpack_kv", UNPACK_FP32, T.with_arg("out", lambda a: a["out"][None]), r"out: expected 2-D", ("op",)),
-    ("out-dtype", "unpack_kv", UNPACK_FP32, T.with_arg("out", lambda a: a["out"].int()), r"out: expected dtype in",
+    ("out-ndim", "unpack_kv", UNPACK_FP32, builders.with_arg("out", lambda a: a["out"][None]), r"out: expected 2-D", ("op",)),
+    ("out-dtype", "unpack_kv", UNPACK_FP32, builders.with_arg("out", lambda a: a["out"].int()), r"out: expected dtype in",
      ("op",)),
-    ("unpack-slots-dtype", "unpack_kv", UNPACK_FP32, T.with_arg("slots", lambda a: a["slots"].long()),
+    ("unpack-slots-dtype", "unpack_kv", UNPACK_FP32, builders.with_arg("slots", lambda a: a["slots"].long()),
      r"slots: expected dtype in \[torch.int32\]"),
-    ("unpack-slots-ndim", "unpack_kv", UNPACK_FP32, T.with_arg("slots", lambda a: a["slots"][None]),
+    ("unpack-slots-ndim", "unpack_kv", UNPACK_FP32, builders.with_arg("slots", lambda a: a["slots"][None]),
      r"slots: expected 1-D"),
     # Values (public functions only; eager).
-    ("slots-high", "pack_kv", PACK_FP8, T.with_arg("slots", lambda a: torch.tensor([1, 8, 0], dtype=I32)),
+    ("slots-high", "pack_kv", PACK_FP8, builders.with_arg("slots", lambda a: torch.tensor([1, 8, 0], dtype=I32)),
      r"slots: expected values in \[-1, 8\) \(-1 or a slot of the pool's 8\), got 8 at index 1", ("public",)),
-    ("slots-low", "pack_kv", PACK_FP32, T.with_arg("slots", lambda a: torch.tensor([1, -2, 0], dtype=I32)),
+    ("slots-low", "pack_kv", PACK_FP32, builders.with_arg("slots", lambda a: torch.tensor([1, -2, 0], dtype=I32)),
      r"slots: expected values in \[-1, 8\) .*got -2 at index 1", ("public",)),
-    ("slots-distinct", "pack_kv", PACK_FP32, T.with_arg("slots", lambda a: torch.tensor([3, -1, 3], dtype=I32)),
+    ("slots-distinct", "pack_kv", PACK_FP32, builders.with_arg("slots", lambda a: torch.tensor([3, -1, 3], dtype=I32)),
      r"slots: expected distinct slots \(one row per slot\), got 3 \(2 times\)", ("public",)),
-    ("unpack-slots-high", "unpack_kv", UNPACK_FP32, T.with_arg("slots", lambda a: torch.tensor([0, -1, 9], dtype=I32)),
+    ("unpack-slots-high", "unpack_kv", UNPACK_FP32, builders.with_arg("slots", lambda a: torch.tensor([0, -1, 9], dtype=I32)),
      r"slots: expected values in \[-1, 8\) .*got 9 at index 2", ("public",)),
     # Issue 32: +inf in the e4m3 part of an fp8_584 row was stored as 448 (scale 1 for its tile).
-    ("x-inf-fp8", "pack_kv", PACK_FP8, T.with_arg("x", lambda a: _with(a["x"], (2, 5), float("inf"))),
+    ("x-inf-fp8", "pack_kv", PACK_FP8, builders.with_arg("x", lambda a: _with(a["x"], (2, 5), float("inf"))),
      r"x: expected finite values \(the rows stored in format fp8_584: its scales come from each tile's amax\), "
      r"got inf at index \(2, 5\)", ("public",)),
-    ("x-nan-mx4", "pack_kv", PACK_MX4, T.with_arg("x", lambda a: _with(a["x"], (0, 127), float("nan"))),
+    ("x-nan-mx4", "pack_kv", PACK_MX4, builders.with_arg("x", lambda a: _with(a["x"], (0, 127), float("nan"))),
      r"x: expected finite values \(the rows stored in format mxfp4_68.*got nan at index \(0, 127\)", ("public",)),
 ]
 
@@ -373,4 +373,4 @@ def test_non_finite_values_are_stored_where_nothing_is_coded():
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, name, factory, mutate, match, *via = case
-    T.assert_bad_case(name, factory(), mutate, match, via)
+    builders.assert_bad_case(name, factory(), mutate, match, via)

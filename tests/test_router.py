@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import dsv4ops  # noqa: F401  (defines the dsv4:: ops)
 from dsv4ops.config import DSV4AttentionConfig
 from dsv4ops.router import api, reference
+from dsv4ops.router import cuda as router_cuda
 from dsv4ops.router.modules import DeepseekV4HashRouter, DeepseekV4Router
 
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -361,16 +362,16 @@ def test_modules_compile_fullgraph():
 
 # ---- dispatch and import hygiene -----------------------------------------------------------------
 def test_decode_gate_backend_table():
-    assert api._decode_gate_backend(1, (9, 0)) == "cute_sm90"
-    assert api._decode_gate_backend(64, (9, 0)) == "cute_sm90"
-    assert api._decode_gate_backend(65, (9, 0)) == "csrc"
-    assert api._decode_gate_backend(8, (10, 0)) == "csrc"  # tcgen05 kernel not yet run on hardware
-    assert api._decode_gate_backend(8, (8, 0)) == "csrc"
+    assert router_cuda._decode_gate_backend(1, (9, 0)) == "cute_sm90"
+    assert router_cuda._decode_gate_backend(64, (9, 0)) == "cute_sm90"
+    assert router_cuda._decode_gate_backend(65, (9, 0)) == "csrc"
+    assert router_cuda._decode_gate_backend(8, (10, 0)) == "csrc"  # tcgen05 kernel not yet run on hardware
+    assert router_cuda._decode_gate_backend(8, (8, 0)) == "csrc"
 
 
 def test_import_loads_no_backend():
     code = (
-        "import sys, dsv4ops, dsv4ops.router.api, dsv4ops.router.modules\n"
+        "import sys, dsv4ops, dsv4ops.router.api, dsv4ops.router.cuda, dsv4ops.router.modules\n"
         "bad = [m for m in ('cutlass', 'triton', 'torch.utils.cpp_extension') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -418,7 +419,7 @@ def test_router_fakes_have_no_side_effects(monkeypatch):
         raise AssertionError("a router fake tried to build or bind the CUDA kernels")
 
     monkeypatch.setattr(csrc, "load", forbidden)
-    monkeypatch.setattr(api, "load_cuda_backends", forbidden)
+    monkeypatch.setattr(router_cuda, "load_cuda_backends", forbidden)
     with FakeTensorMode():
         for name, call in public_calls("cuda").items():
             call()
@@ -442,11 +443,11 @@ def test_failed_csrc_build_raises(monkeypatch):
         with pytest.raises(RuntimeError, match=r"the CUDA C\+\+ kernels \(csrc/\) are required on this GPU by "
                                                r"the arch table .* building csrc/ failed: Error building extension"):
             csrc.load()
-        api.load_cuda_backends.cache_clear()
+        router_cuda.load_cuda_backends.cache_clear()
         with pytest.raises(RuntimeError, match="building csrc/ failed"):  # where an op meets CUDA tensors
-            api.bind_cuda_kernel("hash_route", (9, 0))
+            router_cuda.bind_cuda_kernel("hash_route", (9, 0))
     finally:
         csrc.load.cache_clear()
-        api.load_cuda_backends.cache_clear()
+        router_cuda.load_cuda_backends.cache_clear()
     # Only the arch table sends CUDA tensors to the reference: an architecture without a row.
-    assert api.bind_cuda_kernel("hash_route", (8, 0)) is False
+    assert router_cuda.bind_cuda_kernel("hash_route", (8, 0)) is False

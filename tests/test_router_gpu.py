@@ -18,6 +18,7 @@ from test_router import (
 from torch._dynamo.utils import counters
 
 from dsv4ops.router import api, reference
+from dsv4ops.router import cuda as router_cuda
 from dsv4ops.router.modules import DeepseekV4HashRouter, DeepseekV4Router
 
 pytestmark = [
@@ -30,7 +31,7 @@ FLASH, PRO = (4096, 256), (7168, 384)  # (hidden, experts), top-6 both
 
 @pytest.fixture(scope="module", autouse=True)
 def _cuda_kernels():
-    assert api.load_cuda_backends(), "the csrc/ build or load failed (see the log)"
+    assert router_cuda.load_cuda_backends(), "the csrc/ build or load failed (see the log)"
     for op in ("gate_topk", "hash_route", "router_gate"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"dsv4::{op}", "CUDA"), op
 

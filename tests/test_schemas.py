@@ -2,9 +2,9 @@
 Regenerate with `EXPECTTEST_ACCEPT=1 python -m pytest tests/test_schemas.py`. Issue 3."""
 
 import torch
+from builders import dsv4_ops
 from expecttest import assert_expected_inline
 
-from dsv4ops.testing import dsv4_ops
 
 PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
           "indexer_q_prep", "indexer_k_prep", "indexer_topk", "visible_entries", "sparse_attn", "inv_rope",

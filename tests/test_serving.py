@@ -3,6 +3,7 @@ and the serving step."""
 
 import random
 
+import drivers
 import pytest
 import torch
 
@@ -95,7 +96,7 @@ SCHEDULES = {
 def test_serving_equals_stateless(kind, mode, schedule):
     layer, manager, inputs = _setup(kind, mode)
     with torch.no_grad():
-        outs = testing.serve_schedule(layer, manager, inputs, SCHEDULES[schedule]())
+        outs = drivers.serve_schedule(layer, manager, inputs, SCHEDULES[schedule]())
     _check_against_stateless(layer, inputs, outs, mode)
 
 
@@ -116,10 +117,10 @@ def test_serving_with_real_selection_equals_the_oracle(mode, schedule, compiled)
     layer, manager, inputs = _setup(CSA, mode, cfg=SELECTING)
     fn = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
     with torch.no_grad():
-        testing.serve_schedule(fn, manager, {"c": inputs["c"]}, [{"c": 9}])
+        drivers.serve_schedule(fn, manager, {"c": inputs["c"]}, [{"c": 9}])
         manager.release("c")
         sel = {}
-        outs = testing.serve_schedule(fn, manager, {r: inputs[r] for r in ("a", "b")},
+        outs = drivers.serve_schedule(fn, manager, {r: inputs[r] for r in ("a", "b")},
                                       [{r: n for r, n in step.items() if r != "c"} for step in SCHEDULES[schedule]()
                                        if set(step) - {"c"}], selections=sel)
     assert manager.slot_of["a"] == 0  # c's released slot, reused
@@ -144,7 +145,7 @@ def test_padding_tokens_change_nothing(kind):
     for garbage in (None, torch.Generator().manual_seed(7)):
         layer, manager, inputs = _setup(kind, "fp8", buckets=(400,))
         with torch.no_grad():
-            outs = testing.serve_schedule(layer, manager, inputs, steps, garbage=garbage)
+            outs = drivers.serve_schedule(layer, manager, inputs, steps, garbage=garbage)
         runs.append((outs, _pool_bytes(layer)))
     (o1, p1), (o2, p2) = runs
     for rid in LENGTHS:
@@ -157,10 +158,10 @@ def test_padding_tokens_change_nothing(kind):
 def test_released_slot_leaks_nothing(kind):
     layer, manager, inputs = _setup(kind, "fp8")
     with torch.no_grad():
-        first = testing.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 200}])
+        first = drivers.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 200}])
         slot, blocks = manager.slot_of["a"], manager.tables[kind][manager.slot_of["a"]].clone()
         manager.release("a")
-        outs = testing.serve_schedule(layer, manager, {"b": inputs["b"]}, [{"b": 50}, {"b": 81}])
+        outs = drivers.serve_schedule(layer, manager, {"b": inputs["b"]}, [{"b": 50}, {"b": 81}])
     assert manager.slot_of["b"] == slot  # the slot and its first blocks were reused
     assert torch.equal(manager.tables[kind][slot][: (131 // CFG.compress_ratio(LAYER[kind]) + 63) // 64],
                        blocks[: (131 // CFG.compress_ratio(LAYER[kind]) + 63) // 64])
@@ -199,7 +200,7 @@ def _assert_same(a, b):
 def test_prepare_step_rejects_bad_steps_and_changes_nothing(bad, error, match):
     layer, manager, inputs = _setup(CSA, "fp8", max_request_step_tokens=272)
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": inputs["a"][:10], "b": inputs["b"][:5]}, [{"a": 10, "b": 5}])
+        drivers.serve_schedule(layer, manager, {"a": inputs["a"][:10], "b": inputs["b"][:5]}, [{"a": 10, "b": 5}])
     before = _snapshot(manager, layer)
     with pytest.raises(error, match=match):
         manager.prepare_step(bad)
@@ -209,7 +210,7 @@ def test_prepare_step_rejects_bad_steps_and_changes_nothing(bad, error, match):
 def test_position_beyond_max_context_is_rejected():
     layer, manager, inputs = _setup(HCA, "fp8")
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 260}])
+        drivers.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 260}])
     before = _snapshot(manager, layer)
     with pytest.raises(ValueError, match=r"new_tokens\['a'\]: positions 260..272 pass max_context 272"):
         manager.prepare_step({"a": 13})
@@ -221,7 +222,7 @@ def test_full_cache_and_released_requests_are_rejected():
     layer, manager, inputs = _setup(CSA, "fp8", max_total_tokens=256)
     blocks = len(manager.allocators[CSA].free)
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 260}])
+        drivers.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": 260}])
     manager.admit("b")
     manager.admit("c")
     manager.admit("d")
@@ -230,7 +231,7 @@ def test_full_cache_and_released_requests_are_rejected():
     taken = blocks - len(manager.allocators[CSA].free)
     assert taken == 2  # 65 entries of request a
     for rid in ("b", "c", "d"):  # 64 entries = 1 block each: all 5 blocks taken
-        testing.serve_schedule(layer, manager, {rid: inputs["a"]}, [{rid: 256}])
+        drivers.serve_schedule(layer, manager, {rid: inputs["a"]}, [{rid: 256}])
     assert not manager.allocators[CSA].free
     before = _snapshot(manager, layer)
     with pytest.raises(CacheFullError, match=f"prepare_step: the {CSA} pool needs 1 more blocks, 0 are free"):

@@ -11,8 +11,10 @@ computations that differ by a rounding upstream)."""
 
 import random
 
+import builders
 import pytest
 import torch
+from drivers_v41 import serve_schedule
 
 from dsv4ops import testing
 from dsv4ops.cache.config import CacheConfig
@@ -22,7 +24,7 @@ from dsv4ops.cache.v41 import V41CacheManager, memory, stack_pools
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import STATELESS_BLOCK, DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics, stack_attention
-from dsv4ops.testing_v41 import check_pool, check_selection, serve_schedule, slots_to_entries
+from dsv4ops.testing_v41 import check_pool, check_selection, slots_to_entries
 
 CFG = DSV41AttentionConfig.tiny()
 NUMERICS = {"exact": V41Numerics.exact(), "qat": V41Numerics()}
@@ -206,9 +208,9 @@ def test_an_aborted_step_is_rolled_back_and_the_request_continues():
         step = manager.prepare_step({"a": 33})
         stack(torch.cat([x[:, 21:54], x.new_zeros(CFG.num_layers, step.positions.shape[0] - 33, CFG.hidden_size)], 1),
               step)
-        assert any(not testing.bytes_equal(t, states[n]) for n, t in _states(stack).items())  # the forward wrote
+        assert any(not builders.bytes_equal(t, states[n]) for n, t in _states(stack).items())  # the forward wrote
         manager.abort(step)
-        assert all(testing.bytes_equal(t, states[n]) for n, t in _states(stack).items())
+        assert all(builders.bytes_equal(t, states[n]) for n, t in _states(stack).items())
         assert all(torch.equal(t, tables[k]) for k, t in manager.tables.items()) and manager.length["a"] == 21
         rest = serve_schedule(stack, manager, {"a": x[:, 21:]}, [{"a": 33}] + [{"a": 1}] * 6)
     outs = {"a": torch.cat([first[0]["a"], rest[0]["a"]], 1)}

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from drivers_v41 import serve_schedule
 from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 
@@ -18,7 +19,7 @@ from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics, stack_attention
-from dsv4ops.testing_v41 import check_pool, check_selection, serve_schedule
+from dsv4ops.testing_v41 import check_pool, check_selection
 
 pytestmark = pytest.mark.gpu
 CFG = DSV41AttentionConfig.tiny()

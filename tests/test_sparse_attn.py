@@ -5,13 +5,14 @@ entries and padding tokens read nothing; bad inputs. Issues 3, 16."""
 
 from functools import partial
 
+import builders
 import pytest
 import torch
+from builders import FP8
 
 from dsv4ops import testing as T
 from dsv4ops.quant.api import unpack_kv
 from dsv4ops.quant.reference import pack_kv
-from dsv4ops.testing import FP8
 
 BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
 WINDOW, RING, BS = 4, 8, 4
@@ -28,9 +29,9 @@ def _case(dtype, fmt, heads: int, comp_fmt=None, window_ends=None):
     """Arguments whose pools hold rows only where a query may read; and those rows as read back."""
     comp_fmt = comp_fmt or fmt
     dim = 16 if isinstance(fmt, torch.dtype) else 512
-    wf, cf = T.format_name(fmt, dim), T.format_name(comp_fmt, dim)
-    positions, req_slots = T.step_tokens(*RUNS, pad=1)
-    window_cache, comp_cache = T.page_pool(4, BS, dim, fmt), T.page_pool(2, BS, dim, comp_fmt)
+    wf, cf = builders.format_name(fmt, dim), builders.format_name(comp_fmt, dim)
+    positions, req_slots = builders.step_tokens(*RUNS, pad=1)
+    window_cache, comp_cache = builders.page_pool(4, BS, dim, fmt), builders.page_pool(2, BS, dim, comp_fmt)
     rows = {}
     for r, ps in STORED.items():
         for p in ps:
@@ -87,7 +88,7 @@ def _reference(args: dict, read: dict, comp: torch.Tensor, dtype: torch.dtype) -
                          ids=["fp32", "bf16", "bf16-fp8", "fp32-fp8", "v41-bf16", "v41-fp32"])
 def test_attends_to_exactly_its_window_and_entries(dtype, fmt, heads, comp_fmt):
     args, read, comp = _case(dtype, fmt, heads, comp_fmt)
-    T.call_op("sparse_attn", args)
+    builders.call_op("sparse_attn", args)
     out = args["out"]
     # Rows outside every window and comp slots 5..7 are NaN poison: reading any of them shows here.
     assert not out.isnan().any()
@@ -95,8 +96,8 @@ def test_attends_to_exactly_its_window_and_entries(dtype, fmt, heads, comp_fmt):
     ref64 = _reference(args, read, comp, torch.float64)
     lowp = _reference(args, read, comp, dtype)
     T.assert_close_to_ref(out, ref64, lowp, what=f"sparse_attn {dtype} {fmt}")
-    public = T.call_public("sparse_attn", args)
-    assert public.is_contiguous() and T.bytes_equal(public, out)
+    public = builders.call_public("sparse_attn", args)
+    assert public.is_contiguous() and builders.bytes_equal(public, out)
 
 
 # Draft blocks: request 0's three tokens (9..11) one block ending at 11, request 1's two (0..1) one
@@ -111,14 +112,14 @@ def test_draft_block_sees_itself_both_ways(dtype, fmt, comp_fmt):
     `window` positions ending there, later tokens of its block included), equal to the independent
     dense formulation with those keys."""
     args, read, comp = _case(dtype, fmt, 2, comp_fmt, window_ends=BLOCK_ENDS)
-    T.call_op("sparse_attn", args)
+    builders.call_op("sparse_attn", args)
     out = args["out"]
     assert not out.isnan().any() and (out[-1] == 0).all()
     T.assert_close_to_ref(out, _reference(args, read, comp, torch.float64), _reference(args, read, comp, dtype),
                           what=f"block-causal sparse_attn {dtype} {fmt}")
-    public = T.call_public("sparse_attn", args)
-    assert T.bytes_equal(public, out)
-    causal = T.call_public("sparse_attn", dict(args, window_ends=None))
+    public = builders.call_public("sparse_attn", args)
+    assert builders.bytes_equal(public, out)
+    causal = builders.call_public("sparse_attn", dict(args, window_ends=None))
     # Token 2 (position 11, the block's end) and token 4 (position 1) see the same keys either way;
     # the earlier tokens of each block see later ones only with the block's window end.
     same = [bool(torch.equal(a, b)) for a, b in zip(causal, public, strict=True)]
@@ -129,21 +130,21 @@ def test_window_and_entries_both_count():
     # A query's output moves when a row of its window or a listed entry changes, and only then
     # (queries whose keys did not change repeat the same computation on the same values: `!=` is exact).
     args, _, _ = _case(FP32, FP32, 2)
-    base = T.call_public("sparse_attn", args)
+    base = builders.call_public("sparse_attn", args)
     args["window_cache"].view(-1, 16)[1 * RING + 1] += 1.0  # request 1, position 1: token 4 only
-    moved = (T.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
+    moved = (builders.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
     assert moved == [4]
     args["comp_cache"].view(-1, 16)[3] += 1.0  # entry slot 3: listed by token 0 only
-    moved = (T.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
+    moved = (builders.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
     assert moved == [0, 4]
     args["comp_cache"].view(-1, 16)[2] += 1.0  # slot 2: in token 2's row past its comp_lens, and token 3's
-    moved = (T.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
+    moved = (builders.call_public("sparse_attn", args) != base).flatten(1).any(-1).nonzero().flatten().tolist()
     assert moved == [0, 3, 4]
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-ARGS = partial(T.sparse_attn_args, FP32)
-wa = T.with_arg
+ARGS = partial(builders.sparse_attn_args, FP32)
+wa = builders.with_arg
 BAD = [
     ("q-ndim", wa("q", lambda a: a["q"][0]), r"q: expected 3-D \[tokens, heads, head_dim\]"),
     ("q-dtype", wa("q", lambda a: a["q"].double()), r"q: expected dtype in"),
@@ -210,7 +211,7 @@ BAD = [
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
-    T.assert_bad_case("sparse_attn", ARGS(), mutate, match, via)
+    builders.assert_bad_case("sparse_attn", ARGS(), mutate, match, via)
 
 
 # ---- the sm_90 CUDA C++ launcher's choices (dsv4ops/sparse_attn/cuda.py) ------------------------

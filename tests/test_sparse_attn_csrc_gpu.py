@@ -5,6 +5,7 @@ and the combine kernel) and a prefill chunk (one split), windows cut short below
 entries and shortened comp_lens, padding tokens, draft-block window ends, head counts that leave a
 CTA partly empty; outputs poisoned with NaN before the call."""
 
+import builders
 import pytest
 import torch
 
@@ -19,8 +20,8 @@ pytestmark = [pytest.mark.gpu,
 BS, RING, WINDOW, FMT = 64, 256, 128, "fp8_584"
 
 
-def _case(heads: int, prefill: bool, entries: int = 512, pool=testing.FP8):
-    return testing.sparse_attn_gpu_case(heads, prefill, entries, pool, padding=True, block_size=BS, ring=RING)
+def _case(heads: int, prefill: bool, entries: int = 512, pool=builders.FP8):
+    return builders.sparse_attn_gpu_case(heads, prefill, entries, pool, padding=True, block_size=BS, ring=RING)
 
 
 def _run(fn, dtype, q, wc, cc, pos, req, idx, lens, sinks, ends=None, fmt=FMT):
@@ -103,8 +104,8 @@ def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens):
 
     heads, f = 64, formats.get(FMT)
     slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
-    wc = testing.fill_pool(testing.page_pool(tokens * RING // BS, BS, 512, testing.FP8, device="cuda"), 512,
-                           testing.FP8)
+    wc = builders.fill_pool(builders.page_pool(tokens * RING // BS, BS, 512, builders.FP8, device="cuda"), 512,
+                           builders.FP8)
     rows = torch.arange(tokens, device="cuda")[:, None]
     codes = (torch.arange(448, device="cuda") + 37 * rows) % 256
     codes = torch.where(codes % 128 == 127, codes - 1, codes).to(torch.uint8)  # 0x7f / 0xff are NaN
@@ -134,10 +135,10 @@ def _pools(case, window_fmt: str, comp_fmt: str):
     """The case with its pools rebuilt in these formats (same blocks and slots, random rows); the
     sliding pair lists no entry (V4.1's sliding layers pass the window pool as comp_cache)."""
     q, wc, cc, pos, req, idx, lens, sinks = case
-    wc = testing.fill_pool(testing.page_pool(wc.shape[0], BS, 512, window_fmt, "cuda"), 512, window_fmt)
+    wc = builders.fill_pool(builders.page_pool(wc.shape[0], BS, 512, window_fmt, "cuda"), 512, window_fmt)
     if comp_fmt == window_fmt:
         return q, wc, wc, pos, req, idx[:, :0].contiguous(), torch.zeros_like(lens), sinks
-    cc = testing.fill_pool(testing.page_pool(cc.shape[0], BS, 512, comp_fmt, "cuda"), 512, comp_fmt)
+    cc = builders.fill_pool(builders.page_pool(cc.shape[0], BS, 512, comp_fmt, "cuda"), 512, comp_fmt)
     return q, wc, cc, pos, req, idx, lens, sinks
 
 
@@ -199,10 +200,10 @@ def test_one_fp4_entry_returns_half_its_row_bit_for_bit():
     from dsv4ops.quant.reference import pack_kv, unpack_kv
 
     tokens, heads, f = 16, 64, formats.get("fp4_288")
-    wc = testing.page_pool(tokens * RING // BS, BS, 512, "fp8_528", "cuda")
+    wc = builders.page_pool(tokens * RING // BS, BS, 512, "fp8_528", "cuda")
     win_slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
     pack_kv(torch.zeros(tokens, 512, device="cuda"), win_slots, wc, "fp8_528")
-    cc = testing.page_pool(-(-tokens // BS), BS, 512, "fp4_288", "cuda")
+    cc = builders.page_pool(-(-tokens // BS), BS, 512, "fp4_288", "cuda")
     rows = torch.arange(tokens, device="cuda")[:, None]
     data = ((torch.arange(256, device="cuda") + 29 * rows) % 256).to(torch.uint8)
     scales = (torch.arange(32, device="cuda") + 32 * rows) % 256
@@ -234,7 +235,7 @@ def test_one_fp8_528_key_returns_its_dequantized_row_bit_for_bit():
 
     tokens, heads, f = 16, 64, formats.get("fp8_528")
     slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING
-    wc = testing.page_pool(tokens * RING // BS, BS, 512, "fp8_528", "cuda")
+    wc = builders.page_pool(tokens * RING // BS, BS, 512, "fp8_528", "cuda")
     rows = torch.arange(tokens, device="cuda")[:, None]
     codes = (torch.arange(512, device="cuda") + 37 * rows) % 256
     codes = torch.where(codes % 128 == 127, codes - 1, codes).to(torch.uint8)

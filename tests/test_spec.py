@@ -6,6 +6,8 @@ window and block boundary continue like fresh requests fed the whole sequence, s
 blocks (copy on write) and release only what nobody else holds; block-causal draft windows; clear
 errors that change nothing; the memory accounting of shared blocks."""
 
+import builders
+import drivers
 import pytest
 import torch
 from test_serving import CFG, MODES, _pool_bytes
@@ -86,11 +88,11 @@ def verify_run(kind, mode, device="cpu", dtype=torch.float32):
     every kept token's output equals the fp64 oracle run on the kept tokens only."""
     layer, manager = _setup(kind, mode, device, dtype)
     inputs = _inputs(LENGTHS, 0, device, dtype)
-    schedule = testing.speculative_schedule(LENGTHS, DRAFTS, seed=LAYER[kind], prefill=PREFILL)
+    schedule = drivers.speculative_schedule(LENGTHS, DRAFTS, seed=LAYER[kind], prefill=PREFILL)
     rejected = sum(n - kept for step in schedule for n, kept in step.values())
     assert rejected > 50 and any(len(step) == 3 for step in schedule)
     with torch.no_grad():
-        outs = testing.serve_speculative(layer, manager, inputs, schedule, torch.Generator().manual_seed(1))
+        outs = drivers.serve_speculative(layer, manager, inputs, schedule, torch.Generator().manual_seed(1))
     assert manager.length == LENGTHS
     _check(layer, mode, inputs, outs)
 
@@ -108,7 +110,7 @@ def test_rewind_after_dropped_drafts_wrapped_the_state_ring(kind):
     inputs = _inputs({"a": 140}, 3)
     schedule = [{"a": (122, 122)}, {"a": (8, 4)}, {"a": (6, 6)}, {"a": (8, 8)}]
     with torch.no_grad():
-        outs = testing.serve_speculative(layer, manager, inputs, schedule, torch.Generator().manual_seed(1))
+        outs = drivers.serve_speculative(layer, manager, inputs, schedule, torch.Generator().manual_seed(1))
     _check(layer, "bf16", inputs, outs)
 
 
@@ -116,7 +118,7 @@ def test_rewind_drops_the_blocks_past_the_new_end():
     layer, manager = _setup(CSA, "bf16")
     x = _inputs({"a": 260}, 0)["a"]
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": x}, [{"a": 100}, {"a": 100}, {"a": 60}])
+        drivers.serve_schedule(layer, manager, {"a": x}, [{"a": 100}, {"a": 100}, {"a": 60}])
     free = len(manager.allocators[CSA].free)
     assert (manager.tables[CSA][0] >= 0).sum() == 2  # 65 entries of 64
     assert manager.rewindable("a") == DRAFTS
@@ -189,7 +191,7 @@ def fork_run(kind, device="cpu", dtype=torch.float32):
     done = 0
     with torch.no_grad():
         for stop in STOPS:
-            parent.append(testing.serve_schedule(layer, manager, {"p": x[done:]}, [{"p": stop - done}])["p"])
+            parent.append(drivers.serve_schedule(layer, manager, {"p": x[done:]}, [{"p": stop - done}])["p"])
             done = stop
             for n in FORKS:
                 if n <= stop and f"f{n}" not in manager.slot_of:
@@ -228,7 +230,7 @@ def fork_run(kind, device="cpu", dtype=torch.float32):
             if i == 3:
                 manager.release("p")
         for name, (pages, before) in shared.items():
-            assert testing.bytes_equal(getattr(layer.cache, name)[pages], before), f"a shared {name} block was written"
+            assert builders.bytes_equal(getattr(layer.cache, name)[pages], before), f"a shared {name} block was written"
         if cow is not None:  # f257 wrote a private copy; f256 still lists the shared block
             assert int(row("f257")[cow]) != block and int(row("f256")[cow]) == block
     seqs = {c: torch.cat([x[:starts[c]], t]) for c, t in tails.items()}
@@ -274,7 +276,7 @@ def test_fork_copies_the_partial_block_and_shares_the_complete_ones():
     layer, manager = _setup(CSA, "bf16", block_size=2)
     x = _inputs({"a": 42}, 0)["a"]
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": x}, [{"a": 42}])
+        drivers.serve_schedule(layer, manager, {"a": x}, [{"a": 42}])
     manager.fork("a", "b", 41)  # 10 entries: 5 full blocks shared, none partial
     manager.fork("a", "c", 38)  # 9 entries: 4 shared, the 5th block copied
     pa, pb, pc = (manager.tables[CSA][manager.slot_of[r]] for r in "abc")
@@ -283,11 +285,11 @@ def test_fork_copies_the_partial_block_and_shares_the_complete_ones():
     assert (pa >= 0).sum() == 5 and [manager.allocators[CSA].refs[int(b)] for b in pa[:5]] == [3, 3, 3, 3, 2]
     for name in ("comp", "index"):
         pool = getattr(layer.cache, name)
-        assert testing.bytes_equal(pool[int(pc[4])], pool[int(pa[4])])
+        assert builders.bytes_equal(pool[int(pc[4])], pool[int(pa[4])])
     sa, sc = manager.slot_of["a"], manager.slot_of["c"]
     for name, n in layer.cache.slot_pools.items():
         pool = getattr(layer.cache, name)
-        assert testing.bytes_equal(pool[sc * n:(sc + 1) * n], pool[sa * n:(sa + 1) * n]), name
+        assert builders.bytes_equal(pool[sc * n:(sc + 1) * n], pool[sa * n:(sa + 1) * n]), name
     blocks = pa[:5].tolist()
     manager.release("a")
     assert [manager.allocators[CSA].refs[b] for b in blocks] == [2, 2, 2, 2, 1]
@@ -305,15 +307,15 @@ def test_compiled_verify_loop_has_no_graphs_beyond_the_buckets():
     inputs = _inputs({"a": 150, "b": 68, "c": 20}, 7)
     warm = [{"a": (100, 100), "b": (40, 40)}, {"a": (6, 2), "b": (8, 8)}, {"a": (3, 1)}]  # buckets 160, 16, 8
     with torch.no_grad():
-        first = testing.serve_speculative(compiled, manager, {r: inputs[r] for r in "ab"}, warm,
+        first = drivers.serve_speculative(compiled, manager, {r: inputs[r] for r in "ab"}, warm,
                                           torch.Generator().manual_seed(1))
         graphs = counters["stats"]["unique_graphs"]
         # c: b's first 48 tokens (12 entries, 6 full blocks, all shared), then 2 taken back: the
         # entry c closes next (11, at 47) is in a block it shares with b, copied on write.
         manager.fork("b", "c", 48)
         manager.rewind("c", 2)
-        rest = testing.speculative_schedule({"a": 47, "b": 20, "c": 20}, DRAFTS, seed=3)
-        more = testing.serve_speculative(compiled, manager, {"a": inputs["a"][103:], "b": inputs["b"][48:],
+        rest = drivers.speculative_schedule({"a": 47, "b": 20, "c": 20}, DRAFTS, seed=3)
+        more = drivers.serve_speculative(compiled, manager, {"a": inputs["a"][103:], "b": inputs["b"][48:],
                                                              "c": inputs["c"]}, rest, torch.Generator().manual_seed(2))
     assert graphs <= 3 and counters["stats"]["unique_graphs"] == graphs, counters["stats"]
     assert dict(counters["graph_break"]) == {}
@@ -328,7 +330,7 @@ def _forked():
     layer, manager = _setup(HCA, "bf16", max_requests=3)
     x = _inputs({"a": 140}, 0)["a"]
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": x}, [{"a": 130}, {"a": 10}])
+        drivers.serve_schedule(layer, manager, {"a": x}, [{"a": 130}, {"a": 10}])
     manager.fork("a", "b", 137)
     return layer, manager
 
@@ -393,9 +395,9 @@ def _full_pool():
     layer, manager = _setup(CSA, "bf16", max_requests=4, block_size=2, max_total_tokens=16, max_step_tokens=32)
     x = _inputs({"a": 16, "z": 32}, 0)
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": x["a"]}, [{"a": 16}])
+        drivers.serve_schedule(layer, manager, {"a": x["a"]}, [{"a": 16}])
         manager.fork("a", "b", 16)
-        testing.serve_schedule(layer, manager, {"z": x["z"]}, [{"z": 32}])
+        drivers.serve_schedule(layer, manager, {"z": x["z"]}, [{"z": 32}])
     assert not manager.allocators[CSA].free
     return layer, manager
 
@@ -425,6 +427,6 @@ def test_abort_undoes_a_copy_on_write():
     step = manager.prepare_step({"a": 2})
     private = int(row[1])
     assert private != shared and manager.allocators[CSA].refs[shared] == 1
-    assert testing.bytes_equal(layer.cache.comp[private], layer.cache.comp[shared])
+    assert builders.bytes_equal(layer.cache.comp[private], layer.cache.comp[shared])
     manager.abort(step)
     _same(before, _bookkeeping(manager), generations=False)

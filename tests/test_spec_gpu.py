@@ -7,6 +7,7 @@ the buckets are warm; the V4.1 stack's verify schedule through the reference ker
 
 FP8 pools run a bf16 model, unquantized pools an fp32 model (see test_serving_gpu)."""
 
+import drivers
 import pytest
 import torch
 from test_serving import CFG, MODES
@@ -60,13 +61,13 @@ def _stack_run(fn, manager, inputs):
     warm = [{"a": (60, 60), "b": (20, 20)}, {"a": (40, 40), "b": (20, 20)}, {"a": (6, 2), "b": (8, 8)},
             {"a": (12, 9)}, {"a": (3, 1)}, {"a": (4, 4)}]
     with torch.no_grad():
-        first = testing.serve_speculative(fn, manager, {r: inputs[r] for r in "ab"}, warm,
+        first = drivers.serve_speculative(fn, manager, {r: inputs[r] for r in "ab"}, warm,
                                           torch.Generator().manual_seed(1))
         after_warm = (counters["stats"]["unique_graphs"], len(RECORDED))
         manager.fork("b", "c", 48)
         manager.rewind("c", 2)
-        rest = testing.speculative_schedule({"a": 34, "b": 20, "c": 20}, DRAFTS, seed=3)
-        more = testing.serve_speculative(fn, manager, {"a": inputs["a"][116:], "b": inputs["b"][48:],
+        rest = drivers.speculative_schedule({"a": 34, "b": 20, "c": 20}, DRAFTS, seed=3)
+        more = drivers.serve_speculative(fn, manager, {"a": inputs["a"][116:], "b": inputs["b"][48:],
                                                        "c": inputs["c"]}, rest, torch.Generator().manual_seed(2))
     return {"a": torch.cat([first["a"], more["a"]]), "b": torch.cat([first["b"], more["b"]]), "c": more["c"]}, after_warm
 
@@ -136,9 +137,9 @@ def test_v41_verify_steps_with_rewinds_on_cuda():
     g = torch.Generator().manual_seed(1)
     inputs = {r: torch.randn(CFG41.num_layers, n, CFG41.hidden_size, generator=g).to("cuda", torch.bfloat16)
               for r, n in lengths.items()}
-    schedule = testing.speculative_schedule(lengths, DRAFTS, seed=2, prefill={"a": 30})
+    schedule = drivers.speculative_schedule(lengths, DRAFTS, seed=2, prefill={"a": 30})
     with torch.no_grad(), _reference_kernels():
-        outs = testing.serve_speculative(stack, manager, inputs, schedule, g)
+        outs = drivers.serve_speculative(stack, manager, inputs, schedule, g)
     params = {k: v.cpu() for k, v in stack.named_parameters()}
     for r, x in inputs.items():
         ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG41, x.cpu()[:, None].double(),

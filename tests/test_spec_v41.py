@@ -8,6 +8,7 @@ Selection keeps every visible entry here (index_topk and the candidate pool abov
 the longest request), so the outputs are compared without tie-aware selections; the serving tests
 (test_serving_v41) cover real selection."""
 
+import drivers
 import pytest
 import torch
 
@@ -61,10 +62,10 @@ def test_verify_steps_with_rewinds_equal_the_accepted_tokens_alone(mode):
     stack, manager = _setup(mode)
     lengths = {"a": 64, "b": 29, "c": 9}
     inputs = _inputs(lengths, 1)
-    schedule = testing.speculative_schedule(lengths, DRAFTS, seed=2, prefill={"a": 30})
+    schedule = drivers.speculative_schedule(lengths, DRAFTS, seed=2, prefill={"a": 30})
     assert sum(n - kept for step in schedule for n, kept in step.values()) > 10
     with torch.no_grad():
-        outs = testing.serve_speculative(stack, manager, inputs, schedule, torch.Generator().manual_seed(3))
+        outs = drivers.serve_speculative(stack, manager, inputs, schedule, torch.Generator().manual_seed(3))
     assert manager.length == lengths
     assert stack.cache.state_1.shape[1] == 2 - 1 + DRAFTS  # ratio 2: span 2, slack for 5 drafts
     _check(stack, mode, inputs, outs)
@@ -86,7 +87,7 @@ def test_forks_continue_like_fresh_requests():
     parent, done = [], 0
     with torch.no_grad():
         for stop in STOPS:
-            parent.append(testing.serve_speculative(stack, manager, {"p": x[:, done:]}, [{"p": (stop - done,) * 2}],
+            parent.append(drivers.serve_speculative(stack, manager, {"p": x[:, done:]}, [{"p": (stop - done,) * 2}],
                                                     torch.Generator())["p"])
             done = stop
             for n in FORKS:
@@ -102,7 +103,7 @@ def test_forks_continue_like_fresh_requests():
         for i, n in enumerate(TAIL):
             new = {c: (n, n) for c in tails} | ({"p": (n, n)} if i < 2 else {})
             at = sum(TAIL[:i])
-            ys = testing.serve_speculative(stack, manager, {c: t[:, at:] for c, t in tails.items()}
+            ys = drivers.serve_speculative(stack, manager, {c: t[:, at:] for c, t in tails.items()}
                                            | {"p": x[:, done:]}, [new], torch.Generator())
             for c in tails:
                 outs[c].append(ys[c])

@@ -2,12 +2,14 @@
 (manager id, slot generations): a failed forward leaves every request as it was, eager and
 compiled; a foreign, stale, closed or hand-edited step writes nothing. Issue 10."""
 
+import builders
+import drivers
 import pytest
 import torch
 from test_serving import CFG, LENGTHS, _check_against_stateless, _pool_bytes, _setup
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4ops import layers, testing
+from dsv4ops import layers
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
@@ -58,7 +60,7 @@ def test_failed_forward_is_rolled_back_and_the_request_continues(kind, mode, mon
     x = {"a": inputs["a"]}
     outs = []
     with torch.no_grad():
-        outs.append(testing.serve_schedule(layer, manager, x, [{"a": FIRST}])["a"])
+        outs.append(drivers.serve_schedule(layer, manager, x, [{"a": FIRST}])["a"])
         before, states = _bookkeeping(manager), _states(layer)
         with monkeypatch.context() as m:
             _fail_after_the_caches_are_written(m)
@@ -66,11 +68,11 @@ def test_failed_forward_is_rolled_back_and_the_request_continues(kind, mode, mon
                 layer(_step_x(inputs, "a", FIRST, CHUNK, step), step)
         _same_bookkeeping(before, _bookkeeping(manager))
         for name, t in _states(layer).items():
-            assert testing.bytes_equal(t, states[name]), f"{name} restored"
+            assert builders.bytes_equal(t, states[name]), f"{name} restored"
         assert manager.open_step is None
         # The same chunk again, then decode to the end: as if the failure never happened.
         rest = [{"a": CHUNK}] + [{"a": 1}] * DECODE
-        outs.append(testing.serve_schedule(layer, manager, {"a": inputs["a"][FIRST:]}, rest)["a"])
+        outs.append(drivers.serve_schedule(layer, manager, {"a": inputs["a"][FIRST:]}, rest)["a"])
     assert FIRST + CHUNK + DECODE == LENGTHS["a"]
     _check_against_stateless(layer, {"a": inputs["a"]}, {"a": torch.cat(outs)}, mode)
 
@@ -84,15 +86,15 @@ def test_rollback_under_torch_compile(kind):
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     outs = []
     with torch.no_grad():
-        outs.append(testing.serve_schedule(compiled, manager, {"a": inputs["a"]}, [{"a": FIRST}])["a"])
+        outs.append(drivers.serve_schedule(compiled, manager, {"a": inputs["a"]}, [{"a": FIRST}])["a"])
         before, states = _bookkeeping(manager), _states(layer)
         with pytest.raises(Injected), manager.step({"a": CHUNK}) as step:
             compiled(_step_x(inputs, "a", FIRST, CHUNK, step), step)
             raise Injected("the next layer failed")
         _same_bookkeeping(before, _bookkeeping(manager))
         for name, t in _states(layer).items():
-            assert testing.bytes_equal(t, states[name]), f"{name} restored"
-        outs.append(testing.serve_schedule(compiled, manager, {"a": inputs["a"][FIRST:]}, [{"a": CHUNK}])["a"])
+            assert builders.bytes_equal(t, states[name]), f"{name} restored"
+        outs.append(drivers.serve_schedule(compiled, manager, {"a": inputs["a"][FIRST:]}, [{"a": CHUNK}])["a"])
     _check_against_stateless(layer, {"a": inputs["a"][:FIRST + CHUNK]}, {"a": torch.cat(outs)}, "bf16")
 
 
@@ -127,7 +129,7 @@ def test_only_chunks_that_wrap_a_state_ring_are_backed_up():
     needed after a rollback copies its request's rows (per ring, read from the buffer's row count)."""
     layer, manager, inputs = _setup(HCA, "bf16")
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": FIRST}])
+        drivers.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": FIRST}])
     for new, backed_up in (({"a": 1}, False), ({"a": 28}, False), ({"a": 29}, True)):
         # From 100, the first HCA entry closes at 127 and pools 0..127: 29 tokens (100..128) rewrite row 0.
         step = manager.prepare_step(new)
@@ -231,7 +233,7 @@ def test_released_request_in_a_compiled_step_is_skipped_and_the_others_run():
     layer, manager, inputs = _setup(HCA, "bf16")
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
-        first = testing.serve_schedule(compiled, manager, {"b": inputs["b"]}, [{"b": 100}])["b"]
+        first = drivers.serve_schedule(compiled, manager, {"b": inputs["b"]}, [{"b": 100}])["b"]
         manager.admit("a")
         step = manager.prepare_step({"a": 8, "b": 31})
         manager.release("a")  # between planning and the forward
@@ -312,7 +314,7 @@ def test_eager_forward_rejects_an_edited_or_replaced_block_table_and_the_next_st
     for rid in "abc":
         manager.admit(rid)
     with torch.no_grad():
-        testing.serve_schedule(layer, manager, {r: inputs[r] for r in "bc"}, [{"b": 100, "c": 9}])
+        drivers.serve_schedule(layer, manager, {r: inputs[r] for r in "bc"}, [{"b": 100, "c": 9}])
     x = torch.randn(16, CFG.hidden_size)
     step = manager.prepare_step({"a": 16})
     table, b = step.block_table(CSA), manager.slot_of["b"]

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import builders
 import pytest
 import torch
 
@@ -54,12 +55,12 @@ BS = 4  # entries per page: small, so slots cross pages
 
 def _pool(fmt, dim: int, blocks: int, bs: int = BS) -> torch.Tensor:
     """A page pool poisoned like LayerCache: FP8 bytes 0xFF (NaN), float rows NaN."""
-    return testing.page_pool(blocks, bs, dim, fmt)
+    return builders.page_pool(blocks, bs, dim, fmt)
 
 
 def _fmt(pool: torch.Tensor, dim: int) -> str:
     """The V4 format of a pool: fp8_584 / fp8_132 by width for uint8 pools, exact otherwise."""
-    return testing.format_name("fp8" if pool.dtype == torch.uint8 else pool.dtype, dim)
+    return builders.format_name("fp8" if pool.dtype == torch.uint8 else pool.dtype, dim)
 
 
 def _rows(pool: torch.Tensor, dim: int, dtype=torch.float64, fmt: str | None = None) -> torch.Tensor:
@@ -90,7 +91,7 @@ def test_pack_unpack_bit_exact(dim, pool, dtype):
     slots = _i32(0, 11, -1, 5, 3, 2, 7)
     got, want = _pool(pool, dim, 4), _pool(pool, dim, 4)
     out, expect = _pack_unpack_both(x, slots, got, want, _fmt(got, dim))
-    assert testing.bytes_equal(out, expect)
+    assert builders.bytes_equal(out, expect)
 
 
 def _pack_unpack_both(x, slots, got, want, fmt):
@@ -98,7 +99,7 @@ def _pack_unpack_both(x, slots, got, want, fmt):
     be equal), then unpack `want` both ways: (kernel rows, poisoned first; reference rows)."""
     quant_tt.pack_kv(x, slots, got, fmt)
     quant_ref.pack_kv(x, slots, want, fmt)
-    assert testing.bytes_equal(got, want)
+    assert builders.bytes_equal(got, want)
     out, expect = torch.full(x.shape, 7.0, dtype=x.dtype), torch.empty_like(x)
     quant_tt.unpack_kv(want, slots, out, fmt)
     quant_ref.unpack_kv(want, slots, expect, fmt)
@@ -124,11 +125,11 @@ def test_pack_unpack_v41_formats_bit_exact(fmt, dtype):
     x[4] = x[4] * 1e-3
     bs = V41_BS[fmt]
     slots = _i32(0, 11, -1, 5, 3, 2, 7, 9, 1)
-    got, want = testing.page_pool(3, bs, dim, fmt), testing.page_pool(3, bs, dim, fmt)
+    got, want = builders.page_pool(3, bs, dim, fmt), builders.page_pool(3, bs, dim, fmt)
     out, expect = _pack_unpack_both(x, slots, got, want, fmt)
     # The NaN-scale groups read back NaN on both sides (payloads may differ); the rest bit for bit.
     nan = expect.isnan()
-    assert torch.equal(out.isnan(), nan) and testing.bytes_equal(out[~nan], expect[~nan])
+    assert torch.equal(out.isnan(), nan) and builders.bytes_equal(out[~nan], expect[~nan])
 
 
 def test_fp8_casts_match_torch_on_every_code():
@@ -161,10 +162,10 @@ def test_qkv_prep(pool, q_norm):
         cache = _pool(pool_kind, 512, 2 * ring // BS)
         q_out = torch.full((t, h, 512), float("nan"), dtype=dtype)
         fn(q.to(dtype), kv.to(dtype), pos, req, INV_FREQ, q_out, cache, ring, 1e-6, q_norm,
-           testing.format_name(pool_kind, 512))
+           builders.format_name(pool_kind, 512))
         return q_out, cache
 
-    fmt = testing.format_name(pool, 512)
+    fmt = builders.format_name(pool, 512)
     q_k, c_k = run(qkv_prep_tt.qkv_prep, torch.bfloat16, pool)
     q_r, c_r = run(qkv_prep_ref.qkv_prep, torch.bfloat16, pool)
     q_64, c_64 = run(qkv_prep_ref.qkv_prep, torch.float64, torch.float64)
@@ -296,14 +297,14 @@ def test_compressor_update_v41_with_latent(ratio, pool, split, monkeypatch):
         latents = {}
         for name, (state, cache) in runs.items():
             fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
-            fmt = testing.format_name(pool if name != "ref64" else torch.float32, d)
+            fmt = builders.format_name(pool if name != "ref64" else torch.float32, d)
             lat = torch.full((len(pos), d), float("nan"), dtype=torch.float32 if name == "ref64" else torch.bfloat16)
             fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, lat, 1e-6, fmt)
             latents[name] = lat
         assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
         assert (latents["kernel"][~closes] == 0).all(), "latent rows of tokens that close nothing"
         testing.assert_close_to_ref(latents["kernel"], latents["ref64"], latents["ref"], what="latent")
-    fmt = testing.format_name(pool, d)
+    fmt = builders.format_name(pool, d)
     got, lowp = _rows(runs["kernel"][1], d, fmt=fmt), _rows(runs["ref"][1], d, fmt=fmt)
     ref = _rows(runs["ref64"][1], d)
     written = ~ref.isnan().any(1)
@@ -354,7 +355,7 @@ def test_indexer_topk_exact(q_dtype, pool, k):
     q, w, pos, req, cache, table = _indexer_case(q_dtype, pool, integer=True)
     got, want = torch.full((5, k), 99, dtype=torch.int32), torch.empty(5, k, dtype=torch.int32)
     fmt = _fmt(cache, 128)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, testing.topk_workspace(5, 12, k), 4, 0,
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(5, 12, k), 4, 0,
                             fmt)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, fmt)
     assert torch.equal(got, want)
@@ -375,7 +376,7 @@ def test_indexer_topk_score_hook_replaces_the_triton_scoring_or_falls_back():
         return False
 
     got = torch.full((5, 4), 99, dtype=torch.int32)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, testing.topk_workspace(2, 12, 4), 4, 0,
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(2, 12, 4), 4, 0,
                             fmt, score=declines)
     assert torch.equal(got, want)
     assert launches == [(0, 2), (2, 2), (4, 1)]
@@ -384,7 +385,7 @@ def test_indexer_topk_score_hook_replaces_the_triton_scoring_or_falls_back():
         args[7].zero_()  # the workspace: key 0 (no entry) in every column
         return True
 
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, testing.topk_workspace(5, 12, 4), 4, 0,
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(5, 12, 4), 4, 0,
                             fmt, score=serves_empty)
     assert (got == -1).all()
 
@@ -424,7 +425,7 @@ def test_indexer_topk_chunks_tokens_and_entries(chunk, monkeypatch):
     monkeypatch.setattr(indexer_tt._ws, "CHUNK", chunk)
     got, want = torch.empty(5, 4, dtype=torch.int32), torch.empty(5, 4, dtype=torch.int32)
     fmt = _fmt(cache, 128)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, testing.topk_workspace(1, 12, 4), 4, 0,
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(1, 12, 4), 4, 0,
                             fmt)
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, fmt)
     assert torch.equal(got, want)
@@ -444,7 +445,7 @@ def test_indexer_topk_merge_levels_keep_ties_to_the_lower_entry(monkeypatch):
     w = torch.zeros(t, 2)
     pos, req = _i32(4 * n - 1, 4 * 17 - 1, 4 * 9 - 1), _i32(0, 0, 0)
     got, want = torch.empty(t, 4, dtype=torch.int32), torch.empty(t, 4, dtype=torch.int32)
-    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, testing.topk_workspace(t, n, 4), 4, 0,
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(t, n, 4), 4, 0,
                             "fp8_132")
     indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, "fp8_132")
     assert torch.equal(got, want)
@@ -471,7 +472,7 @@ def test_indexer_topk_long_rows_with_many_ties(chunks, monkeypatch):
     pos, req = _i32(4 * n - 1, 4 * 702, 4 * 1500 + 3), _i32(0, 0, 0)
     got, want = torch.empty(3, 512, dtype=torch.int32), torch.empty(3, 512, dtype=torch.int32)
     q8 = q.to(torch.float8_e4m3fn)
-    indexer_tt.indexer_topk(q8, w, pos, req, cache, table, None, got, None, testing.topk_workspace(3, blocks * bs, 512),
+    indexer_tt.indexer_topk(q8, w, pos, req, cache, table, None, got, None, builders.topk_workspace(3, blocks * bs, 512),
                             4, 0, "fp8_132")
     indexer_ref.indexer_topk(q8, w, pos, req, cache, table, None, want, None, 4, 0, "fp8_132")
     assert torch.equal(got, want)
@@ -507,9 +508,9 @@ def test_indexer_k_prep(pool):
     bs = 7 if pool == "mxfp4_68" else BS
 
     def run(fn, dtype, kind):
-        cache = testing.page_pool(16 // bs + 2, bs, 128, kind)
-        fn(latent.to(dtype), pos, req, slots, wk, kw, INV_FREQ, cache, ratio, 1e-6, testing.format_name(kind, 128))
-        return _rows(cache, 128, fmt=testing.format_name(kind, 128))
+        cache = builders.page_pool(16 // bs + 2, bs, 128, kind)
+        fn(latent.to(dtype), pos, req, slots, wk, kw, INV_FREQ, cache, ratio, 1e-6, builders.format_name(kind, 128))
+        return _rows(cache, 128, fmt=builders.format_name(kind, 128))
 
     got = run(indexer_tt.indexer_k_prep, torch.bfloat16, pool)
     lowp = run(indexer_ref.indexer_k_prep, torch.bfloat16, pool)
@@ -535,10 +536,10 @@ def _mx4_topk_case(n: int, t: int, bs: int = 7):
         v = E2M1_GRID[torch.randint(0, 8, shape, generator=g)]
         return torch.where(torch.rand(shape, generator=g) < 0.5, -v, v)
 
-    cache = testing.page_pool(pages, bs, 128, "mxfp4_68")
+    cache = builders.page_pool(pages, bs, 128, "mxfp4_68")
     quant_ref.pack_kv(grid(pages * bs, 128), torch.arange(pages * bs, dtype=torch.int32), cache, "mxfp4_68")
     table = torch.randperm(pages, generator=g).int().view(1, -1)
-    q = testing.mx4_query(grid(t, 3, 128))
+    q = builders.mx4_query(grid(t, 3, 128))
     w = torch.tensor([1.0, -0.5, 2.0]).repeat(t, 1)
     pos = torch.linspace(0, n - 1, t - 1).round().int()
     pos = torch.cat([pos, _i32(0)])
@@ -562,16 +563,16 @@ def test_indexer_topk_mx4_candidate_source_and_reindex(chunked, monkeypatch):
         idx, cand_out = torch.full((t, k), 99, dtype=torch.int32), torch.full((t, keep), 99, dtype=torch.int32)
         args = (q, w, pos, req, cache, table, None, idx, cand_out)
         if name == "kernel":
-            args += (testing.topk_workspace(t, n_entries, k, keep=keep, cand_block=cb),)
+            args += (builders.topk_workspace(t, n_entries, k, keep=keep, cand_block=cb),)
         fn(*args, 1, cb, "mxfp4_68")
         out[name] = idx, cand_out
     assert torch.equal(out["kernel"][1], out["ref"][1]), "cand_out"
     assert torch.equal(out["kernel"][0], out["ref"][0]), "source top-k"
     cand = out["ref"][1]
-    q2 = testing.mx4_query(torch.randn(t, 3, 128, generator=torch.Generator().manual_seed(5)).round())
+    q2 = builders.mx4_query(torch.randn(t, 3, 128, generator=torch.Generator().manual_seed(5)).round())
     got, want = torch.full((t, k), 99, dtype=torch.int32), torch.empty(t, k, dtype=torch.int32)
     indexer_tt.indexer_topk(q2, w, pos, req, cache, table, cand, got, None,
-                            testing.topk_workspace(t, n_entries, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
+                            builders.topk_workspace(t, n_entries, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
     indexer_ref.indexer_topk(q2, w, pos, req, cache, table, cand, want, None, 1, cb, "mxfp4_68")
     assert torch.equal(got, want), "reindex top-k"
 
@@ -610,7 +611,7 @@ def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
     pos, req = _i32(3, 4, 20, 9, 0), _i32(0, 0, 1, -1, 1)
     ends = _i32(4, 4, 20, 9, 0) if blocks else None
     wc, cc = _pool(w_pool, 512, 2 * ring // BS), _pool(c_pool, 512, 4)
-    w_fmt, c_fmt = testing.format_name(w_pool, 512), testing.format_name(c_pool, 512)
+    w_fmt, c_fmt = builders.format_name(w_pool, 512), builders.format_name(c_pool, 512)
     for p, r in zip((pos if ends is None else ends).tolist(), req.tolist()):  # only the windows' ring slots hold keys
         if r >= 0:
             held = torch.arange(max(0, p - window + 1), p + 1)
@@ -695,7 +696,7 @@ FP8_SHAPES = [(200, 300, 128), (200, 100, 128), (70, 100, 32)]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("n,k,block", FP8_SHAPES)
 def test_fp8_linear(n, k, block, dtype, scale_dtype):
-    weight, scale = testing.block_fp8_weight(n, k, block, scale_dtype, seed=n + k)
+    weight, scale = builders.block_fp8_weight(n, k, block, scale_dtype, seed=n + k)
     if scale_dtype == torch.float8_e8m0fnu:
         scale = scale.view(torch.uint8)
     # The scales end right before a NaN (UE8M0 0xFF): a K step past the last tile column that read
@@ -759,15 +760,15 @@ def test_kernels_reject_other_layouts_by_name():
     with pytest.raises(ValueError, match="q: .*index_head_dim 128"):
         indexer_tt.indexer_topk(torch.randn(2, 2, 64), torch.randn(2, 2), _i32(0, 1), _i32(0, 0), torch.zeros(2, 4, 64),
                                 _i32(0, 1).view(1, 2), None, torch.empty(2, 4, dtype=torch.int32), None,
-                                testing.topk_workspace(2, 8, 4), 4, 0, "exact")
+                                builders.topk_workspace(2, 8, 4), 4, 0, "exact")
 
 
 def test_launchers_reject_the_combinations_they_do_not_implement():
     # Each launcher names what it lacks instead of guessing, before writing anything: a float query
     # over MX4 keys (the reference decodes both), V4's 584-B rows beside a V4.1 format.
     args = {name: make() for name, make in (
-        ("indexer_topk", lambda: testing.indexer_topk_args(torch.float32, "mxfp4_68", ratio=1, block_size=7)),
-        ("sparse_attn", lambda: testing.sparse_attn_args(torch.bfloat16, "fp8_528", comp_fmt="fp8_584")),
+        ("indexer_topk", lambda: builders.indexer_topk_args(torch.float32, "mxfp4_68", ratio=1, block_size=7)),
+        ("sparse_attn", lambda: builders.sparse_attn_args(torch.bfloat16, "fp8_528", comp_fmt="fp8_584")),
     )}
     launchers = {"indexer_topk": indexer_tt.indexer_topk, "sparse_attn": sparse_attn_tt.sparse_attn}
     expect = {"indexer_topk": "q of dtype torch.float32 with fmt='mxfp4_68'",
@@ -776,7 +777,7 @@ def test_launchers_reject_the_combinations_they_do_not_implement():
         before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
         with pytest.raises(NotImplementedError, match=f"the Triton kernel does not implement {expect[name]}"):
             launchers[name](*a.values())
-        assert all(testing.bytes_equal(a[k], v) for k, v in before.items()), name
+        assert all(builders.bytes_equal(a[k], v) for k, v in before.items()), name
 
 
 # ---- warmup ------------------------------------------------------------------------------------
@@ -919,7 +920,7 @@ def record_launches():
         with th.recording() as rec:
             q, kv = torch.zeros(t, 64, 512, dtype=dtype), torch.zeros(t, 512, dtype=dtype)
             window = _pool(pool, 512, 4)
-            f512, f128 = _fmt(window, 512), testing.format_name(pool, 128)
+            f512, f128 = _fmt(window, 512), builders.format_name(pool, 128)
             qkv_prep_tt.qkv_prep(q, kv, pos, req, INV_FREQ, q, window, 8, 1e-6, True, f512)
             for d, ratio, coff in ((512, 4, 2), (512, 128, 1), (128, 4, 2)):
                 a = torch.zeros(t, coff * d, dtype=adt)
@@ -935,7 +936,7 @@ def record_launches():
                                         torch.zeros(tokens, dtype=torch.int32), torch.zeros(tokens, dtype=torch.int32),
                                         _pool(pool, 128, 2), torch.zeros(1, blocks, dtype=torch.int32), None,
                                         torch.zeros(tokens, 512, dtype=torch.int32), None,
-                                        testing.topk_workspace(tokens, blocks * BS, 512), 4, 0, f128)
+                                        builders.topk_workspace(tokens, blocks * BS, 512), 4, 0, f128)
             idx = torch.zeros(t, 512, dtype=torch.int32)
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32)
             sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, None, torch.zeros(64), q,
@@ -977,7 +978,7 @@ def _record_v41_launches(t, pos, req) -> list:
     compressed, mxfp4_68 index keys)."""
     with th.recording() as rec:
         q, kv = torch.zeros(t, 64, 512, dtype=torch.bfloat16), torch.zeros(t, 512, dtype=torch.bfloat16)
-        window, comp = testing.page_pool(4, BS, 512, "fp8_528"), testing.page_pool(2, BS, 512, "fp4_288")
+        window, comp = builders.page_pool(4, BS, 512, "fp8_528"), builders.page_pool(2, BS, 512, "fp4_288")
         qkv_prep_tt.qkv_prep(q, kv, pos, req, INV_FREQ, q, window, 8, 1e-6, False, "fp8_528")
         for ratio, adt in ((2, torch.float32), (1, torch.bfloat16)):
             a = torch.zeros(t, 512, dtype=adt)
@@ -991,7 +992,7 @@ def _record_v41_launches(t, pos, req) -> list:
         qi = torch.zeros(t, 64, 128, dtype=torch.bfloat16)
         q4 = torch.zeros(t, 64, 68, dtype=torch.uint8)
         indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68")
-        keys = testing.page_pool(2, 128, 128, "mxfp4_68")
+        keys = builders.page_pool(2, 128, 128, "mxfp4_68")
         indexer_tt.indexer_k_prep(torch.zeros(t, 512, dtype=torch.bfloat16), pos, req, pos, torch.zeros(128, 512),
                                   torch.ones(128), INV_FREQ, keys, 2, 1e-6, "mxfp4_68")
         cb, keep, k = 8, 2048, 512
@@ -1000,13 +1001,13 @@ def _record_v41_launches(t, pos, req) -> list:
             n = blocks * 128
             idx, cand = torch.zeros(t, k, dtype=torch.int32), torch.zeros(t, keep, dtype=torch.int32)
             indexer_tt.indexer_topk(q4, torch.zeros(t, 64), pos, req, keys, table, None, idx, cand,
-                                    testing.topk_workspace(t, n, k, keep=keep, cand_block=cb), 1, cb, "mxfp4_68")
+                                    builders.topk_workspace(t, n, k, keep=keep, cand_block=cb), 1, cb, "mxfp4_68")
             indexer_tt.indexer_topk(q4, torch.zeros(t, 64), pos, req, keys, table, cand, idx, None,
-                                    testing.topk_workspace(t, n, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
+                                    builders.topk_workspace(t, n, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
         _record_fp8_linear(torch.bfloat16, 32, t)
         for fmt, bs in (("fp8_528", BS), ("fp4_288", BS), ("mxfp4_68", 7)):
             d = formats.FORMATS[fmt].dim
-            rows, pool = torch.zeros(t, d, dtype=torch.bfloat16), testing.page_pool(1, bs, d, fmt)
+            rows, pool = torch.zeros(t, d, dtype=torch.bfloat16), builders.page_pool(1, bs, d, fmt)
             quant_tt.pack_kv(rows, pos, pool, fmt)
             quant_tt.unpack_kv(pool, pos, rows, fmt)
     return rec

@@ -4,10 +4,10 @@ unallocated blocks, padding and out-of-range tokens give -1; every element writt
 
 from functools import partial
 
+import builders
 import pytest
 import torch
 
-from dsv4ops import testing as T
 from dsv4ops.visible_entries.api import visible_entries
 
 I32 = torch.int32
@@ -39,7 +39,7 @@ def random_case(ratio: int, block_size: int, blocks: int = 5, requests: int = 4,
     table fills (blocks x bs x ratio - 1) and past it up to the largest int32 position (where
     p + 1 overflows int32), and at random; every fifth token padding."""
     g = torch.Generator().manual_seed(seed)
-    # A pool of requests x blocks blocks: the table's numel, the pool_blocks T.call_public passes.
+    # A pool of requests x blocks blocks: the table's numel, the pool_blocks builders.call_public passes.
     table = torch.randperm(requests * blocks, generator=g).to(I32).view(requests, blocks)
     table[torch.rand(table.shape, generator=g) < 0.25] = -1
     full = blocks * block_size * ratio
@@ -67,9 +67,9 @@ def test_matches_the_loop_formulation(ratio, block_size):
     args = random_case(ratio, block_size)
     want = _expect(args)
     assert (want == -1).any() and (want >= 0).any()  # both kinds of element appear
-    T.call_op("visible_entries", args)
+    builders.call_op("visible_entries", args)
     assert torch.equal(args["out"], want)
-    assert torch.equal(T.call_public("visible_entries", args), want)
+    assert torch.equal(builders.call_public("visible_entries", args), want)
 
 
 def test_counts_at_the_entry_boundaries():
@@ -92,10 +92,10 @@ def test_an_unallocated_block_gives_minus_one():
 def test_the_op_makes_out_of_range_tokens_padding():
     # The op (no value checks): a request slot past the table or below -1, or a negative position,
     # gives the row of a padding token, all -1 (the public function rejects these values).
-    args = T.visible_entries_args(ratio=1)
+    args = builders.visible_entries_args(ratio=1)
     args["req_slots"] = torch.tensor([0, 2, -2, 1, 1, -1], dtype=I32)
     args["positions"] = torch.tensor([5, 6, 7, -1, -9, 0], dtype=I32)
-    T.call_op("visible_entries", args)
+    builders.call_op("visible_entries", args)
     assert (args["out"][1:] == -1).all() and (args["out"][0, :6] >= 0).all()
 
 
@@ -104,22 +104,22 @@ def test_writes_within_a_strided_out():
     args = random_case(4, 16)
     wide = torch.full((args["out"].shape[0], args["out"].shape[1] + 5), POISON, dtype=I32)
     args["out"] = wide[:, :-5]
-    T.call_op("visible_entries", args)
+    builders.call_op("visible_entries", args)
     assert torch.equal(args["out"], _expect(args)) and (wide[:, -5:] == POISON).all()
 
 
 @pytest.mark.parametrize("tokens,blocks", [(0, 3), (3, 0), (0, 0)], ids=["no-tokens", "no-blocks", "neither"])
 def test_empty(tokens, blocks):
-    args = T.visible_entries_args(blocks=max(blocks, 1))
+    args = builders.visible_entries_args(blocks=max(blocks, 1))
     args["block_table"] = args["block_table"][:, :blocks]
     args["positions"], args["req_slots"] = args["positions"][:tokens], args["req_slots"][:tokens]
-    out = T.call_public("visible_entries", args)
+    out = builders.call_public("visible_entries", args)
     assert out.shape == (tokens, blocks * 4) and out.dtype == I32
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------
-ARGS = partial(T.visible_entries_args, ratio=1)
-wa = T.with_arg
+ARGS = partial(builders.visible_entries_args, ratio=1)
+wa = builders.with_arg
 BAD = [
     ("block_table-ndim", wa("block_table", lambda a: a["block_table"][0]),
      r"block_table: expected 2-D \[requests, blocks per request\]"),
@@ -169,4 +169,4 @@ def test_pool_blocks_must_be_a_count():
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
-    T.assert_bad_case("visible_entries", ARGS(), mutate, match, via)
+    builders.assert_bad_case("visible_entries", ARGS(), mutate, match, via)

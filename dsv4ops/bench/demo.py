@@ -145,11 +145,23 @@ def main(argv=None):
                          "aot_eager = one Dynamo graph per bucket running the ops eagerly (CPU default: Inductor's "
                          "CPU compile alone takes minutes)")
     ap.add_argument("--device", type=device_arg, default="cuda" if gpu else "cpu")
+    # One thread by default on a CPU: the tiny preset's ops are too small to share, and where other
+    # processes load the cores, threads that spin-wait for each other at every op made a 4-token
+    # decode step take ~2 s instead of ~75 ms (2-core machine at load 8; at load 0 one thread is as fast).
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads of torch's ops while the demo runs (default: 1 on a CPU, torch's own with a GPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.requests < 1 or args.layers < 1 or args.context < 2 or args.step_tokens < args.requests:
         ap.error("expected --requests >= 1, --layers >= 1, --context >= 2 and --step-tokens >= --requests")
-    return run(args)
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads: expected >= 1, got {args.threads}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or (threads if args.device.startswith("cuda") else 1))
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run(args) -> dict:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4ops.router import api
+from dsv4ops.router import cuda as router_cuda
 
 MODELS = {"flash": (4096, 256), "pro": (7168, 384)}
 TOP_K, SCALE = 6, 2.5
@@ -107,7 +108,7 @@ def bench_decode_gate(model: str, tokens: int, gpu: str) -> dict:
     ]
     ours, base = graph_us(fused_gate, args), graph_us(linear_then_gate_topk, args)
     return dict(
-        kernel=f"router_gate ({api._decode_gate_backend(tokens, torch.cuda.get_device_capability())})",
+        kernel=f"router_gate ({router_cuda._decode_gate_backend(tokens, torch.cuda.get_device_capability())})",
         shape=f"{model}: {tokens} x {hidden} x {experts} bf16, top-{TOP_K}",
         time_us=ours,
         baseline="F.linear + gate_topk",
@@ -118,7 +119,7 @@ def bench_decode_gate(model: str, tokens: int, gpu: str) -> dict:
 
 
 def run(args=None) -> list[dict]:
-    if not api.load_cuda_backends():
+    if not router_cuda.load_cuda_backends():
         raise RuntimeError("router benchmarks need the CUDA kernels (see the logged reason)")
     gpu = torch.cuda.get_device_name()
     rows = [bench_gate_topk(model, gpu) for model in MODELS]

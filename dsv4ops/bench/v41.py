@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from dsv4ops import DSV4AttentionConfig, ops, testing
+from dsv4ops import DSV4AttentionConfig, ops
 from dsv4ops.bench import flashmla
 from dsv4ops.bench.timing import ceilings, graph_time_us
-from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.config import CSA, HCA, SLIDING, rope_inv_freq
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.quant import formats
@@ -36,7 +36,7 @@ def _reencoded(pool: torch.Tensor, fmt: str) -> torch.Tensor:
     """A V4 fp8_584 pool holding every row of `pool` (format `fmt`) dequantized and encoded again,
     slot for slot (the engines' route for V4.1 rows on Hopper)."""
     bs = formats.block_size(pool.shape, fmt)
-    out = testing.page_pool(pool.shape[0], bs, 512, "fp8_584", device="cuda")
+    out = torch.full(formats.pool_shape("fp8_584", pool.shape[0], bs, 512), 255, dtype=torch.uint8, device="cuda")
     n = pool.shape[0] * bs
     for s in range(0, n, 1 << 18):
         slots = torch.arange(s, min(n, s + (1 << 18)), device="cuda", dtype=torch.int32)
@@ -48,7 +48,7 @@ def _reencoded(pool: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def _pool(fmt: str, rows: int, gen: torch.Generator) -> torch.Tensor:
     dim = formats.FORMATS[fmt].dim
-    pool = testing.page_pool(-(-rows // BS), BS, dim, fmt, device="cuda")
+    pool = torch.full(formats.pool_shape(fmt, -(-rows // BS), BS, dim), 255, dtype=torch.uint8, device="cuda")
     n = pool.shape[0] * BS
     for s in range(0, n, 1 << 18):
         m = min(1 << 18, n - s)
@@ -71,7 +71,7 @@ class Shape:
         h, d, hi, di = cfg.num_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim
         self.ring = cfg.window + new
         self.window = _pool("fp8_528", batch * self.ring, gen)
-        self.inv_freq = testing.rope_table(64).to(dev)
+        self.inv_freq = rope_inv_freq(10000.0, 64, None).to(dev)
         self.q = torch.randn(t, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
         self.kv = torch.randn(t, d, device=dev, dtype=torch.bfloat16, generator=gen)
         self.q_rot, self.o, self.o_rot = (torch.empty_like(self.q) for _ in range(3))

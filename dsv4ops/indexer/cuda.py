@@ -13,7 +13,33 @@ every other case (and on sm_100: the C++ kernel's sm_100a build is a trap). Sele
 H100, V4-Flash CSA (k = 512), graph-timed indexer_topk with the csrc select, Triton -> csrc scoring:
 1 x 4K 9.8 -> 9.5 us, 128 x 4K 19.4 -> 17.3, 32 x 64K 75.4 -> 56.8, 128 x 64K 221.6 -> 138.8, 1 x 1M
 66.9 -> 57.0, a 4096-token prefill 220.0 -> 167.6 (the scoring alone at 128 x 64K: 198.1 -> 114.1).
-The Triton select on the same layout took 1.3-3.5x the csrc select's time at 64K and 1M context."""
+The Triton select on the same layout took 1.3-3.5x the csrc select's time at 64K and 1M context.
+
+The scoring kernel reads 277 MB in 113 us at 128 x 64K, 82% of the copy ceiling. The scoring zeroes
+the select's state words (a memset node less), and the scoring, the chunk tree and the
+one-CTA-a-token grid select launch with programmatic dependent launch; the scoring does not let the
+select in early (its CTAs, resident beside the scoring's, doubled up on the few SMs with room:
+147.9 us against 140.4 at 128 x 64K). Where the op misses its targets (H100, 2026-11-26, README
+Benchmarks; ncu at base clocks, caches flushed):
+- 1 x 4K (9.0 us, target 8) and 128 x 4K (16.8, target 15): two latency-bound kernels. At 1 x 4K the
+  scoring's 17 CTAs run at 0.8% of DRAM peak, 42% of their stall cycles on long scoreboard (the
+  block-table load, then the dependent gather); the select's one CTA keeps 23% of issue slots busy
+  and spends 37% of its stalls at the barriers of its 4 radix passes. Left: the select fused into
+  the scoring's last CTA of a token, fewer radix passes for rows of one chunk.
+- 1 x 1M (28.9 = scoring 14.3 + select ~14, target 25): the grid select's 65 CTAs work ~12 us, a
+  chain of dependent steps each one to three L2 round trips or barriers (clock64 stamps of one CTA:
+  loading its keys 1.7K cycles, the level-0 histogram 3.3K, the token barrier 2.6K, finding the bin
+  2.4K, gather and second barrier 5.3K, two candidate levels 3.9K, look-back 1.4K, writes 3.1K); ncu:
+  8% of SM throughput, stalls at barriers 26% and on no instruction 23% (the grid barrier's spin).
+- 128 x 64K (140.5 = 113.4 + ~27, target 120): the scoring is a memory-bound gather (71% of DRAM
+  peak under ncu) within 6% of the target alone; one CTA walks each token's 16384 keys (issue slots
+  38% busy). The chunk tree holds them in registers and takes 136.6 us in all, but runs a 16384-key
+  CTA whatever the real row (29.8 us against the grid's 19.6 at a 4K context in a 1M table), so the
+  launcher takes the grid. Two CTAs a token (143.8) and prefetching the next tile's keys (142.9)
+  were tried and not kept.
+- 4K in a 1M table (1 x: 12.2 against 9.0, 128 x: 19.6 against 16.8): the selects' fixed cost of a
+  wider launch (CTAs that leave at once; at batch 128, 512 threads of 8 keys on a 4096-key tile
+  against the tree's 512 of 4). The attention core stays within 1.11x of its 4K-table time."""
 
 import torch
 

@@ -8,89 +8,23 @@ weights = selected scores / their sum * routed_scaling_factor (fp32) and int64 i
 CUDA: the kernels bind at the first run with CUDA tensors, never while tracing (the fakes have no
 side effects): an eager public function binds them before calling the op, and an op that reaches
 its reference body with CUDA tensors (a compiled graph's first run, a raw op call) binds them there
-and runs again on the CUDA kernel (`bind_cuda_kernel`). `dsv4ops.warmup(..., "cuda")` binds them
+and runs again on the CUDA kernel (dsv4ops/router/cuda.py: `bind_cuda_kernel`). `dsv4ops.warmup(..., "cuda")` binds them
 ahead of a CUDA-graph capture. Where the arch table names a CUDA backend and it cannot be built, the
 call raises; only the table (an architecture without a row) sends CUDA tensors to the reference.
 """
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-from dsv4ops import _arch
-from dsv4ops import ops as _ops  # defines the dsv4:: ops bound below
+from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops called below)
 from dsv4ops.router import checks as _checks
-from dsv4ops import csrc as _csrc
+from dsv4ops.router.cuda import bind_cuda_kernel
 
 _gate_topk = torch.ops.dsv4.gate_topk.default
 _hash_route = torch.ops.dsv4.hash_route.default
 _router_gate = torch.ops.dsv4.router_gate.default
-
-# Largest token count served by the fused decode gate (GEMM + top-k in one kernel); above it cuBLAS
-# has enough rows to fill the GPU and the separate gate_topk kernel costs one extra launch.
-DECODE_GATE_MAX_TOKENS = 64
-
-
-def _decode_gate_backend(num_tokens: int, capability: tuple[int, int]) -> str:
-    """Backend of dsv4::router_gate on CUDA, from the arch table: its first entry (a fused CuTe
-    kernel where one exists) for decode-sized batches, else "csrc" (torch.mm with fp32 output + the
-    gate_topk kernel)."""
-    choices = _arch.backends("router_gate", capability)
-    if num_tokens <= DECODE_GATE_MAX_TOKENS and choices[0].startswith("cute"):
-        return choices[0]
-    return "csrc"
-
-
-def _gate_logits_into(x: Tensor, weight: Tensor, logits_out: Tensor):
-    if x.dtype == torch.float32:
-        torch.mm(x, weight.t(), out=logits_out)
-    else:  # cuBLAS accumulates in fp32 and writes fp32: no bf16 rounding of the logits
-        torch.mm(x, weight.t(), out_dtype=torch.float32, out=logits_out)
-
-
-def _router_gate_cuda(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor,
-    logits_out: Tensor,
-    weights_out: Tensor,
-    indices_out: Tensor,
-    routed_scaling_factor: float,
-):
-    _checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
-    if _decode_gate_backend(x.shape[0], torch.cuda.get_device_capability(x.device)) == "cute_sm90":
-        from dsv4ops.router import cute, cute_sm90
-
-        if cute.supports(x, weight, bias, logits_out, weights_out, indices_out):
-            cute_sm90.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
-            return
-    _gate_logits_into(x, weight, logits_out)
-    _gate_topk(logits_out, bias, weights_out, indices_out, routed_scaling_factor)
-
-
-@functools.cache
-def load_cuda_backends() -> bool:
-    """Binds the router's CUDA kernels (csrc/ gate_topk + hash_route, and router_gate below) and
-    returns True; raises a RuntimeError with the reason when csrc/ cannot be built or loaded."""
-    _csrc.load()
-    _ops.router_gate.register_kernel("cuda")(_router_gate_cuda)
-    return True
-
-
-def bind_cuda_kernel(op: str, capability: tuple[int, int]) -> bool:
-    """Whether `op` has a CUDA kernel on a GPU of `capability`: False where the arch table names the
-    reference (no row for the architecture); otherwise binds the kernels (a failed build raises) and
-    returns True. Called by the ops' reference bodies when they meet CUDA tensors."""
-    if _arch.backends(op, capability) == ("reference",):
-        return False
-    load_cuda_backends()
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"dsv4::{op}", "CUDA"):
-        raise RuntimeError(f"dsv4::{op}: the CUDA kernels were loaded but none is registered for this op")
-    return True
-
 
 def _prepare(t: Tensor):
     """Bind the CUDA kernels before an eager call with real CUDA tensors (not while tracing)."""

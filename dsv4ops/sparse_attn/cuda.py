@@ -9,7 +9,34 @@ kernel to a trap, and sm_100 runs the Triton kernel.
 The C++ kernel takes a token x 64 heads x one split of its key list per CTA (one CTA per SM: 218 KiB
 of shared memory); a batch that would leave SMs idle splits each list (`split_count`), and a second
 kernel merges the splits' partial outputs with the sink (workspace allocated per call from static
-sizes, so the call stays CUDA-graph safe)."""
+sizes, so the call stays CUDA-graph safe). The split count fills one wave of CTAs (HCA 32 x 1M: 4
+splits of 65 tiles); it is sized by the key list's width, but a split past its token's real list
+(window plus `comp_lens` entries) leaves at once and the combine reads only the live splits, so the
+cost follows the real context (HCA 1 x 4K in a cache of 1M positions a request: 12.1 us, 10.7 at a
+4K `max_context`). The kernel's design is in csrc/sparse_attn/sparse_attn.cu.
+
+Against FlashMLA on the same pools (H100, 2026-11-26; README Benchmarks) it takes 0.88-0.97x its
+time at batch 1 and at 128 x 4K and longer contexts, and misses on four rows; ncu (base clocks,
+caches flushed) says why:
+- sliding 128 x 4K (1.13x): one wave of 128 CTAs of 4 tiles each, every CTA loading its 64 KiB of q,
+  running its tiles and storing 64 KiB of output in the same phase as the others, so DRAM idles
+  during the tiles and the tensor cores during the loads (DRAM 25%, issue slots 34% busy). A second
+  split per token (two waves) measured 46.3 us against 14.3; what would close it is another CTA's
+  loads under each CTA's tiles (a persistent kernel with two tokens in flight per SM).
+- CSA 32 x 4K (1.12x): 4 splits of 5 tiles fill the wave, and the splits' fp32 partial outputs
+  (16.8 MB written and read back) make the combine a second, memory-latency-bound kernel (long
+  scoreboard 59% of its stalls). Forced split counts 1 / 2 / 3 / 4: 37.7 / 26.5 / 25.0 / 24.6 us;
+  a combine fused into the last split of each token would close it.
+- V4-Pro CSA 128 x 4K (1.28x) and a 4096-token prefill (1.48x): issue-bound on the per-tile chain
+  (S, the partial-S exchange, the softmax, P V, the handoffs): issue slots about half busy, no
+  dominant stall, DRAM 13-37%. The two CTAs of a V4-Pro token each gather and dequantize the same
+  keys (placing them side by side in launch order, so the second read hits L2, changed nothing:
+  128.6 vs 128.1 us). Closing both needs the softmax of one tile to overlap the wgmmas of the next
+  (two consumer groups on alternating tiles) and, for V4-Pro, one dequantized tile shared by a
+  2-CTA cluster; the prefill also pays each CTA's start in each of its 31 waves.
+Tried and not kept: issuing the next tile's S before waiting for this tile's P V (ptxas then
+serializes every wgmma; 51.2 us against 43.3 at CSA 128 x 4K), and an integer e4m3 -> bf16
+conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers)."""
 
 import functools
 
