@@ -215,16 +215,22 @@ def test_bad_input_is_rejected_and_writes_nothing(case):
 
 
 # ---- the sm_90 CUDA C++ launcher's choices (dsv4ops/sparse_attn/cuda.py) ------------------------
-def test_csrc_launcher_serves_only_v4_fp8_pools_with_bf16_queries():
+def test_csrc_launcher_serves_the_models_byte_formats_with_bf16_queries():
+    """V4's (584, 584) and (584, 288) pools, V4.1's (528, 288) and its sliding layers' (528, 528), bf16 q
+    of 512 dims, int32 lists, contiguous pools; the Triton kernel the rest."""
     from dsv4ops.sparse_attn import cuda
 
     pool = torch.zeros(2, 64 * 576, dtype=torch.uint8)
     q, idx = torch.zeros(1, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 4, dtype=torch.int32)
-    assert cuda.serves(q, pool, pool, idx, "fp8_584", "fp8_584")
-    assert not cuda.serves(q.float(), pool, pool, idx, "fp8_584", "fp8_584")
-    assert not cuda.serves(q, pool, pool, idx.long(), "fp8_584", "fp8_584")
-    assert not cuda.serves(q, pool, pool, idx, "fp8_528", "fp4_288")
-    assert not cuda.serves(q, pool, pool[:, ::2], idx, "fp8_584", "fp8_584")
+    pairs = {("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288"), ("fp8_528", "fp8_528")}
+    assert cuda.FORMAT_PAIRS == pairs
+    for window_fmt, comp_fmt in pairs:
+        assert cuda.serves(q, pool, pool, idx, window_fmt, comp_fmt)
+        assert not cuda.serves(q.float(), pool, pool, idx, window_fmt, comp_fmt)
+        assert not cuda.serves(q, pool, pool, idx.long(), window_fmt, comp_fmt)
+        assert not cuda.serves(q, pool, pool[:, ::2], idx, window_fmt, comp_fmt)
+    for window_fmt, comp_fmt in (("fp8_528", "fp8_584"), ("fp4_288", "fp4_288"), ("exact", "exact")):
+        assert not cuda.serves(q, pool, pool, idx, window_fmt, comp_fmt)
 
 
 def test_split_rule_fills_the_sms_once():

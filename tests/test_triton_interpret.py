@@ -837,23 +837,6 @@ def test_attention_ops_run_triton_on_sm90_and_sm100():
         assert backends.resolve("indexer_topk", (major, 0)) is indexer_cuda.indexer_topk
 
 
-def test_sparse_attn_csrc_serves_the_models_byte_formats():
-    """The C++ kernel reads V4's (584, 584) and (584, 288) pools, V4.1's (528, 288) and its sliding
-    layers' (528, 528), with bf16 q of 512 dims and int32 lists; the Triton kernel the rest."""
-    from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
-
-    q, pool = torch.zeros(2, 64, 512, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.uint8)
-    idx = torch.zeros(2, 4, dtype=torch.int32)
-    pairs = {("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288"), ("fp8_528", "fp8_528")}
-    assert sparse_attn_cuda.FORMAT_PAIRS == pairs
-    for window_fmt, comp_fmt in pairs:
-        assert sparse_attn_cuda.serves(q, pool, pool, idx, window_fmt, comp_fmt)
-        assert not sparse_attn_cuda.serves(q.float(), pool, pool, idx, window_fmt, comp_fmt)
-        assert not sparse_attn_cuda.serves(q, pool, pool, idx.long(), window_fmt, comp_fmt)
-    for window_fmt, comp_fmt in (("fp8_528", "fp8_584"), ("fp4_288", "fp4_288"), ("exact", "exact")):
-        assert not sparse_attn_cuda.serves(q, pool, pool, idx, window_fmt, comp_fmt)
-
-
 def test_a_pdl_launch_requires_the_wait_first():
     # A kernel launched with programmatic dependent launch may start before the previous kernel of the
     # stream has finished: touching memory before wait_prior_grid() would race with it.
