@@ -29,6 +29,7 @@ OPS = {
     "sparse_attn": (partial(T.sparse_attn_args, torch.float32), "q", "out"),
     "inv_rope": (partial(T.inv_rope_args, torch.float32), "o", "out"),
     "fp8_linear": (partial(T.fp8_linear_args, torch.float32), "x", "out"),
+    "fp8_linear_w8a8": (partial(T.fp8_linear_w8a8_args, torch.float32), "x", "out"),
 }
 
 

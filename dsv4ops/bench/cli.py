@@ -69,8 +69,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsv4ops bench", description=__doc__)
     ap.add_argument("--only", default="attention,flashmla,v41,router,fp8_linear,memory",
                     help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), v41 (V4.1-Flash ops and "
-                         "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections at decode "
-                         "batch 1 and 128 beside bf16 F.linear), memory")
+                         "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections, W8A16 and W8A8, at "
+                         "1 .. 4096 tokens beside bf16 F.linear, and the rule table they give), memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
@@ -127,8 +127,11 @@ def main(argv=None):
         from dsv4ops.bench import fp8_linear
 
         out["fp8_linear"] = fp8_linear.run(model=MODELS[args.model](),
+                                           tokens=fp8_linear.QUICK_TOKENS if args.quick else fp8_linear.TOKENS,
                                            progress=lambda r: print("row", json.dumps(r), flush=True))
         print(table(out["fp8_linear"], fp8_linear.COLUMNS))
+        print("fp8_linear/rule.py, measured (W8A16 vs W8A8 per shape):")
+        print(fp8_linear.suggested_table(out["fp8_linear"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
