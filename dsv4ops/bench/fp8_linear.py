@@ -38,7 +38,8 @@ def _w8a8_us(x, fp8: list) -> tuple[float | None, str | None]:
     if why is None:
         try:
             fp8_linear(x, fp8[0][0], fp8[0][1], BLOCK, "fp8")
-            torch.cuda.synchronize()
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
         except RuntimeError as e:  # cuBLASLt's refusal (CUBLAS_STATUS_NOT_SUPPORTED), reported in the row
             why = str(e).splitlines()[0][:120]
     if why is not None:
