@@ -197,11 +197,14 @@ def test_module_auto_picks_w8a8_under_torch_compile(monkeypatch):
     assert module._capability == torch.cuda.get_device_capability()
     monkeypatch.setattr(rule, "W8A8_FROM", {(n, k): 64})
     compiled = torch.compile(module, fullgraph=True)
+    # the function reads the GPU's capability per call: torch.compile folds it to a constant
+    function = torch.compile(lambda x: api.fp8_linear(x, module.weight, module.scale_fp32, 128, "auto"), fullgraph=True)
     for m in (8, 128):
         x = torch.randn(m, k, device="cuda", dtype=BF16)
         want = api.fp8_linear(x, module.weight, module.weight_scale_inv, 128, "fp8" if m >= 64 else "exact")
         assert torch.equal(compiled(x), want), m
         assert torch.equal(module(x), want), m
+        assert torch.equal(function(x), want), m
 
 
 def test_layer_with_w8a8_projections_against_a_quantizing_reference(monkeypatch):

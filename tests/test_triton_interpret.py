@@ -747,9 +747,46 @@ def test_w8a8_launcher_hands_cublaslt_the_blockwise_layouts(monkeypatch):
         want = torch.empty(m, n, dtype=torch.float64)
         fp8_linear_ref.fp8_linear_w8a8(x.double(), weight, scale, want, 128)
         testing.assert_close_to_ref(wide[:, :n], want, want.bfloat16(), what=f"M={m}, gap={gap}")
+    before = wide.clone()
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.raises(RuntimeError, match=r"blockwise GEMM refused \[32, 512\] x \[512, 272\] .*NOT_SUPPORTED"):
+        w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
     monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
     with pytest.raises(NotImplementedError, match=r"runs on sm_90 only .* this GPU is sm_100"):
         w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+    assert testing.bytes_equal(wide, before)
+
+
+def test_w8a8_probe_uses_the_launchers_layouts_and_turns_auto_off_where_torch_refuses(monkeypatch):
+    # The probe's call passes torch's blockwise contract (the model above asserts the layouts); a
+    # torch whose _scaled_mm refuses it turns "auto" to W8A16 (capability None), with a warning.
+    from dsv4ops.fp8_linear import rule
+
+    probe, cpu = rule.probe.__wrapped__, torch.device("cpu")  # uncached
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_model)
+    assert probe(cpu) is None
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.warns(UserWarning, match=r"W8A8 path is off on cpu .*refused 1 x 128 / 128 x 128 scaling: "
+                                         r"CUBLAS_STATUS_NOT_SUPPORTED\); activations='auto' runs W8A16"):
+        why = probe(cpu)
+    assert why.endswith("CUBLAS_STATUS_NOT_SUPPORTED")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(rule, "probe", lambda dev: why)
+    assert rule.serving_capability(cuda) is None
+    monkeypatch.setattr(rule, "probe", lambda dev: None)
+    assert rule.serving_capability(cuda) == (9, 0)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr(rule, "probe", lambda dev: pytest.fail("probed off sm_90"))
+    assert rule.serving_capability(cuda) == (10, 0)  # pick's own reason applies there
 
 
 def test_fp8_linear_launch_config_fills_the_h100_at_decode():
@@ -838,7 +875,7 @@ def test_warmup_runs_w8a8_where_the_rule_picks_it(monkeypatch):
 
     cfg = dsv4ops.DSV4AttentionConfig.tiny(hidden_size=512, q_lora_rank=512, o_lora_rank=256)
     cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, buckets=(1, 4))
-    monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(rule, "serving_capability", lambda device: (9, 0))
     monkeypatch.setattr(rule, "W8A8_FROM", {})
     monkeypatch.setattr(rule, "DEFAULT_W8A8_FROM", 4)
     seen = []

@@ -92,9 +92,10 @@ class BlockFP8Linear(nn.Module):
 
     def refresh(self) -> None:
         """Recompute what is derived from the buffers: scale_fp32 and the GPU capability rule.pick reads
-        (read here, not per call: a torch.compile'd forward then reads a constant)."""
+        (rule.serving_capability, read here and on a move, not per call: it may run a probe kernel,
+        and a torch.compile'd forward then reads a constant)."""
         self.scale_fp32 = fp32_scale(self.weight_scale_inv)
-        self._capability = rule.device_capability(self.weight.device)
+        self._capability = rule.serving_capability(self.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
         activations = self.activations
@@ -114,7 +115,7 @@ class BlockFP8Linear(nn.Module):
         # views they only move (device) or stay.
         for name, t in self._buffers.items():
             self._buffers[name] = fn(t.view(torch.uint8)).view(t.dtype)
-        self._capability = rule.device_capability(self.weight.device)
+        self._capability = rule.serving_capability(self.weight.device)
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,

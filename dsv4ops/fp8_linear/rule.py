@@ -12,6 +12,9 @@ under torch.compile); BlockFP8Linear reads the GPU's capability when it moves, n
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 from dsv4ops.fp8_linear.checks import W8A8_BLOCK
@@ -80,14 +83,40 @@ def suggest_from(times: dict[int, tuple[float, float]]) -> int | None:
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) of a CUDA device (the DSV4OPS_ARCH override too), None for other devices."""
+    """(major, minor) of a CUDA device, None for other devices (from torch.cuda.get_device_properties,
+    which torch.compile folds to a constant)."""
     if device.type != "cuda":
         return None
-    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+    return props.major, props.minor
 
 
-@torch.compiler.assume_constant_result
-def _cuda_capability(index: int) -> tuple[int, int]:
-    from dsv4ops import backends
+def serving_capability(device: torch.device) -> tuple[int, int] | None:
+    """device_capability, or None where this torch's blockwise FP8 GEMM refused a probe call (warned
+    once): what BlockFP8Linear and dsv4ops.warmup hand to pick, so that "auto" stays on the W8A16
+    kernel there instead of raising in a layer. Runs a kernel: call it eagerly (not while tracing)."""
+    capability = device_capability(device)
+    if capability is None or capability[0] != 9:
+        return capability
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return capability if probe(torch.device("cuda", index)) is None else None
 
-    return backends._capability(index)
+
+@functools.cache
+def probe(dev: torch.device) -> str | None:
+    """Why one 16 x 128 x 512 call of torch._scaled_mm in the W8A8 launcher's layouts fails on `dev`,
+    or None."""
+    if not hasattr(torch, "_scaled_mm"):
+        why = f"torch {torch.__version__} has no torch._scaled_mm"
+    else:
+        codes = torch.zeros(16, 512, dtype=torch.float8_e4m3fn, device=dev)
+        weight = torch.zeros(128, 512, dtype=torch.float8_e4m3fn, device=dev)
+        out = torch.empty(16, 128, dtype=torch.bfloat16, device=dev)
+        try:
+            torch._scaled_mm(codes, weight.t(), torch.ones(4, 16, device=dev).t(), torch.ones(1, 4, device=dev).t(),
+                             out_dtype=torch.bfloat16, out=out)
+            return None
+        except RuntimeError as e:
+            why = f"torch {torch.__version__}'s torch._scaled_mm refused 1 x 128 / 128 x 128 scaling: {e}".splitlines()[0]
+    warnings.warn(f"dsv4ops: fp8_linear's W8A8 path is off on {dev} ({why}); activations='auto' runs W8A16")
+    return why

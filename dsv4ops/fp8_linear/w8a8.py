@@ -43,6 +43,10 @@ def fp8_linear_w8a8(x, weight, scale, out, block: int) -> None:
     direct = mp == m and out.is_contiguous()
     dst = out if direct else torch.empty(mp, n, dtype=out.dtype, device=out.device)
     # scale.t(): the [K / 128, N / 128] K-major view of the [N / 128, K / 128] tile scales.
-    torch._scaled_mm(codes, weight.t(), scales.t(), scale.t(), out_dtype=out.dtype, out=dst)
+    try:
+        torch._scaled_mm(codes, weight.t(), scales.t(), scale.t(), out_dtype=out.dtype, out=dst)
+    except RuntimeError as e:  # out is untouched: the GEMM raised before writing
+        raise RuntimeError(f"dsv4::fp8_linear_w8a8: torch {torch.__version__}'s cuBLASLt blockwise GEMM refused "
+                           f"[{mp}, {k}] x [{k}, {n}] (activations='exact' runs the W8A16 kernel): {e}") from e
     if not direct:
         out.copy_(dst[:m])
