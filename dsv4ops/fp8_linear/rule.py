@@ -24,12 +24,13 @@ ACTIVATIONS = ("exact", "fp8", "auto")
 # (N, K) -> the smallest M from which "fp8" beat "exact" at every swept M at or above it; None:
 # "exact" at every swept M. Shapes not listed: DEFAULT_W8A8_FROM.
 # PLACEHOLDERS, not a sweep of this rule: issue 30 measured at M = 128 only (cuBLASLt GEMM alone, H100,
-# torch 2.11): q_b 17.5 us, indexer q_b 6.7, o_b 25.2 against the Triton kernel's 128-token times in
-# triton.config's docstring (q_b > 31.5, indexer q_b 11.2, o_b 36.8): "fp8" from 128; q_a 13.6 and
-# kv 13.9 against 10.2 and 8.0: "exact" at 128, "fp8" assumed from 512 (prefill-sized M, where the
-# FP8 rate, 2x bf16, should win). The activation quantization (about 2 us at 128 x 4096) is not in
-# those numbers. Replace every entry with the table `python -m dsv4ops bench --only fp8_linear
-# --model flash` (and `--model pro`) prints (it times both paths at M = 1 .. 4096), then set MEASURED.
+# torch 2.11): q_b 17.5 us, indexer q_b 6.7, o_b 25.2 against the Triton kernel's 128-token times
+# (triton.config's docstring: indexer q_b 11.2, o_b 36.8; q_b slower than bf16's 31.5, issue 30):
+# "fp8" from 128; q_a 13.6 and kv 13.9 against 10.2 and 8.0: "exact" at 128, "fp8" assumed from 512
+# (prefill-sized M, where the FP8 rate, 2x bf16, should win). The activation quantization (about
+# 2 us at 128 x 4096, not measured) is not in those numbers. Replace every entry, and the default,
+# with the table `python -m dsv4ops bench --only fp8_linear --model flash` (and `--model pro`)
+# prints (both paths timed at M = 1 .. 4096), and drop the "placeholder" marks.
 W8A8_FROM: dict[tuple[int, int], int | None] = {
     (1024, 4096): 512,  # V4-Flash q_a_proj (placeholder)
     (32768, 1024): 128,  # V4-Flash q_b_proj (placeholder)
@@ -38,7 +39,6 @@ W8A8_FROM: dict[tuple[int, int], int | None] = {
     (8192, 1024): 128,  # V4-Flash indexer q_b_proj (placeholder)
 }
 DEFAULT_W8A8_FROM = 512  # placeholder: prefill-sized steps only, until measured
-MEASURED = False  # True once W8A8_FROM holds the bench's numbers (say which GPU and torch in the comment)
 
 
 def w8a8_refuses(n: int, k: int, block: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
