@@ -3,13 +3,14 @@ kernel (fp8_linear/triton.py) writes x's e4m3 codes and M-major 1 x 128 scales, 
 cuBLASLt GEMM with DeepSeek-style blockwise scaling (`torch._scaled_mm`: 1 x 128 activation blocks,
 128 x 128 weight tiles, fp32 accumulation, bf16 out) writes `out`. sm_90 only (rule.w8a8_refuses says
 why elsewhere). torch._scaled_mm rather than F.scaled_mm: both torch 2.11 and 2.13 have it, and its
-out= variant writes the op's output in place (F.scaled_mm returns a new tensor: one more copy, about
-5 us for a 128 x 32768 bf16 output on the H100).
+out= variant writes the op's output in place (F.scaled_mm returns a new tensor: one more copy, 16 MB
+of traffic for a 128 x 32768 bf16 output, ~5 us at 3 TB/s; estimated, not measured).
 
-Rows: cuBLASLt refused one token (CUBLAS_STATUS_NOT_SUPPORTED on the H100, issue 30; the M-major
-scale columns of one row are 4 B apart, cuBLASLt wants 16-B aligned operands), so the codes and
-scales are padded to a multiple of ROW_MULTIPLE rows (zero codes) and such a GEMM writes a
-temporary whose first M rows are copied to `out`, as does an `out` whose rows have a stride gap.
+Rows: cuBLASLt refused one token (CUBLAS_STATUS_NOT_SUPPORTED on the H100, issue 30). A likely cause,
+not verified: the M-major scale columns of one row are 4 B apart where cuBLASLt wants 16-B aligned
+operands. So the codes and scales are padded to a multiple of ROW_MULTIPLE rows (zero codes) and such
+a GEMM writes a temporary whose first M rows are copied to `out`, as does an `out` whose rows have a
+stride gap; the GPU tests run M = 1 and 3 through it.
 Workspaces are allocated per call from static sizes only (CUDA-graph safe)."""
 
 import torch
