@@ -30,6 +30,9 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     "visible_entries": {9: ("triton",), 10: ("triton",)},
     "inv_rope": {9: ("triton",), 10: ("triton",)},
     "fp8_linear": {9: ("triton",), 10: ("triton",)},
+    # The Triton act_quant kernel + torch's cuBLASLt blockwise FP8 GEMM, whose DeepSeek-style scaling
+    # torch runs on sm_90 only: sm_100 runs the reference kernel (fp8_linear's "auto" never picks it there).
+    "fp8_linear_w8a8": {9: ("triton",)},
     "pack_kv": {9: ("triton",), 10: ("triton",)},
     "unpack_kv": {9: ("triton",), 10: ("triton",)},
     "gate_topk": {9: ("csrc",), 10: ("csrc",)},

@@ -207,3 +207,12 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int
     scale: fp32, or UE8M0 as uint8 bytes (2^(byte - 127); fp8_linear/checks.py says why)."""
     _fp8_linear_checks.fp8_linear(x, weight, scale, out, block)
     _fp8_linear.fp8_linear(x, weight, scale, out, block)
+
+
+@custom_op("dsv4::fp8_linear_w8a8", mutates_args=("out",))
+def fp8_linear_w8a8(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int) -> None:
+    """fp8_linear with x quantized first (W8A8, DeepSeek's act_quant): out [M, N] = (x's e4m3 codes x
+    one power-of-two scale per 1 x 128 block) @ (weight x its 128 x 128 tile scale)^T, fp32 sums,
+    rounded to x's dtype. block: 128 only; scale: fp32; in_features a multiple of 128."""
+    _fp8_linear_checks.fp8_linear_w8a8(x, weight, scale, out, block)
+    _fp8_linear.fp8_linear_w8a8(x, weight, scale, out, block)

@@ -14,6 +14,7 @@ import torch
 
 from dsv4ops.cache.config import CacheConfig, blocks_per_request, topk_workspace_words
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
+from dsv4ops.fp8_linear import rule as fp8_rule
 from dsv4ops.cache.config import paged_pool
 from dsv4ops.reference.numerics import compressor_dtype
 
@@ -30,7 +31,8 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
     CUDA device this compiles the kernels and binds the router's CUDA kernels (a failed build
     raises); on CPU (reference kernels) there is nothing to compile. `fp8_block`: the layers were
     loaded with keep_fp8=True (tiles of that size, scales of dtype `fp8_scale`): fp8_linear runs
-    too, at every FP8 projection's shape."""
+    too, at every FP8 projection's shape, and fp8_linear_w8a8 where BlockFP8Linear's "auto" picks it
+    for the bucket (dsv4ops/fp8_linear/rule.py)."""
     device = torch.device(device)
     ops = torch.ops.dsv4
     first = {}  # one layer of each kind (its RoPE table)
@@ -99,10 +101,14 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
         for n, k in _fp8_projections(model_cfg, kinds) if fp8_block else ():
             weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)
             scale = torch.ones(-(-n // fp8_block), -(-k // fp8_block), dtype=fp8_scale, device=device)
-            ops.fp8_linear(torch.zeros(t, k, dtype=dtype, device=device), weight,
-                           scale.view(torch.uint8) if fp8_scale == torch.float8_e8m0fnu else scale,
-                           torch.empty(t, n, dtype=dtype, device=device), fp8_block)
+            x, out = torch.zeros(t, k, dtype=dtype, device=device), torch.empty(t, n, dtype=dtype, device=device)
+            ops.fp8_linear(x, weight, scale.view(torch.uint8) if fp8_scale == torch.float8_e8m0fnu else scale, out,
+                           fp8_block)
             calls += 1
+            # BlockFP8Linear's "auto" runs W8A8 at this step size: its act_quant kernel and cuBLASLt too
+            if fp8_rule.pick(t, n, k, fp8_block, dtype, fp8_rule.serving_capability(device)) == "fp8":
+                ops.fp8_linear_w8a8(x, weight, scale.float(), out, fp8_block)
+                calls += 1
         rows = torch.empty(t, d, dtype=dtype, device=device)
         ops.pack_kv(rows, none, window, main_fmt)
         ops.unpack_kv(window, none, rows, main_fmt)

@@ -334,6 +334,16 @@ def fp8_linear_args(dtype=torch.float32, block=32, n=70, k=100, tokens=3, scale_
                 out=torch.empty(tokens, n, dtype=dtype), block=block)
 
 
+def fp8_linear_w8a8_args(dtype=torch.float32, n=200, k=384, tokens=3, scale_dtype=torch.float8_e8m0fnu,
+                         noncontig=False) -> dict:
+    """fp8_linear_args for the W8A8 op: 128 x 128 tiles (N ragged), K in whole 1 x 128 blocks, fp32 scales
+    (UE8M0 values, or V3-style ones)."""
+    args = fp8_linear_args(dtype, 128, n, k, tokens, scale_dtype, noncontig)
+    args["scale"] = (args["scale"].view(torch.float8_e8m0fnu) if args["scale"].dtype == torch.uint8
+                     else args["scale"]).float()
+    return args
+
+
 _PUBLIC = {
     "pack_kv": lambda api, a: api.pack_kv(a["x"], a["slots"], a["cache"], a["fmt"]),
     "unpack_kv": lambda api, a: api.unpack_kv(a["cache"], a["slots"], a["out"].shape[1], a["out"].dtype, a["fmt"]),
@@ -360,11 +370,12 @@ _PUBLIC = {
                                                           a["block_size"], a["block_table"].numel()),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
     "fp8_linear": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"]),
+    "fp8_linear_w8a8": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"], "fp8"),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",
            "indexer_q_prep": "indexer", "indexer_k_prep": "indexer", "indexer_topk": "indexer",
            "visible_entries": "visible_entries", "sparse_attn": "sparse_attn", "inv_rope": "inv_rope",
-           "fp8_linear": "fp8_linear"}
+           "fp8_linear": "fp8_linear", "fp8_linear_w8a8": "fp8_linear"}
 
 
 def public(name: str):

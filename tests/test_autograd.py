@@ -29,6 +29,7 @@ OPS = {
     "sparse_attn": (partial(builders.sparse_attn_args, torch.float32), "q", "out"),
     "inv_rope": (partial(builders.inv_rope_args, torch.float32), "o", "out"),
     "fp8_linear": (partial(builders.fp8_linear_args, torch.float32), "x", "out"),
+    "fp8_linear_w8a8": (partial(builders.fp8_linear_w8a8_args, torch.float32), "x", "out"),
 }
 
 

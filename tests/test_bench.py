@@ -171,3 +171,209 @@ def test_fp8_linear_rows_time_both_sides_on_the_same_weights(monkeypatch):
     assert {"us", "bf16_us", "bf16_GBps"} <= set(row) and set(fp8_linear.COLUMNS) <= set(row)
     assert set(fp8_linear.projections(DSV4AttentionConfig.flash()).values()) == {
         (1024, 4096), (32768, 1024), (512, 4096), (4096, 8192), (8192, 1024)}
+
+
+def test_fp8_linear_rows_time_w8a8_where_it_runs_and_suggest_the_rule(monkeypatch):
+    from dsv4ops.bench import fp8_linear
+    from dsv4ops.fp8_linear import rule
+    from dsv4ops.fp8_linear.api import fp8_linear as fp8_linear_fn
+
+    monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))  # as on an H100; the ops run on CPU
+    calls = []
+    times = iter([4.0, 3.0, 5.0])  # W8A16, W8A8, bf16
+    monkeypatch.setattr(fp8_linear, "graph_us", lambda fn, args: (calls.append((fn, args)), next(times))[1])
+    row = fp8_linear.bench_case("kv", 256, 512, 3, "cpu", device="cpu", l2_bytes=256 * 512)
+    (_, w16), (w8a8, w32), _ = calls
+    x = torch.randn(3, 512).bfloat16()
+    for (w, s), (w2, s32) in zip(w16, w32):
+        assert w is w2 and torch.equal(s.float(), s32) and s32.dtype == torch.float32  # the same weights
+    assert row["w8a8_us"] == 3.0 and row["w8a8_refused"] is None and row["speedup"] == 5.0 / 3.0
+    w, s = w32[0]
+    assert row["rule"] == rule.pick(3, 256, 512, 128, torch.bfloat16, (9, 0))
+    # the timed W8A8 callable is the W8A8 op on those weights (x is the bench's own: compare shapes only)
+    assert w8a8(w, s).shape == fp8_linear_fn(x, w, s, 128, "fp8").shape == (3, 256)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
+    times = iter([4.0, 5.0])
+    row = fp8_linear.bench_case("kv", 256, 512, 3, "cpu", device="cpu", l2_bytes=256 * 512)
+    assert row["w8a8_us"] is None and "sm_90 only" in row["w8a8_refused"] and row["rule"] == "exact"
+    rows = [{"projection": "kv", "n": 512, "k": 4096, "tokens": m, "us": e, "w8a8_us": f}
+            for m, e, f in ((1, 5.0, 9.0), (128, 8.0, 7.0), (4096, 90.0, 50.0))]
+    rows += [{"projection": "q_a", "n": 1024, "k": 4096, "tokens": m, "us": 1.0, "w8a8_us": None} for m in (1, 128)]
+    table = fp8_linear.suggested_table(rows)
+    assert "    (512, 4096): 128,  # kv, swept M [1, 128, 4096]" in table
+    assert "    (1024, 4096): None,  # q_a" in table
+    assert eval(table.split("=", 1)[1]) == {(512, 4096): 128, (1024, 4096): None}
+
+
+# ---- the sweep (--sweep): grid, memory plan, one point, the summary ------------------------------------
+def test_sweep_grid_covers_every_kind_model_batch_and_context():
+    from dsv4ops.bench import sweep
+
+    points = sweep.grid()
+    assert len(points) == len(set(points)) == 2 * 3 * 6 * 5
+    assert {(p.model, p.kind) for p in points} == {(m, k) for m in ("flash", "pro") for k in (SLIDING, CSA, HCA)}
+    assert {p.batch for p in points} == {1, 8, 32, 64, 128, 256}
+    assert {p.context for p in points} == {4096, 16384, 65536, 262144, 1 << 20}
+    # one layer per (model, kind): its points run back to back
+    keys = [(p.model, p.kind) for p in points]
+    assert all(keys.index(k) + keys.count(k) - 1 == len(keys) - 1 - keys[::-1].index(k) for k in set(keys))
+    quick = sweep.grid(quick=True)
+    assert set(quick) < set(points) and {p.batch for p in quick} == {1, 32, 128}
+    assert sweep.heads_of("flash") == (64, 32, 16, 8) and sweep.heads_of("pro") == (128, 16, 8)
+    assert [sweep.flashmla_heads(h) for h in (8, 16, 32, 64, 128)] == [64, 64, 64, 64, 128]
+    assert sweep.model_config("pro", SLIDING).num_heads == 128  # Pro's MTP layer: sliding, Pro's dims
+    assert sweep.model_config("pro", SLIDING).layer_type(0) == SLIDING
+    assert sweep.Point("pro", HCA, 32, 1 << 20).label == "pro HCA 32 x 1M"
+
+
+def test_sweep_skips_the_points_whose_pools_exceed_the_budget():
+    from dsv4ops.bench import sweep
+
+    points = sweep.grid()
+    run, skipped = sweep.plan(points, 80 * 10**9)
+    assert not skipped and run == points  # the largest: CSA 256 x 1M, 67M entries x (585 + 132) B = 48 GB
+    biggest = sweep.Point("flash", CSA, 256, 1 << 20)
+    assert 48e9 < sweep.cache_bytes(biggest) < 49e9
+    run, skipped = sweep.plan(points, 30 * 10**9)
+    assert [p.label for p, _ in skipped] == ["flash CSA 256 x 1M", "pro CSA 256 x 1M"]  # 128 x 1M: 24 GB fits
+    assert all(need > 30 * 10**9 for _, need in skipped) and len(run) + len(skipped) == len(points)
+    # the estimate grows with batch and context
+    for p in points:
+        for q in points:
+            if (p.model, p.kind) == (q.model, q.kind) and p.batch <= q.batch and p.context <= q.context:
+                assert sweep.point_bytes(p, (8,)) <= sweep.point_bytes(q, (8,))
+
+
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_sweep_cache_estimate_is_what_a_case_allocates(kind):
+    from dsv4ops.bench import sweep
+
+    model = DSV4AttentionConfig.tiny()
+    case = attention.Case(kind, batch=3, context=300, new_tokens=1, device="cpu", model=model)
+    cache = case.layer.cache
+    held = sum(b.numel() * b.element_size() for name, b in cache.named_buffers()
+               if name not in ("generations", "topk_workspace"))
+    held += case.manager.topk_workspace("cpu").numel() * 4
+    assert sweep.cache_bytes(sweep.Point("flash", kind, 3, 300), model) == held
+
+
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_sweep_point_times_each_head_shard_of_the_step(kind, monkeypatch):
+    # Each head count's callable is sparse_attn on the first heads of the step's q: attention is per
+    # head, so its output is the full-head output's first heads (up to the reference's sum order).
+    from dsv4ops.bench import flashmla, sweep
+
+    monkeypatch.setattr(flashmla, "available", lambda: False)
+    model = DSV4AttentionConfig.tiny()
+    outs = {}
+
+    def timer(fn, iters, reps):
+        outs[len(outs)] = fn().clone()
+        return float(len(outs))
+
+    layer = attention.new_layer(kind, model, "cpu")
+    with torch.no_grad():
+        rows = sweep.run_point(sweep.Point("flash", kind, 2, 300), layer, (4, 2, 1), timer, "cpu", model)
+    assert [r["heads"] for r in rows] == [4, 2, 1] and [r["us"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(r["vs_flashmla"] is None and r["flashmla_heads"] == 64 for r in rows)
+    for i, h in ((1, 2), (2, 1)):
+        assert outs[i].shape[1] == h
+        torch.testing.assert_close(outs[i], outs[0][:, :h])
+    assert not hasattr(layer, "cache")  # released: the pools go with the case
+
+
+def test_sweep_summary_reports_worst_and_median_per_group():
+    from dsv4ops.bench import sweep
+
+    rows = [dict(model="flash", layer="CSA", heads=64, batch=b, context=c, vs_flashmla=v)
+            for b, c, v in ((1, 4096, 0.8), (32, 4096, 1.2), (128, 1 << 20, 0.85))]
+    rows += [dict(model="flash", layer="CSA", heads=8, batch=1, context=4096, vs_flashmla=None, error="x")]
+    (s,) = sweep.summarize(rows)
+    assert (s["layer"], s["model"], s["heads"], s["points"]) == ("CSA", "flash", 64, 3)
+    assert s["worst"] == 1.2 and s["worst_at"] == "32 x 4K" and s["median"] == 0.85 and s["over_target"] == 1
+
+
+def test_sweep_flags_parse_and_the_report_ends_with_the_summary():
+    from dsv4ops.bench import cli
+
+    ap = cli.build_parser()
+    assert ap.parse_args(["--sweep"]).sweep and ap.parse_args(["--sweep-quick"]).sweep_quick
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--sweep", "--sweep-quick"])
+    row = dict(model="pro", layer="HCA", batch=1, context=4096, heads=16, us=30.0, flashmla_heads=64,
+               flashmla_us=40.0, vs_flashmla=0.75)
+    from dsv4ops.bench import sweep
+
+    out = {"versions": {"gpu": "NVIDIA H100"}, "layer_step": [dict(model="flash", layer="CSA", batch=1, us=90.0)],
+           "sweep": {"rows": [row], "skipped": [("flash CSA 256 x 1M", 48.5)], "seconds": 200.0,
+                     "summary": sweep.summarize([row])}}
+    text = cli.sweep_report(out)
+    assert "flash CSA 256 x 1M (48.5 GB)" in text and "| flash | CSA | 1 |  |  | 90.0 |" in text  # the layer step
+    last = text.strip().splitlines()
+    assert last[-3].startswith("| layer | model | heads | points | worst")
+    assert last[-1] == "| HCA | pro | 16 | 1 | 0.75 | 1 x 4K | 0.75 | 0 |"
+
+
+# ---- the whole layer's decode step beside FlashMLA + bf16 GEMMs ----------------------------------------
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_layer_step_composition_is_the_layer_step(kind):
+    # composed_step with the layer's own projections and our core runs layers._attend's ops in its
+    # order: the same output bit for bit (CPU reference kernels); also with block-FP8 projections.
+    from dsv4ops.bench import layer_step
+    from dsv4ops.fp8_linear.api import BlockFP8Linear
+
+    model = DSV4AttentionConfig.tiny()
+    layer = attention.new_layer(kind, model, "cpu")
+    with torch.no_grad():
+        for fp8 in (False, True):
+            bf16 = layer_step.to_block_fp8(layer) if fp8 else None
+            case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model, layer=layer)
+            want = case.layer(case.x, case.step)
+            got = layer_step.composed_step(case, layer_step.module_proj(layer), layer_step.ours_core(case))()
+            assert torch.equal(got, want), fp8
+            case.release()
+    names = {n for n, m in layer.named_modules() if isinstance(m, BlockFP8Linear)}
+    assert names == set(bf16) == {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"} | (
+        {"compressor.indexer.q_b_proj"} if kind == CSA else set())
+
+
+def test_block_fp8_quantization_of_a_weight():
+    from dsv4ops.bench.layer_step import quantize_block_fp8
+    from dsv4ops.fp8_linear.reference import dequantize
+
+    w = torch.randn(200, 300) * torch.logspace(-3, 2, 300)  # tiles of very different magnitudes
+    w[5, 7] = -50 * w[:128, :128].abs().max()  # a tile whose amax is a negative weight
+    codes, scale = quantize_block_fp8(w)
+    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu and scale.shape == (2, 3)
+    s = scale.float().repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    assert (codes.float().abs() <= 448).all() and (codes.float().abs().amax() > 224)  # the scale uses the range
+    # the scales: 2^ceil(log2(tile amax / 448)), by frexp on plain floats (tests/format_model.py)
+    import format_model as M
+
+    amax = [[max(abs(v) for row in w[i:i + 128].tolist() for v in row[j:j + 128]) for j in range(0, 300, 128)]
+            for i in range(0, 200, 128)]
+    assert scale.float().tolist() == [[2.0 ** M.pow2ceil_exp(a / 448) for a in r] for r in amax]
+    err = (dequantize(codes, scale, 128, torch.float32) - w).abs()
+    assert (err <= w.abs() * 2.0**-4 + s * 2.0**-10).all()  # e4m3: half a quantum (3 mantissa bits, subnormals)
+
+
+def test_sweep_run_reuses_one_layer_per_kind_and_lists_skipped_points(monkeypatch):
+    from dsv4ops.bench import flashmla, sweep
+
+    tiny = DSV4AttentionConfig.tiny()
+    points = [sweep.Point("flash", k, b, 300) for k in (SLIDING, HCA) for b in (1, 2)] + [
+        sweep.Point("flash", CSA, 3, 5000)]
+    monkeypatch.setattr(flashmla, "available", lambda: False)
+    monkeypatch.setattr(sweep, "grid", lambda quick: points)
+    monkeypatch.setattr(sweep, "model_config", lambda model, kind: tiny)
+    monkeypatch.setattr(sweep, "heads_of", lambda model, quick=False: (4, 2))
+    built = []
+    real_new_layer = attention.new_layer
+    monkeypatch.setattr(attention, "new_layer", lambda *a: (built.append(a[0]), real_new_layer(*a))[1])
+    budget = max(sweep.point_bytes(p, (4, 2)) for p in points[:4])  # the CSA point's pools are larger
+    seen = []
+    out = sweep.run(progress=seen.append, device="cpu", budget=budget, timer=lambda fn, iters, reps: 1.0)
+    assert built == [SLIDING, HCA]  # one layer per kind, none for the skipped point
+    assert out["rows"] == seen and len(seen) == 4 * 2
+    assert out["skipped"] == [("flash CSA 3 x 4K", sweep.point_bytes(points[4], (4, 2)) / 1e9)]
+    assert out["summary"] == []  # no FlashMLA: no ratios

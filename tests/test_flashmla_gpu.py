@@ -58,3 +58,21 @@ def test_padding_tokens_write_zeros_and_the_live_ones_match_the_reference():
     ours = _ours(*case)
     assert (ours[req < 0] == 0).all()
     testing.assert_close_to_ref(ours, _reference(torch.float64, *case), _reference(torch.bfloat16, *case))
+
+
+@pytest.mark.parametrize("heads", [8, 16, 32])
+def test_flashmla_padded_for_a_tensor_parallel_shard(heads):
+    # As engines run FlashMLA for a rank's h < 64 heads: q zero-padded to 64 heads, the output sliced.
+    # Both it and ours at h heads must equal the reference on those heads.
+    q, wc, cc, pos, req, idx, lens, sinks = _case(64, prefill=False)
+    q, sinks = q[:, :heads].contiguous(), sinks[:heads].contiguous()
+    case = (q, wc, cc, pos, req, idx, lens, sinks)
+    ref64, lowp = _reference(torch.float64, *case), _reference(torch.bfloat16, *case)
+    q_pad = torch.zeros(q.shape[0], 64, 512, dtype=q.dtype, device="cuda")
+    q_pad[:, :heads] = q
+    sinks_pad = torch.zeros(64, dtype=sinks.dtype, device="cuda")
+    sinks_pad[:heads] = sinks
+    run = flashmla.Decode(wc, cc, pos, req, sinks_pad, 512**-0.5, WINDOW, RING)
+    theirs = run(q_pad, idx, lens)[:, :heads]
+    testing.assert_close_to_ref(_ours(*case), ref64, lowp, what=f"dsv4::sparse_attn, {heads} heads")
+    testing.assert_close_to_ref(theirs, ref64, lowp, what=f"FlashMLA padded to 64 heads, sliced to {heads}")

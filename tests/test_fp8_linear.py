@@ -232,3 +232,181 @@ def test_keep_fp8_rejects_a_tile_size_without_a_kernel_and_keeps_the_layer():
     with pytest.raises(ValueError, match=r"block: expected a tile size in \[32, 128\], got 64"):
         layer.load_deepseek_state_dict(sd, block=64, keep_fp8=True)
     assert type(layer.q_a_proj) is torch.nn.Linear
+
+
+# ---- W8A8: dsv4::fp8_linear_w8a8 (x quantized per 1 x 128 block, DeepSeek's act_quant) -------------
+def model_act_quant(x: torch.Tensor) -> tuple[list, list]:
+    """(e4m3 codes, scale exponents) of each row of x from the V4 rule in tests/format_model.py:
+    e = ceil(log2(fp32(max(amax, 1e-4) / 448))) per 1 x 128 block, codes the nearest e4m3 of
+    v / 2^e (ties to the even code). Plain Python floats."""
+    codes, exps = [], []
+    for row in x.float().tolist():
+        for j in range(0, len(row), 128):
+            block = row[j:j + 128]
+            e = M.pow2ceil_exp(M.f32(max(max(abs(v) for v in block), M.f32(1e-4)) / 448))
+            exps.append(e)
+            codes += [M.e4m3_code(v / 2.0**e) for v in block]
+    return codes, exps
+
+
+def act_quant_inputs(dtype):
+    """Rows whose blocks hit the rule's edges: an amax of exactly 448 x 2^e and one ulp above it,
+    an amax under the 1e-4 floor, an all-zero block, e4m3 ties (odd multiples of half a quantum), a
+    large and a small magnitude, and random values."""
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(3)).to(dtype).float()
+    x[0, 0], x[0, 128] = 448 * 2.0**-3, torch.nextafter(torch.tensor(448 * 2.0**2), torch.tensor(1e9)).item()
+    x[1, :128] *= 1e-6
+    x[1, 128:] = 0
+    x[2, :128] = torch.arange(128) * 0.5 + 0.25 if dtype != torch.float16 else torch.arange(128) * 0.125 + 1 / 16
+    x[3, :128] *= 300.0
+    x[4] *= 1e-3
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
+def test_act_quant_follows_the_pow2_rule_bit_for_bit(dtype):
+    from dsv4ops.fp8_linear import reference
+
+    x = act_quant_inputs(dtype)
+    codes, scales = reference.act_quant(x)
+    want_codes, want_exps = model_act_quant(x)
+    assert codes.view(torch.uint8).flatten().tolist() == want_codes
+    assert scales.flatten().tolist() == [2.0**e for e in want_exps]
+
+
+def w8a8_model(x, weight, scale):
+    """The W8A8 product in float64 from the independent act_quant model: codes x 2^e @ dequant64^T."""
+    codes, exps = model_act_quant(x)
+    m, k = x.shape
+    xq = (E4M3_VALUES[torch.tensor(codes)].view(m, k // 128, 128)
+          * torch.tensor([2.0**e for e in exps], dtype=torch.float64).view(m, -1, 1)).view(m, k)
+    return xq, xq @ dequant64(weight, scale, 128).T
+
+
+@pytest.mark.parametrize("scale_dtype", [E8M0, FP32], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
+def test_w8a8_is_the_product_of_the_quantized_activations(dtype, scale_dtype):
+    weight, scale = T.block_fp8_weight(200, 384, 128, scale_dtype, seed=7)
+    for m in (1, 5):
+        x = torch.randn(m, 384).to(dtype)
+        out = fp8_linear(x, weight, scale, 128, activations="fp8")
+        assert out.shape == (m, 200) and out.dtype == dtype
+        xq, ref64 = w8a8_model(x, weight, scale)
+        # the same product with the quantized operands in x's dtype
+        lowp = F.linear(xq.to(dtype), dequant64(weight, scale, 128).to(dtype))
+        T.assert_close_to_ref(out, ref64, lowp, what=f"M={m}")
+
+
+def test_w8a8_differs_from_w8a16_by_the_activation_quantization():
+    # The activations' e4m3 rounding (about 2^-5 relative per element) is far outside the W8A16
+    # budget: the two modes are different products, not two orders of one sum.
+    weight, scale = T.block_fp8_weight(128, 256, 128, seed=1)
+    x = torch.randn(4, 256).to(BF16)
+    a8, a16 = (fp8_linear(x, weight, scale, 128, activations=a) for a in ("fp8", "exact"))
+    w64 = dequant64(weight, scale, 128)
+    budget = (F.linear(x, w64.to(BF16)).double() - x.double() @ w64.T).abs().max()
+    assert (a8.double() - a16.double()).abs().max() > 4 * budget
+
+
+ARGS8 = partial(T.fp8_linear_w8a8_args, FP32)
+BAD8 = [
+    ("block", wa("block", lambda a: 32), r"block: expected 128 \(W8A8 quantizes x in 1 x 128 blocks"),
+    ("scale-dtype", wa("scale", lambda a: a["scale"].view(torch.int32)),
+     r"scale: expected torch.float32 \(BlockFP8Linear keeps an fp32 copy of UE8M0 scales\), got torch.int32"),
+    ("in-features", lambda a: a.update(x=a["x"][:, :300].contiguous(), weight=a["weight"][:, :300].contiguous(),
+                                       scale=a["scale"][:, :3].contiguous()),
+     r"x: expected in_features a multiple of 128 \(whole 1 x 128 activation blocks\), got 300"),
+    ("scale-shape", wa("scale", lambda a: a["scale"][:, :2].contiguous()),
+     r"scale: expected shape \(2, 3\) \(a \[200, 384\] weight in 128 x 128 tiles\), got \(2, 2\)"),
+    ("x-dtype", wa("x", lambda a: a["x"].double()), r"x: expected dtype in"),
+    ("out-dtype", wa("out", lambda a: a["out"].bfloat16()), r"out: expected dtype in \[torch.float32\]", ("op",)),
+]
+
+
+@pytest.mark.parametrize("case", BAD8, ids=[b[0] for b in BAD8])
+def test_w8a8_bad_input_is_rejected_and_writes_nothing(case):
+    _, mutate, match, *via = case
+    T.assert_bad_case("fp8_linear_w8a8", ARGS8(), mutate, match, via)
+
+
+def test_activations_must_be_a_known_mode():
+    weight, scale = T.block_fp8_weight(128, 128, 128)
+    with pytest.raises(ValueError, match=r"activations: expected one of \['exact', 'fp8', 'auto'\], got 'int8'"):
+        fp8_linear(torch.randn(2, 128), weight, scale, 128, activations="int8")
+    with pytest.raises(ValueError, match=r"activations: expected one of .*, got 'w8a8'"):
+        BlockFP8Linear(128, 128, activations="w8a8")
+
+
+# ---- the "auto" rule ---------------------------------------------------------------------------------
+def test_rule_picks_w8a8_from_the_table_where_cublaslt_serves(monkeypatch):
+    from dsv4ops.fp8_linear import rule
+
+    monkeypatch.setattr(rule, "W8A8_FROM", {(4096, 8192): 128, (512, 4096): None})
+    monkeypatch.setattr(rule, "DEFAULT_W8A8_FROM", 512)
+    h100 = (9, 0)
+    assert [rule.pick(m, 4096, 8192, 128, BF16, h100) for m in (1, 127, 128, 4096)] == ["exact"] * 2 + ["fp8"] * 2
+    assert rule.pick(4096, 512, 4096, 128, BF16, h100) == "exact"  # None: never
+    assert [rule.pick(m, 2048, 2048, 128, BF16, h100) for m in (511, 512)] == ["exact", "fp8"]  # the default
+    # never where the W8A8 kernel cannot run, whatever the table says
+    for args in ((4096, 8192, 128, BF16, None), (4096, 8192, 128, BF16, (10, 0)), (4096, 8192, 32, BF16, h100),
+                 (4096, 8192, 128, FP16, h100), (4104, 8192, 128, BF16, h100), (4096, 8320, 128, BF16, h100)):
+        assert rule.w8a8_refuses(*args) is not None and rule.pick(4096, *args) == "exact", args
+    assert rule.w8a8_refuses(4096, 8192, 128, BF16, h100) is None
+    assert "sm_100" in rule.w8a8_refuses(4096, 8192, 128, BF16, (10, 0))
+    assert "multiple of 512" in rule.w8a8_refuses(4096, 8320, 128, BF16, h100)
+
+
+def test_rule_suggestion_is_the_start_of_the_last_winning_run():
+    from dsv4ops.fp8_linear.rule import suggest_from
+
+    assert suggest_from({1: (5.0, 9.0), 64: (9.0, 8.0), 128: (12.0, 8.0), 4096: (300.0, 150.0)}) == 64
+    assert suggest_from({1: (5.0, 4.0), 64: (9.0, 10.0), 128: (12.0, 8.0)}) == 128  # a loss at 64 breaks the run
+    assert suggest_from({1: (5.0, 9.0), 128: (8.0, 8.0)}) is None  # a tie is no win
+
+
+def test_rule_table_covers_every_v4_flash_projection():
+    from dsv4ops.bench.fp8_linear import projections
+    from dsv4ops.fp8_linear import rule
+
+    assert set(projections(DSV4AttentionConfig.flash()).values()) == set(rule.W8A8_FROM)
+
+
+def test_module_auto_runs_w8a8_where_the_rule_picks_it(monkeypatch):
+    from dsv4ops.fp8_linear import rule
+
+    module = _module_128()
+    x = torch.randn(130, 512).to(BF16)
+    exact, w8a8 = (fp8_linear(x, module.weight, module.weight_scale_inv, 128, activations=a) for a in ("exact", "fp8"))
+    assert module._capability is None
+    assert torch.equal(module(x), exact)  # CPU: "exact"
+    monkeypatch.setattr(module, "_capability", (9, 0))
+    monkeypatch.setattr(rule, "W8A8_FROM", {(128, 512): 130})
+    assert torch.equal(module(x), w8a8)
+    assert torch.equal(module(x[:129]), fp8_linear(x[:129], module.weight, module.weight_scale_inv, 128))
+    module.activations = "exact"
+    assert torch.equal(module(x), exact)
+
+
+def _module_128(scale_dtype=E8M0) -> BlockFP8Linear:
+    weight, scale = T.block_fp8_weight(128, 512, 128, scale_dtype, seed=2)
+    module = BlockFP8Linear(512, 128, 128, scale_dtype)
+    module.load_state_dict({"weight": weight, "weight_scale_inv": scale})
+    return module
+
+
+@pytest.mark.parametrize("scale_dtype", [E8M0, FP32], ids=["ue8m0", "fp32"])
+def test_module_keeps_fp32_scales_for_w8a8_in_step_with_its_buffers(scale_dtype):
+    module = _module_128(scale_dtype)
+    assert module.scale_fp32.dtype == FP32 and torch.equal(module.scale_fp32, module.weight_scale_inv.float())
+    assert set(module.state_dict()) == {"weight", "weight_scale_inv"}  # derived: not saved
+    module.to(BF16)
+    assert module.scale_fp32.dtype == FP32
+    _, other = T.block_fp8_weight(128, 512, 128, scale_dtype, seed=9)
+    module.load_state_dict({"weight": module.weight.clone(), "weight_scale_inv": other})
+    assert torch.equal(module.scale_fp32, other.float())
+    module.activations = "fp8"
+    x = torch.randn(3, 512).to(BF16)
+    assert torch.equal(module(x), fp8_linear(x, module.weight, other, 128, activations="fp8"))
+    module.weight_scale_inv.copy_(module.weight_scale_inv.float().mul(2).to(scale_dtype))
+    module.refresh()
+    assert torch.equal(module.scale_fp32, other.float() * 2)

@@ -1,7 +1,9 @@
 """GPU: the Triton kernel of dsv4::fp8_linear against its reference kernel on the same CUDA inputs at
 the V4-Flash projection shapes, decode (1, 128 rows) and prefill (4096), UE8M0 and fp32 scales,
 V4.1's 32 x 32 tiles; CUDA-graph capture; BlockFP8Linear under torch.compile; a V4 layer loaded
-with keep_fp8=True against the same layer dequantized. Issue 15.
+with keep_fp8=True against the same layer dequantized. Issue 15. W8A8 (dsv4::fp8_linear_w8a8:
+act_quant + cuBLASLt) at the V4-Flash and V4-Pro shapes against its reference, the act_quant kernel
+bit for bit, graph capture, the "auto" rule in a compiled module and in a layer. Issue 30.
 
 Tolerance: max|kernel - ref64| <= 2 x max|ref_bf16 - ref64| (dsv4ops.testing.assert_close_to_ref),
 ref64 the reference kernel in float64 and ref_bf16 the reference kernel on the bf16 inputs.
@@ -16,7 +18,7 @@ import torch
 import dsv4ops
 from dsv4ops import testing as T
 from dsv4ops.fp8_linear import reference as fp8_linear_ref
-from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.fp8_linear.api import BlockFP8Linear, fp32_scale
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -105,3 +107,130 @@ def test_layer_with_fp8_projections_equals_the_dequantized_layer(layer_idx):
     x = torch.randn(2, 33, cfg.hidden_size, device="cuda")
     with torch.no_grad():
         T.assert_close_to_ref(layers["fp8"](x.to(BF16)), layers["ref"](x), layers["deq"](x.to(BF16)))
+
+
+# ---- W8A8: dsv4::fp8_linear_w8a8 (Triton act_quant + cuBLASLt blockwise FP8 GEMM) -------------------
+P = dsv4ops.DSV4AttentionConfig.pro()
+PRO = {"q_a": (P.q_lora_rank, P.hidden_size), "q_b": (P.num_heads * P.head_dim, P.q_lora_rank),
+       "kv": (P.head_dim, P.hidden_size), "o_b": (P.hidden_size, P.o_groups * P.o_lora_rank),
+       "index_q_b": (P.index_n_heads * P.index_head_dim, P.q_lora_rank)}
+W8A8_SHAPES = {**{f"flash-{k}": v for k, v in FLASH.items()}, **{f"pro-{k}": v for k, v in PRO.items()}}
+
+
+def _check_w8a8(n, k, m, scale_dtype, strided_out=False):
+    weight, scale = _weights(n, k, 128, scale_dtype, seed=n + m)
+    scale = fp32_scale(scale)
+    x = torch.randn(m, k, device="cuda").to(BF16)
+
+    def run(fn, dt):
+        wide = torch.full((m, n + (8 if strided_out else 0)), float("nan"), dtype=dt, device="cuda")
+        fn(x.to(dt), weight, scale, wide[:, :n], 128)
+        assert wide[:, n:].isnan().all(), "wrote outside out"
+        return wide[:, :n]
+
+    got = run(torch.ops.dsv4.fp8_linear_w8a8, BF16)
+    assert not got.isnan().any(), "every element written"
+    # x's bf16 values in float64: the reference quantizes the very values the kernel reads
+    T.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear_w8a8, torch.float64),
+                          run(fp8_linear_ref.fp8_linear_w8a8, BF16))
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 128, 300, 4096])
+@pytest.mark.parametrize("proj", sorted(W8A8_SHAPES))
+def test_w8a8_matches_the_reference_at_flash_and_pro_shapes(proj, m):
+    # m = 1 and 3: rows padded to 16 for cuBLASLt (which refused one row), the output copied back
+    _check_w8a8(*W8A8_SHAPES[proj], m, torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("m", [5, 128])
+def test_w8a8_with_fp32_scales_and_a_strided_out(m):
+    _check_w8a8(*FLASH["o_b"], m, torch.float32, strided_out=True)
+
+
+def test_act_quant_kernel_is_the_reference_bit_for_bit():
+    from dsv4ops.fp8_linear import triton as fp8_linear_tt
+
+    for k, scale in ((4096, 1.0), (1024, 1e-3), (8192, 300.0)):
+        x = (torch.randn(300, k, device="cuda") * scale).to(BF16)
+        x[0, :128] = 0  # the 1e-4 floor
+        codes = torch.empty(304, k, device="cuda", dtype=torch.float8_e4m3fn)
+        scales = torch.empty(k // 128, 304, device="cuda")
+        fp8_linear_tt.act_quant(x, codes, scales)
+        want_codes, want_scales = fp8_linear_ref.act_quant(x)
+        assert T.bytes_equal(codes[:300], want_codes) and torch.equal(scales.t()[:300], want_scales)
+        assert (codes[300:].view(torch.uint8) == 0).all()
+
+
+def test_w8a8_refuses_what_cublaslt_cannot_serve_by_name():
+    weight = torch.zeros(512, 384, device="cuda", dtype=torch.float8_e4m3fn)  # in_features 384: not 512-aligned
+    out = torch.full((2, 512), float("nan"), device="cuda", dtype=BF16)
+    with pytest.raises(NotImplementedError, match=r"in_features 384: cuBLASLt needs 16-byte aligned rows"):
+        torch.ops.dsv4.fp8_linear_w8a8(torch.zeros(2, 384, device="cuda", dtype=BF16), weight,
+                                       torch.ones(4, 3, device="cuda"), out, 128)
+    assert out.isnan().all()
+
+
+def test_w8a8_captures_in_a_cuda_graph():
+    n, k = FLASH["q_b"]
+    weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu)
+    scale = fp32_scale(scale)
+    for m in (1, 128):  # padded (a copy back) and direct
+        x = torch.randn(m, k, device="cuda", dtype=BF16)
+        out = torch.empty(m, n, device="cuda", dtype=BF16)
+        torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = torch.empty_like(out)
+        torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, want, 128)
+        assert torch.equal(out, want), m  # same kernels, same inputs
+
+
+def test_module_auto_picks_w8a8_under_torch_compile(monkeypatch):
+    from dsv4ops.fp8_linear import api, rule
+
+    n, k = FLASH["o_b"]
+    weight, scale = T.block_fp8_weight(n, k, 128)
+    module = BlockFP8Linear(k, n, 128).cuda()
+    module.load_state_dict({"weight": weight, "weight_scale_inv": scale})
+    assert module._capability == torch.cuda.get_device_capability()
+    monkeypatch.setattr(rule, "W8A8_FROM", {(n, k): 64})
+    compiled = torch.compile(module, fullgraph=True)
+    # the function reads the GPU's capability per call: torch.compile folds it to a constant
+    function = torch.compile(lambda x: api.fp8_linear(x, module.weight, module.scale_fp32, 128, "auto"), fullgraph=True)
+    for m in (8, 128):
+        x = torch.randn(m, k, device="cuda", dtype=BF16)
+        want = api.fp8_linear(x, module.weight, module.weight_scale_inv, 128, "fp8" if m >= 64 else "exact")
+        assert torch.equal(compiled(x), want), m
+        assert torch.equal(module(x), want), m
+        assert torch.equal(function(x), want), m
+
+
+def test_layer_with_w8a8_projections_against_a_quantizing_reference(monkeypatch):
+    # Shapes cuBLASLt takes (in_features 512) and a rule that picks W8A8 at 66 tokens: the layer's
+    # FP8 projections quantize x. Reference: the same keep_fp8 layer with activations "fp8" on the
+    # reference kernels (CPU), in fp32 (ref) and in bf16 (its low-precision run).
+    from test_fp8_linear import _fp8_checkpoint
+
+    from dsv4ops.fp8_linear import rule
+
+    cfg = dsv4ops.DSV4AttentionConfig.tiny(hidden_size=512, q_lora_rank=512, o_lora_rank=256)
+    monkeypatch.setattr(rule, "W8A8_FROM", {})
+    monkeypatch.setattr(rule, "DEFAULT_W8A8_FROM", 64)
+    for layer_idx in (0, 1):
+        src = T.randomize_(dsv4ops.DeepseekV4Attention(cfg, layer_idx), seed=layer_idx)
+        sd = _fp8_checkpoint(src, torch.float8_e8m0fnu)
+        layers = {}
+        for name, device, dtype in (("gpu", "cuda", BF16), ("ref", "cpu", torch.float32), ("lowp", "cpu", BF16)):
+            layer = dsv4ops.DeepseekV4Attention(cfg, layer_idx).to(device, dtype)
+            layer.load_deepseek_state_dict(sd, keep_fp8=True)
+            for mod in layer.modules():
+                if isinstance(mod, BlockFP8Linear) and device == "cpu":
+                    mod.activations = "fp8"
+            layers[name] = layer
+        x = torch.randn(2, 33, cfg.hidden_size)
+        with torch.no_grad():
+            got = layers["gpu"](x.to("cuda", BF16)).cpu()
+            T.assert_close_to_ref(got, layers["ref"](x), layers["lowp"](x.to(BF16)), what=f"layer {layer_idx}")

@@ -498,6 +498,10 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
         weight, scale = builders.block_fp8_weight(512, 4096, 128)
         return (torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.view(torch.uint8).to(DEV),
                 torch.empty(t, 512, device=DEV, dtype=torch.bfloat16), 128)
+    if name == "fp8_linear_w8a8":
+        weight, scale = testing.block_fp8_weight(512, 4096, 128)
+        return (torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.float().to(DEV),
+                torch.empty(t, 512, device=DEV, dtype=torch.bfloat16), 128)
     raise KeyError(name)
 
 
@@ -511,7 +515,7 @@ def test_opcheck_cuda(name):
         torch.library.opcheck(op, _op_args(name, fp8=False))
         utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
         torch.library.opcheck(op, _op_args(name), test_utils=utils)
-    elif name == "fp8_linear":  # an e4m3 weight in every variant: only test_schema's allclose cannot run
+    elif name in ("fp8_linear", "fp8_linear_w8a8"):  # an e4m3 weight: only test_schema's allclose cannot run
         utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
         torch.library.opcheck(op, _op_args(name), test_utils=utils)
     else:

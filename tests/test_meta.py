@@ -29,6 +29,7 @@ CALLS = {
     "visible_entries": partial(builders.visible_entries_args, ratio=1),
     "inv_rope": partial(builders.inv_rope_args, BF16, noncontig=True),
     "fp8_linear": partial(builders.fp8_linear_args, BF16, noncontig=True),
+    "fp8_linear_w8a8": partial(builders.fp8_linear_w8a8_args, BF16, noncontig=True),
 }
 
 
@@ -88,6 +89,8 @@ BAD_SHAPES = {
     "inv_rope": ("positions", lambda a: a["positions"].new_empty(2), r"positions: expected size 3 \(tokens of o\)"),
     "fp8_linear": ("scale", lambda a: a["scale"].new_empty(3, 2),
                    r"scale: expected shape \(3, 4\) \(a \[70, 100\] weight in 32 x 32 tiles\)"),
+    "fp8_linear_w8a8": ("scale", lambda a: a["scale"].new_empty(3, 2),
+                        r"scale: expected shape \(2, 3\) \(a \[200, 384\] weight in 128 x 128 tiles\)"),
 }
 
 

@@ -8,7 +8,7 @@ from expecttest import assert_expected_inline
 
 PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
           "indexer_q_prep", "indexer_k_prep", "indexer_topk", "visible_entries", "sparse_attn", "inv_rope",
-          "fp8_linear"}
+          "fp8_linear", "fp8_linear_w8a8"}
 
 
 def _schema(name: str) -> str:
@@ -69,6 +69,10 @@ def test_sparse_attn():
 
 def test_fp8_linear():
     assert_expected_inline(_schema("fp8_linear"), """dsv4::fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor(a3!) out, SymInt block) -> ()""")
+
+
+def test_fp8_linear_w8a8():
+    assert_expected_inline(_schema("fp8_linear_w8a8"), """dsv4::fp8_linear_w8a8(Tensor x, Tensor weight, Tensor scale, Tensor(a3!) out, SymInt block) -> ()""")
 
 
 def test_inv_rope():

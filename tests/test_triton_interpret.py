@@ -731,6 +731,104 @@ def test_fp8_linear(n, k, block, dtype, scale_dtype):
                                     [run(fp8_linear_ref.fp8_linear, dtype), in_order(dtype)], what=f"M={m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_act_quant(dtype):
+    # W8A8's activation quantization: exact math (power-of-two scales, round to nearest even), so bit
+    # for bit against the reference; rows past M (the GEMM's padding) zero codes; scales M-major.
+    from test_fp8_linear import act_quant_inputs
+
+    x = act_quant_inputs(dtype)
+    wide = torch.full((x.shape[0], x.shape[1] + 8), float("nan"), dtype=dtype)
+    wide[:, :x.shape[1]] = x  # rows with a stride gap
+    for m in (1, 6):
+        mp = 16 if m == 1 else 6  # padded, and not
+        codes = torch.full((mp, x.shape[1]), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN
+        scales = torch.full((x.shape[1] // 128, mp), float("nan"))
+        fp8_linear_tt.act_quant(wide[:m, :x.shape[1]], codes, scales)
+        want_codes, want_scales = fp8_linear_ref.act_quant(x[:m])
+        assert testing.bytes_equal(codes[:m], want_codes), m
+        assert testing.bytes_equal(scales.t()[:m].contiguous(), want_scales), m
+        assert (codes[m:].view(torch.uint8) == 0).all() and not scales.isnan().any()
+
+
+def _scaled_mm_model(a, b, scale_a, scale_b, out_dtype=None, out=None):
+    """torch._scaled_mm's blockwise contract (ScaledBlas.cpp, DeepSeek-style 1 x 128 / 128 x 128):
+    a [M, K] row-major, b [K, N] column-major, scale_a [M, K / 128] M-major (strides (1, M)),
+    scale_b [K / 128, N / 128] K-major (strides (1, K / 128)); the product in float64."""
+    (m, k), n = a.shape, b.shape[1]
+    kb, nb = k // 128, -(-n // 128)
+    assert a.is_contiguous() and b.t().is_contiguous() and a.dtype == b.dtype == torch.float8_e4m3fn
+    assert scale_a.shape == (m, kb) and scale_a.stride() == (1, m), (scale_a.shape, scale_a.stride())
+    assert scale_b.shape == (kb, nb) and scale_b.stride() == (1, kb), (scale_b.shape, scale_b.stride())
+    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == out_dtype
+    xa = a.double().view(m, kb, 128) * scale_a.double()[:, :, None]
+    wb = b.t().double() * scale_b.t().double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+    out.copy_(xa.view(m, k) @ wb.t())
+    return out
+
+
+def test_w8a8_launcher_hands_cublaslt_the_blockwise_layouts(monkeypatch):
+    # The CUDA launcher's glue on CPU: act_quant in the interpreter, torch._scaled_mm replaced by a
+    # model that asserts the layouts torch's blockwise check wants; rows padded to 16 and copied back,
+    # an out with a stride gap through a temporary; nothing written past out.
+    from dsv4ops.fp8_linear import rule
+    from dsv4ops.fp8_linear import w8a8
+
+    monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_model)
+    n, k = 272, 512  # N: two 128-tiles and a partial one
+    weight, scale = testing.block_fp8_weight(n, k, 128, seed=4)
+    scale = scale.float()
+    for m, gap in ((3, 0), (32, 0), (32, 5)):
+        x = torch.randn(m, k).bfloat16()
+        wide = torch.full((m, n + gap), float("nan"), dtype=torch.bfloat16)
+        w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+        assert wide[:, n:].isnan().all() and not wide[:, :n].isnan().any()
+        want = torch.empty(m, n, dtype=torch.float64)
+        fp8_linear_ref.fp8_linear_w8a8(x.double(), weight, scale, want, 128)
+        testing.assert_close_to_ref(wide[:, :n], want, want.bfloat16(), what=f"M={m}, gap={gap}")
+    before = wide.clone()
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.raises(RuntimeError, match=r"blockwise GEMM refused \[32, 512\] x \[512, 272\] .*NOT_SUPPORTED"):
+        w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
+    with pytest.raises(NotImplementedError, match=r"runs on sm_90 only .* this GPU is sm_100"):
+        w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+    assert testing.bytes_equal(wide, before)
+
+
+def test_w8a8_probe_uses_the_launchers_layouts_and_turns_auto_off_where_torch_refuses(monkeypatch):
+    # The probe's call passes torch's blockwise contract (the model above asserts the layouts); a
+    # torch whose _scaled_mm refuses it turns "auto" to W8A16 (capability None), with a warning.
+    from dsv4ops.fp8_linear import rule
+
+    probe, cpu = rule.probe.__wrapped__, torch.device("cpu")  # uncached
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_model)
+    assert probe(cpu) is None
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.warns(UserWarning, match=r"W8A8 path is off on cpu .*refused 1 x 128 / 128 x 128 scaling: "
+                                         r"CUBLAS_STATUS_NOT_SUPPORTED\); activations='auto' runs W8A16"):
+        why = probe(cpu)
+    assert why.endswith("CUBLAS_STATUS_NOT_SUPPORTED")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(rule, "probe", lambda dev: why)
+    assert rule.serving_capability(cuda) is None
+    monkeypatch.setattr(rule, "probe", lambda dev: None)
+    assert rule.serving_capability(cuda) == (9, 0)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr(rule, "probe", lambda dev: pytest.fail("probed off sm_90"))
+    assert rule.serving_capability(cuda) == (10, 0)  # pick's own reason applies there
+
+
 def test_fp8_linear_launch_config_fills_the_h100_at_decode():
     # The V4-Flash projections (q_a, q_b, kv, o_b) at decode batch 1 and 128: at least a wave of
     # programs on the 132 SMs, every weight byte read by one row block, split-K partials within 2x
@@ -803,9 +901,34 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
     calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block)
     assert calls == len(seen)
     # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations).
-    skipped = {"indexer_k_prep"} if fp8_block else {"indexer_k_prep", "fp8_linear"}
+    # fp8_linear_w8a8 only where rule.pick chooses it: never without a GPU (test_warmup_runs_w8a8_...).
+    skipped = {"indexer_k_prep", "fp8_linear_w8a8"} | (set() if fp8_block else {"fp8_linear"})
     assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS) - skipped
     assert {t for _, t in seen} == set(cache_cfg.buckets)
+
+
+def test_warmup_runs_w8a8_where_the_rule_picks_it(monkeypatch):
+    # Shapes cuBLASLt's W8A8 kernel takes (in_features 512), an sm_90 capability and a rule that
+    # switches between the two buckets: W8A8 at the larger one only, for every projection.
+    from dsv4ops.cache import CacheConfig
+    from dsv4ops.fp8_linear import rule
+
+    cfg = dsv4ops.DSV4AttentionConfig.tiny(hidden_size=512, q_lora_rank=512, o_lora_rank=256)
+    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, buckets=(1, 4))
+    monkeypatch.setattr(rule, "serving_capability", lambda device: (9, 0))
+    monkeypatch.setattr(rule, "W8A8_FROM", {})
+    monkeypatch.setattr(rule, "DEFAULT_W8A8_FROM", 4)
+    seen = []
+    real = torch.ops.dsv4.fp8_linear_w8a8
+
+    def spy(*args):
+        seen.append((args[0].shape[0], tuple(args[1].shape)))
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.dsv4, "fp8_linear_w8a8", spy)
+    dsv4ops.warmup(cfg, cache_cfg, "cpu", fp8_block=128)
+    # q_b (heads x 512, 512); q_a, kv, o_b and the indexer's q_b are all (512, 512) here
+    assert {t for t, _ in seen} == {4} and {s for _, s in seen} == {(2048, 512), (512, 512)}
 
 
 # ---- the arch table ----------------------------------------------------------------------------
@@ -824,12 +947,15 @@ def test_attention_ops_run_triton_on_sm90_and_sm100():
     from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
 
     csrc_on = {"sparse_attn": (9,), "indexer_topk": (9, 10)}
+    sm90_only = {"fp8_linear_w8a8"}  # torch's blockwise FP8 GEMM: the reference elsewhere
     assert set(csrc_on) == set(backends.CSRC_LAUNCHERS)
     for op in backends.TRITON_LAUNCHERS:
         for major in (9, 10):
             want = ("csrc", "triton") if major in csrc_on.get(op, ()) else ("triton",)
-            assert _arch.backends(op, (major, 0)) == want
-        if 10 not in csrc_on.get(op, ()):
+            assert _arch.backends(op, (major, 0)) == (("reference",) if op in sm90_only and major == 10 else want)
+        if op in sm90_only:
+            assert backends.resolve(op, (10, 0)) is getattr(dsv4ops.ops, op)._init_fn
+        elif 10 not in csrc_on.get(op, ()):
             assert backends.resolve(op, (10, 0)) is backends.triton_launcher(op)
         assert backends.resolve(op, (8, 0)) is getattr(dsv4ops.ops, op)._init_fn  # no row: the reference
     assert backends.resolve("sparse_attn", (9, 0)) is sparse_attn_cuda.sparse_attn
@@ -954,6 +1080,10 @@ def _record_fp8_linear(dtype, block: int, t: int) -> None:
         for scale in (torch.empty(tiles, dtype=torch.uint8), torch.empty(tiles)):
             fp8_linear_tt.fp8_linear(torch.empty(m, k, dtype=dtype), weight, scale, torch.empty(m, n, dtype=dtype),
                                      block)
+        if block == 128 and k % 128 == 0:  # W8A8's activation quantization, rows padded to 16
+            mp = -(-m // 16) * 16
+            fp8_linear_tt.act_quant(torch.empty(m, k, dtype=dtype), torch.empty(mp, k, dtype=torch.float8_e4m3fn),
+                                    torch.empty(k // 128, mp))
 
 
 def _record_v41_launches(t, pos, req) -> list:
@@ -1024,7 +1154,7 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
                 "_q_prep_kernel", "_k_prep_kernel", "_score_kernel",
                 "_block_keys_kernel", "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel",
                 "_visible_entries_kernel", "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel", "_fp8_linear_kernel",
-                "_reduce_kernel"}
+                "_reduce_kernel", "_act_quant_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

@@ -49,16 +49,24 @@ def _fill(pool: torch.Tensor, dim: int, fmt: str, gen: torch.Generator):
         ops.pack_kv(rows, torch.arange(s, s + n, device=pool.device, dtype=torch.int32), pool, fmt)
 
 
+def new_layer(kind: str, model: DSV4AttentionConfig = FLASH, device="cuda") -> DeepseekV4Attention:
+    """The model's first layer of this kind, random weights (testing.randomize_), bf16, FP8 caches."""
+    layer_idx = next(i for i in range(model.num_layers) if model.layer_type(i) == kind)
+    return testing.randomize_(DeepseekV4Attention(model, layer_idx, numerics=FP8)).to(device, torch.bfloat16)
+
+
 class Case:
     """One layer of V4-Flash with a synthetic cache and the inputs of every op of one step."""
 
     def __init__(self, kind: str, batch: int, context: int, new_tokens: int, device="cuda",
-                 model: DSV4AttentionConfig = FLASH, max_context: int | None = None):
+                 model: DSV4AttentionConfig = FLASH, max_context: int | None = None,
+                 layer: DeepseekV4Attention | None = None):
+        """`layer`: a layer of this kind and model (bf16, FP8 numerics, on `device`) to attach the new
+        cache to instead of building one (a sweep reuses one per kind; `release` detaches it)."""
         self.kind, self.batch, self.context, self.new_tokens, self.model = kind, batch, context, new_tokens, model
         self.max_context = max_context or context + new_tokens
         cfg = model
-        layer_idx = next(i for i in range(cfg.num_layers) if cfg.layer_type(i) == kind)
-        self.layer = testing.randomize_(DeepseekV4Attention(cfg, layer_idx, numerics=FP8)).to(device, torch.bfloat16)
+        self.layer = layer if layer is not None else new_layer(kind, model, device)
         # The pools hold the real context (max_total_tokens); max_context sizes the block tables, the
         # key lists and the indexer's workspace rows.
         cache_cfg = CacheConfig(max_requests=batch, max_context=self.max_context,
@@ -87,9 +95,10 @@ class Case:
         layer, cfg, x, st = self.layer, self.model, self.x, self.step
         eps = cfg.rms_norm_eps
         t = x.shape[0]
-        self.qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
-        self.q = F.linear(self.qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
-        self.kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
+        # the projection modules: nn.Linear, or BlockFP8Linear in a layer with keep_fp8 projections
+        self.qr = rms_norm(layer.q_a_proj(x), layer.q_a_norm.weight, eps)
+        self.q = layer.q_b_proj(self.qr).view(t, cfg.num_heads, cfg.head_dim)
+        self.kv = rms_norm(layer.kv_proj(x), layer.kv_norm.weight, eps)
         self.q_rot = torch.empty_like(self.q)
         self.o = torch.empty_like(self.q)
         self.o_rot = torch.empty_like(self.q)
@@ -105,7 +114,7 @@ class Case:
             ix = c.indexer
             self.ia, self.iz = (F.linear(x.to(cdt), ix.kv_proj.weight.to(cdt)),
                                 F.linear(x.to(cdt), ix.gate_proj.weight.to(cdt)))
-            self.qi = F.linear(self.qr, ix.q_b_proj.weight).view(t, cfg.index_n_heads, cfg.index_head_dim)
+            self.qi = ix.q_b_proj(self.qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
             self.wi = F.linear(x, ix.scorer.weights_proj.weight)
             self.qi_out = torch.empty(self.qi.shape, dtype=torch.float8_e4m3fn, device=x.device)
             self.wi_out = torch.empty(self.wi.shape, dtype=torch.float32, device=x.device)
@@ -115,6 +124,10 @@ class Case:
             self.idx = torch.empty(t, st.block_table(HCA).shape[1] * bs, dtype=torch.int32, device=x.device)
             torch.ops.dsv4.visible_entries(st.block_table(HCA), st.positions, st.req_slots, self.idx, ratio, bs)
         self.lens = visible_counts(st.positions, st.req_slots, ratio).clamp(max=self.idx.shape[1])
+
+    def release(self) -> None:
+        """Detach the cache from the layer (its pools are freed once this case goes)."""
+        del self.layer.cache, self.layer.cache_manager
 
     # ---- the ops of one step, each a closure over this case's buffers ----------------------------
     def op_calls(self) -> dict:

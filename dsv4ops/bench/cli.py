@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from dsv4ops.bench import memory
+from dsv4ops.bench import layer_step, memory, sweep
 from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
 
 KINDS = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "hca": HCA}
@@ -65,12 +65,12 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m dsv4ops bench", description=__doc__)
     ap.add_argument("--only", default="attention,flashmla,v41,router,fp8_linear,memory",
                     help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), v41 (V4.1-Flash ops and "
-                         "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections at decode "
-                         "batch 1 and 128 beside bf16 F.linear), memory")
+                         "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections, W8A16 and W8A8, at "
+                         "1 .. 4096 tokens beside bf16 F.linear, and the rule table they give), memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
@@ -79,7 +79,19 @@ def main(argv=None):
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--plot", metavar="PATH.png", help="roofline chart of the attention rows")
     ap.add_argument("--from-json", metavar="PATH", help="plot / print the rows of an earlier --json (runs nothing)")
-    args = ap.parse_args(argv)
+    sweep = ap.add_mutually_exclusive_group()
+    sweep.add_argument("--sweep", action="store_true",
+                       help="instead of --only: sparse_attn / FlashMLA over batch 1-256 x context 4K-1M for each layer "
+                            "kind, model and head count (TP shards: FlashMLA padded to 64 heads), the whole layer's "
+                            "decode step beside FlashMLA + bf16 GEMMs, and the summary (worst / median ratio) last")
+    sweep.add_argument("--sweep-quick", action="store_true", help="--sweep on a subset of the grid")
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.sweep or args.sweep_quick:
+        return _sweep(args)
     if args.from_json:
         with open(args.from_json) as f:
             out = json.load(f)
@@ -127,13 +139,49 @@ def main(argv=None):
         from dsv4ops.bench import fp8_linear
 
         out["fp8_linear"] = fp8_linear.run(model=MODELS[args.model](),
+                                           tokens=fp8_linear.QUICK_TOKENS if args.quick else fp8_linear.TOKENS,
                                            progress=lambda r: print("row", json.dumps(r), flush=True))
         print(table(out["fp8_linear"], fp8_linear.COLUMNS))
+        print("fp8_linear/rule.py, measured (W8A16 vs W8A8 per shape):")
+        print(fp8_linear.suggested_table(out["fp8_linear"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
     _plot(args, out)
     return out
+
+
+def _sweep(args) -> dict:
+    from dsv4ops.bench import flashmla, layer_step, sweep
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench --sweep: needs a CUDA GPU")
+    out = {"versions": versions()}
+    print("versions:", out["versions"])
+    if not flashmla.available():
+        print("flashmla: not importable (see ../shared/bench-kit/README.md): ours only, no ratios")
+    quick = args.sweep_quick
+    progress = lambda r: print("row", json.dumps(r), flush=True)  # noqa: E731
+    out["sweep"] = sweep.run(quick=quick, progress=progress)
+    out["layer_step"] = layer_step.run(quick=quick, progress=progress)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    print(sweep_report(out))
+    return out
+
+
+def sweep_report(out: dict) -> str:
+    """The sweep's tables: every point, the skipped points, the layer steps, then the summary."""
+    s = out["sweep"]
+    parts = [table(s["rows"], sweep.COLUMNS)]
+    parts.append("skipped (estimate over the free GPU memory): "
+                 + (", ".join(f"{label} ({gb:.1f} GB)" for label, gb in s["skipped"]) or "none"))
+    parts.append(table(out["layer_step"], layer_step.COLUMNS))
+    parts.append(f"sweep: {len(s['rows'])} rows in {s['seconds']:.0f} s on {out['versions']['gpu']}; summary "
+                 f"(ours / FlashMLA, target <= {sweep.TARGET}):")
+    parts.append(table(s["summary"], sweep.SUMMARY_COLUMNS))
+    return "\n".join(parts)
 
 
 def _plot(args, out: dict) -> None:

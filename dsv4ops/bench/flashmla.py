@@ -37,23 +37,43 @@ def window_slots(positions: Tensor, req_slots: Tensor, window: int, ring_size: i
     return torch.where(wpos >= 0, req_slots[:, None] * ring_size + wpos % ring_size, -1).to(torch.int32)
 
 
+class Decode:
+    """FlashMLA's sparse decode over fixed pools and one step's window slots (ring slots built once,
+    as engines build them in their step metadata); q, the compressed list and its lengths come per
+    call, so a composed step can pass the tensors it computes. One instance per q shape: the
+    scheduler metadata is built on the first call (call once before a CUDA-graph capture)."""
+
+    def __init__(self, window_cache: Tensor, comp_cache: Tensor | None, positions: Tensor, req_slots: Tensor,
+                 sinks: Tensor, scale: float, window: int, ring_size: int):
+        import flash_mla
+
+        self.sched = flash_mla.get_mla_metadata()[0]
+        self.window_slots = window_slots(positions, req_slots, window, ring_size)
+        self.paged = _paged(window_cache)
+        self.comp = None if comp_cache is None else _paged(comp_cache)
+        self.sinks, self.scale = sinks, scale
+
+    def __call__(self, q: Tensor, comp_idx: Tensor, comp_lens: Tensor) -> Tensor:
+        """out [T, H, 512] bf16 for q [T, H, 512] (H 64 or 128) and comp_idx [T, k] (k = 0: none)."""
+        import flash_mla
+
+        t, h, d = q.shape
+        kw = dict(indices=self.window_slots.view(t, 1, -1), attn_sink=self.sinks, softmax_scale=self.scale,
+                  is_fp8_kvcache=True, use_legacy=True)
+        if comp_idx.shape[1]:
+            kw.update(extra_k_cache=self.comp, extra_indices_in_kvcache=comp_idx.view(t, 1, -1),
+                      extra_topk_length=comp_lens)
+        return flash_mla.flash_mla_with_kvcache(q.view(t, 1, h, d), self.paged, None, None, d, self.sched,
+                                                **kw)[0].view(t, h, d)
+
+
 def decode(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
            comp_idx: Tensor, comp_lens: Tensor, sinks: Tensor, scale: float, window: int, ring_size: int):
     """A callable running FlashMLA's sparse decode for these tokens (one query each; no padding
     tokens: FlashMLA has none), returning out [T, H, 512] bf16. Its scheduler metadata is built on
     the first call, so call it once before a CUDA-graph capture."""
-    import flash_mla
-
-    t, h, d = q.shape
-    sched = flash_mla.get_mla_metadata()[0]
-    q4 = q.view(t, 1, h, d)
-    kw = dict(indices=window_slots(positions, req_slots, window, ring_size).view(t, 1, window), attn_sink=sinks,
-              softmax_scale=scale, is_fp8_kvcache=True, use_legacy=True)
-    if comp_idx.shape[1]:
-        kw.update(extra_k_cache=_paged(comp_cache), extra_indices_in_kvcache=comp_idx.view(t, 1, -1),
-                  extra_topk_length=comp_lens)
-    paged = _paged(window_cache)
-    return lambda: flash_mla.flash_mla_with_kvcache(q4, paged, None, None, d, sched, **kw)[0].view(t, h, d)
+    run = Decode(window_cache, comp_cache, positions, req_slots, sinks, scale, window, ring_size)
+    return lambda: run(q, comp_idx, comp_lens)
 
 
 def prefill(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,

@@ -1,6 +1,8 @@
-"""fp8_linear benchmark: dsv4::fp8_linear (e4m3 weight + 128 x 128 UE8M0 scales, dequantized in
-registers) against F.linear (cuBLAS) on the same weight dequantized to bf16, for V4-Flash's
-block-FP8 projections at decode batch 1 and 128, in the same run.
+"""fp8_linear benchmark: the two block-FP8 paths of a keep_fp8 projection, W8A16 (dsv4::fp8_linear,
+Triton, e4m3 weight dequantized in registers) and W8A8 (dsv4::fp8_linear_w8a8: the act_quant kernel
+then cuBLASLt's blockwise FP8 GEMM, timed together), against F.linear (cuBLAS) on the same weight
+dequantized to bf16, for the model's block-FP8 projections over token counts 1 .. 4096, in the same
+run. `suggested_table` turns the rows into fp8_linear/rule.py's W8A8_FROM (printed by the CLI).
 
 Timing: graph-timed like the router's (bench/router.py): one CUDA graph holds one call per copy of
 the weights, with enough copies that they exceed 2 x the 50 MB L2 of an H100, so every weight read
@@ -13,11 +15,13 @@ import torch.nn.functional as F
 
 from dsv4ops.bench.router import graph_us
 from dsv4ops.config import DSV4AttentionConfig
-from dsv4ops.fp8_linear import reference
+from dsv4ops.fp8_linear import reference, rule
 from dsv4ops.fp8_linear.api import fp8_linear
 
 BLOCK = 128
 L2_BYTES = 50 << 20
+TOKENS = (1, 16, 64, 128, 256, 512, 1024, 4096)
+QUICK_TOKENS = (1, 128)
 
 
 def projections(cfg: DSV4AttentionConfig) -> dict:
@@ -27,22 +31,44 @@ def projections(cfg: DSV4AttentionConfig) -> dict:
             "index_q_b": (cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)}
 
 
+def _w8a8_us(x, fp8: list) -> tuple[float | None, str | None]:
+    """W8A8's time, or (None, why) where its kernel refuses the shape (checked by one eager call)."""
+    n, k = fp8[0][0].shape
+    why = rule.w8a8_refuses(n, k, BLOCK, x.dtype, rule.device_capability(x.device))
+    if why is None:
+        try:
+            fp8_linear(x, fp8[0][0], fp8[0][1], BLOCK, "fp8")
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+        except RuntimeError as e:  # cuBLASLt's refusal (CUBLAS_STATUS_NOT_SUPPORTED), reported in the row
+            why = str(e).splitlines()[0][:120]
+    if why is not None:
+        return None, why
+    return graph_us(lambda w, s: fp8_linear(x, w, s, BLOCK, "fp8"), fp8), None
+
+
 def bench_case(name: str, n: int, k: int, m: int, gpu: str, device="cuda", l2_bytes: int = L2_BYTES) -> dict:
     tiles = (-(-n // BLOCK), -(-k // BLOCK))
     copies = max(2, -(-2 * l2_bytes // (n * k)))
     fp8 = [(torch.randn(n, k, device=device).to(torch.float8_e4m3fn),
             torch.randint(117, 127, tiles, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu))
            for _ in range(copies)]
+    fp32 = [(w, s.float()) for w, s in fp8]  # BlockFP8Linear's cached scales: no conversion per call
     bf16 = [(reference.dequantize(w, s.view(torch.uint8), BLOCK, torch.bfloat16),) for w, s in fp8]
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     ours = graph_us(lambda w, s: fp8_linear(x, w, s, BLOCK), fp8)
+    w8a8, refused = _w8a8_us(x, fp32)
     base = graph_us(lambda w: F.linear(x, w), bf16)
     fp8_bytes, bf16_bytes = n * k + tiles[0] * tiles[1], 2 * n * k
-    return dict(projection=name, shape=f"{k} -> {n}", tokens=m, us=ours, **{"GB/s": fp8_bytes / ours / 1e3},
-                bf16_us=base, bf16_GBps=bf16_bytes / base / 1e3, speedup=base / ours, gpu=gpu)
+    best = ours if w8a8 is None else min(ours, w8a8)
+    pick = rule.pick(m, n, k, BLOCK, x.dtype, rule.device_capability(x.device))
+    return dict(projection=name, shape=f"{k} -> {n}", n=n, k=k, tokens=m, us=ours,
+                **{"GB/s": fp8_bytes / ours / 1e3}, w8a8_us=w8a8, w8a8_refused=refused, bf16_us=base,
+                bf16_GBps=bf16_bytes / base / 1e3, speedup=base / best, rule=pick,
+                rule_us=w8a8 if pick == "fp8" else ours, gpu=gpu)
 
 
-def run(model: DSV4AttentionConfig | None = None, tokens=(1, 128), progress=None) -> list[dict]:
+def run(model: DSV4AttentionConfig | None = None, tokens=TOKENS, progress=None) -> list[dict]:
     cfg = model or DSV4AttentionConfig.flash()
     gpu = torch.cuda.get_device_name()
     rows = []
@@ -51,7 +77,22 @@ def run(model: DSV4AttentionConfig | None = None, tokens=(1, 128), progress=None
             rows.append(bench_case(name, n, k, m, gpu))
             if progress:
                 progress(rows[-1])
+            torch.cuda.empty_cache()
     return rows
 
 
-COLUMNS = ["projection", "shape", "tokens", "us", "GB/s", "bf16_us", "bf16_GBps", "speedup"]
+def suggested_table(rows: list[dict]) -> str:
+    """rule.W8A8_FROM's entries from the rows (rule.suggest_from per shape), as Python source."""
+    times: dict[tuple[int, int], dict] = {}
+    names = {}
+    for r in rows:
+        key = (r["n"], r["k"])
+        names[key] = r["projection"]
+        times.setdefault(key, {})[r["tokens"]] = (r["us"], float("inf") if r["w8a8_us"] is None else r["w8a8_us"])
+    lines = [f"    ({n}, {k}): {rule.suggest_from(t)!r},  # {names[(n, k)]}, swept M {sorted(t)}"
+             for (n, k), t in times.items()]
+    return "W8A8_FROM = {\n" + "\n".join(lines) + "\n}"
+
+
+COLUMNS = ["projection", "shape", "tokens", "us", "GB/s", "w8a8_us", "bf16_us", "bf16_GBps", "speedup", "rule",
+           "rule_us", "w8a8_refused"]

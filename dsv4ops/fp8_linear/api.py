@@ -1,73 +1,121 @@
-"""Public fp8_linear: a projection with a block-FP8 weight (W8A16), and `BlockFP8Linear`, the module
-that holds a checkpoint's e4m3 bytes and tile scales.
+"""Public fp8_linear: a projection with a block-FP8 weight, W8A16 or W8A8 (`activations`), and
+`BlockFP8Linear`, the module that holds a checkpoint's e4m3 bytes and tile scales.
 
-Reference (the specification): dsv4ops/fp8_linear/reference.py.
+Reference (the specification): dsv4ops/fp8_linear/reference.py; the "auto" rule: rule.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
 
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops bound below)
+from dsv4ops.fp8_linear import rule
 from dsv4ops.fp8_linear.checks import BLOCKS
 
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)  # BlockFP8Linear's: UE8M0 or V3-style fp32
 
 _fp8_linear = torch.ops.dsv4.fp8_linear.default
+_fp8_linear_w8a8 = torch.ops.dsv4.fp8_linear_w8a8.default
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int) -> Tensor:
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int, activations: str = "exact") -> Tensor:
     """x [..., K] (bf16 / fp16 / fp32, contiguous last dim), weight [N, K] float8_e4m3fn, scale
     [ceil(N / block), ceil(K / block)] float8_e8m0fnu (UE8M0; or its uint8 bytes) or fp32, block
     128 (V4) or 32 (V4.1)
-    -> [..., N] in x's dtype: x @ (weight x tile scale)^T, the weight dequantized in registers
-    (never stored: e4m3 x scale in fp32, rounded to x's dtype), fp32 accumulation. Equals F.linear
-    on the weight that dsv4ops.checkpoint dequantizes on load, up to the GEMM's summation order."""
+    -> [..., N] in x's dtype: x @ (weight x tile scale)^T, fp32 accumulation. activations:
+    - "exact" (W8A16, dsv4::fp8_linear): x as it is, the weight dequantized in registers (never
+      stored: e4m3 x scale in fp32, rounded to x's dtype). Equals F.linear on the weight that
+      dsv4ops.checkpoint dequantizes on load, up to the GEMM's summation order.
+    - "fp8" (W8A8, dsv4::fp8_linear_w8a8, as DeepSeek's inference runs its FP8 linears): x first
+      quantized to e4m3 with one power-of-two scale per 1 x 128 block (x's error: up to 2^-4
+      relative per element), then a blockwise-scaled FP8 GEMM. block 128, K a multiple of 128; a
+      UE8M0 scale is converted to fp32 per call (BlockFP8Linear keeps the fp32 copy).
+    - "auto": per shape, whichever of the two rule.pick chooses (the faster on the GPU; "exact" on
+      the CPU, on GPUs other than sm_90 and for shapes cuBLASLt's kernel does not take)."""
+    if activations not in rule.ACTIVATIONS:
+        raise ValueError(f"activations: expected one of {list(rule.ACTIVATIONS)}, got {activations!r}")
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    if scale.dtype == torch.float8_e8m0fnu:
-        scale = scale.view(torch.uint8)
-    _fp8_linear(rows, weight, scale, out, block)
-    return out.view(*lead, weight.shape[0])
+    n = weight.shape[0]  # the op checks the rest
+    if activations == "auto":
+        activations = rule.pick(rows.shape[0], n, x.shape[-1], block, x.dtype, rule.device_capability(x.device))
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    if activations == "fp8":
+        _fp8_linear_w8a8(rows, weight, fp32_scale(scale), out, block)
+    else:
+        _fp8_linear(rows, weight, scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale, out, block)
+    return out.view(*lead, n)
+
+
+def fp32_scale(scale: Tensor) -> Tensor:
+    """UE8M0 tile scales (or their uint8 bytes) as fp32, exactly (powers of two); other dtypes as they
+    are (the op names a wrong one)."""
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)
+    return scale.float() if scale.dtype == torch.float8_e8m0fnu else scale
 
 
 class BlockFP8Linear(nn.Module):
     """A bias-free linear layer whose weight stays block-FP8: buffers `weight` [out, in] e4m3 and
     `weight_scale_inv` [ceil(out / block), ceil(in / block)] (UE8M0 or fp32; the name of
-    transformers' FP8 modules; the scale multiplies). forward(x [..., in]) = fp8_linear(x, ...) in
-    x's dtype. Half the weight bytes of a bf16 nn.Linear, which is what a decode step reads.
+    transformers' FP8 modules; the scale multiplies). forward(x [..., in]) = fp8_linear(x, ...,
+    activations) in x's dtype. Half the weight bytes of a bf16 nn.Linear, which is what a decode
+    step reads. activations "auto" (the default) lets rule.pick choose W8A16 or W8A8 per token
+    count: x is quantized per 1 x 128 block where W8A8 runs (fp8_linear's docstring).
 
-    `.to(dtype)` / `.half()` leave both buffers as they are (the checkpoint's bytes; x's dtype
-    picks the compute dtype), `.to(device)` moves them. load_state_dict takes e4m3 weights and
-    scales of the buffers' dtypes only: a bf16 weight would otherwise be cast to e4m3 silently."""
+    `.to(dtype)` / `.half()` leave the buffers as they are (the checkpoint's bytes; x's dtype picks
+    the compute dtype), `.to(device)` moves them. load_state_dict takes e4m3 weights and scales of
+    the buffers' dtypes only: a bf16 weight would otherwise be cast to e4m3 silently. The W8A8 path
+    reads `scale_fp32`, the scales in fp32 (not saved): set on load_state_dict; after writing
+    weight_scale_inv in place, call refresh()."""
 
     def __init__(self, in_features: int, out_features: int, block: int = 128,
-                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device=None):
+                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device=None, activations: str = "auto"):
         super().__init__()
         if block not in BLOCKS:
             raise ValueError(f"block: expected a tile size in {list(BLOCKS)}, got {block!r}")
         if scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype: expected one of {list(SCALE_DTYPES)}, got {scale_dtype}")
+        if activations not in rule.ACTIVATIONS:
+            raise ValueError(f"activations: expected one of {list(rule.ACTIVATIONS)}, got {activations!r}")
         self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.activations = activations
         tiles = (-(-out_features // block), -(-in_features // block))
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                    device=device))
         self.register_buffer("weight_scale_inv", torch.ones(tiles, dtype=scale_dtype, device=device))
+        self.register_buffer("scale_fp32", None, persistent=False)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute what is derived from the buffers: scale_fp32 and the GPU capability rule.pick reads
+        (rule.serving_capability, read here and on a move, not per call: it may run a probe kernel,
+        and a torch.compile'd forward then reads a constant)."""
+        self.scale_fp32 = fp32_scale(self.weight_scale_inv)
+        self._capability = rule.serving_capability(self.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
+        activations = self.activations
+        if activations == "auto":
+            activations = rule.pick(math.prod(x.shape[:-1]), self.out_features, self.in_features, self.block,
+                                    x.dtype, self._capability)
+        if activations == "fp8":
+            return fp8_linear(x, self.weight, self.scale_fp32, self.block, "fp8")
         return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
-                f"scale={self.weight_scale_inv.dtype}")
+                f"scale={self.weight_scale_inv.dtype}, activations={self.activations}")
 
     def _apply(self, fn, recurse=True):
         # float8 dtypes count as floating point, so Module.to(dtype) would cast the bytes; as uint8
         # views they only move (device) or stay.
         for name, t in self._buffers.items():
             self._buffers[name] = fn(t.view(torch.uint8)).view(t.dtype)
+        self._capability = rule.serving_capability(self.weight.device)
         return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -78,5 +126,8 @@ class BlockFP8Linear(nn.Module):
                 error_msgs.append(f"{prefix}{name}: expected dtype {t.dtype} (a block-FP8 projection keeps the "
                                   f"checkpoint's bytes), got {given.dtype}")
                 return
+        errors = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if len(error_msgs) == errors:
+            self.refresh()

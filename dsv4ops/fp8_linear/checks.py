@@ -1,4 +1,4 @@
-"""Metadata rules of `dsv4::fp8_linear`."""
+"""Metadata rules of `dsv4::fp8_linear` and `dsv4::fp8_linear_w8a8`."""
 
 import torch
 from torch import Tensor
@@ -11,10 +11,29 @@ BLOCKS = (32, 128)
 # compile a custom op taking a float8_e8m0fnu tensor ("auto_functionalized_v2 was not removed"),
 # while a dtype view of one is fine. fp32 scales (V3-style checkpoints) as they are.
 SCALE_DTYPES = (torch.uint8, torch.float32)
+# W8A8: 1 x 128 activation blocks under 128 x 128 weight tiles (DeepSeek's act_quant, and the only
+# blockwise layout of cuBLASLt's FP8 GEMM), weight scales in fp32 (BlockFP8Linear converts its
+# UE8M0 bytes once).
+W8A8_BLOCK = 128
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int):
     torch._check(block in BLOCKS, lambda: f"block: expected a tile size in {list(BLOCKS)}, got {block}")
+    _operands(x, weight, scale, out, block, SCALE_DTYPES, "UE8M0 bytes (torch.uint8, a float8_e8m0fnu tensor's view) "
+              "or torch.float32")
+
+
+def fp8_linear_w8a8(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int):
+    torch._check(block == W8A8_BLOCK, lambda: f"block: expected {W8A8_BLOCK} (W8A8 quantizes x in 1 x 128 blocks "
+                 f"under 128 x 128 weight tiles), got {block}")
+    _operands(x, weight, scale, out, block, (torch.float32,), "torch.float32 (BlockFP8Linear keeps an fp32 copy of "
+              "UE8M0 scales)")
+    torch._check(x.shape[1] % W8A8_BLOCK == 0, lambda: f"x: expected in_features a multiple of {W8A8_BLOCK} (whole "
+                 f"1 x {W8A8_BLOCK} activation blocks), got {x.shape[1]}")
+
+
+def _operands(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, scale_dtypes: tuple,
+              scale_what: str):
     c.ndim("x", x, 2, "[tokens, in_features]")
     c.dtype("x", x, c.FLOATS)
     c.last_dim_contiguous("x", x)
@@ -26,8 +45,7 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int
     n, k = weight.shape
     tiles = ((n + block - 1) // block, (k + block - 1) // block)
     c.ndim("scale", scale, 2, "[ceil(out_features / block), ceil(in_features / block)]")
-    torch._check(scale.dtype in SCALE_DTYPES, lambda: f"scale: expected UE8M0 bytes (torch.uint8, a "
-                 f"float8_e8m0fnu tensor's view) or torch.float32, got {scale.dtype}")
+    torch._check(scale.dtype in scale_dtypes, lambda: f"scale: expected {scale_what}, got {scale.dtype}")
     c.contiguous("scale", scale)
     torch._check(
         scale.shape[0] == tiles[0] and scale.shape[1] == tiles[1],

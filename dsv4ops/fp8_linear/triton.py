@@ -1,5 +1,6 @@
 """Triton kernels of `dsv4::fp8_linear` (fp8_linear/reference.py is the specification): W8A16 GEMM
-out [M, N] = x [M, K] @ (e4m3 weight [N, K] x tile scale)^T.
+out [M, N] = x [M, K] @ (e4m3 weight [N, K] x tile scale)^T; and `act_quant`, the activation
+quantization of `dsv4::fp8_linear_w8a8` (its GEMM is cuBLASLt's: fp8_linear/w8a8.py).
 
 - Each program owns a [BM rows, BN cols] tile of the output and one split of K. Per K step it
   loads the e4m3 bytes [BN, BK] and one scale per weight row (BK divides the tile size, so a K step
@@ -29,7 +30,18 @@ import triton
 import triton.language as tl
 
 from dsv4ops.fp8_linear import checks as _checks
-from dsv4ops.triton_helpers import INTERPRET, dot, e4m3_bits_to_f32, launch, round_to
+from dsv4ops.fp8_linear.reference import ACT_BLOCK
+from dsv4ops.triton_helpers import (
+    INTERPRET,
+    dot,
+    e4m3_bits_to_f32,
+    f32_to_e4m3_bits,
+    launch,
+    pow2,
+    round_to,
+    to_f32,
+    ue8m0_exponent,
+)
 
 # SM count of an H100 SXM: splits are chosen to give about two programs per SM.
 _SMS = 132
@@ -140,3 +152,42 @@ def fp8_linear(x, weight, scale, out, block: int, cfg: dict | None = None) -> No
         launch(_reduce_kernel, (triton.cdiv(m * n, REDUCE_ROWS),), (part, out, m, n, out.stride(0)),
                dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET))
 
+
+
+# ---- act_quant (W8A8) ----------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["m", "mp"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, m, mp, k, sx, BR: tl.constexpr, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+    """BR rows x one 1 x BLOCK block of x -> e4m3 codes and one power-of-two scale a row, as the
+    reference's act_quant: the exponent from the amax's bits (ue8m0_exponent), exact scaling by
+    2^-e, round to nearest even. Rows m .. mp (the GEMM's row padding) get zero codes."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    kb = tl.program_id(1)
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    r64 = rows.to(tl.int64)
+    v = to_f32(tl.load(x_ptr + r64[:, None] * sx + cols[None, :], mask=(rows < m)[:, None], other=0.0), SOFT)
+    e = ue8m0_exponent(tl.max(tl.abs(v), axis=1))
+    codes = f32_to_e4m3_bits(v * pow2(-e)[:, None], SOFT)
+    keep = rows < mp
+    tl.store(q_ptr + r64[:, None] * k + cols[None, :], codes.to(tl.float8e4nv, bitcast=True), mask=keep[:, None])
+    # scales M-major: [K / BLOCK, mp] rows, the layout cuBLASLt's 1 x 128 scaling reads
+    tl.store(s_ptr + kb.to(tl.int64) * mp + rows, pow2(e), mask=keep)
+
+
+ACT_ROWS = 16  # rows a program: a 16 x 128 tile, so a 128-token step at K = 1024 still runs 64 programs
+
+
+def act_quant(x, codes, scales) -> None:
+    """x [M, K] (K a multiple of 128, last dim contiguous) -> codes [Mp, K] e4m3 and scales
+    [K / 128, Mp] fp32 (contiguous; `scales.t()` is the M-major [Mp, K / 128] view cuBLASLt
+    takes), Mp >= M rows: rows past M hold zero codes."""
+    m, k = x.shape
+    mp = codes.shape[0]
+    if not (k % ACT_BLOCK == 0 and mp >= m and codes.shape == (mp, k) and codes.is_contiguous()
+            and scales.shape == (k // ACT_BLOCK, mp) and scales.is_contiguous() and x.stride(1) == 1):
+        raise ValueError(f"act_quant: expected x [M, K] (K % {ACT_BLOCK} == 0), codes [Mp >= M, K] and scales "
+                         f"[K / {ACT_BLOCK}, Mp], contiguous; got x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
+                         f"scales {tuple(scales.shape)}")
+    if mp == 0 or k == 0:
+        return
+    launch(_act_quant_kernel, (triton.cdiv(mp, ACT_ROWS), k // ACT_BLOCK),
+           (x, codes, scales, m, mp, k, x.stride(0)), dict(BR=ACT_ROWS, BLOCK=ACT_BLOCK, SOFT=INTERPRET))
