@@ -286,7 +286,7 @@ def w8a8_model(x, weight, scale):
 @pytest.mark.parametrize("scale_dtype", [E8M0, FP32], ids=["ue8m0", "fp32"])
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
 def test_w8a8_is_the_product_of_the_quantized_activations(dtype, scale_dtype):
-    weight, scale = T.block_fp8_weight(200, 384, 128, scale_dtype, seed=7)
+    weight, scale = builders.block_fp8_weight(200, 384, 128, scale_dtype, seed=7)
     for m in (1, 5):
         x = torch.randn(m, 384).to(dtype)
         out = fp8_linear(x, weight, scale, 128, activations="fp8")
@@ -300,7 +300,7 @@ def test_w8a8_is_the_product_of_the_quantized_activations(dtype, scale_dtype):
 def test_w8a8_differs_from_w8a16_by_the_activation_quantization():
     # The activations' e4m3 rounding (about 2^-5 relative per element) is far outside the W8A16
     # budget: the two modes are different products, not two orders of one sum.
-    weight, scale = T.block_fp8_weight(128, 256, 128, seed=1)
+    weight, scale = builders.block_fp8_weight(128, 256, 128, seed=1)
     x = torch.randn(4, 256).to(BF16)
     a8, a16 = (fp8_linear(x, weight, scale, 128, activations=a) for a in ("fp8", "exact"))
     w64 = dequant64(weight, scale, 128)
@@ -308,7 +308,7 @@ def test_w8a8_differs_from_w8a16_by_the_activation_quantization():
     assert (a8.double() - a16.double()).abs().max() > 4 * budget
 
 
-ARGS8 = partial(T.fp8_linear_w8a8_args, FP32)
+ARGS8 = partial(builders.fp8_linear_w8a8_args, FP32)
 BAD8 = [
     ("block", wa("block", lambda a: 32), r"block: expected 128 \(W8A8 quantizes x in 1 x 128 blocks"),
     ("scale-dtype", wa("scale", lambda a: a["scale"].view(torch.int32)),
@@ -326,11 +326,11 @@ BAD8 = [
 @pytest.mark.parametrize("case", BAD8, ids=[b[0] for b in BAD8])
 def test_w8a8_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
-    T.assert_bad_case("fp8_linear_w8a8", ARGS8(), mutate, match, via)
+    builders.assert_bad_case("fp8_linear_w8a8", ARGS8(), mutate, match, via)
 
 
 def test_activations_must_be_a_known_mode():
-    weight, scale = T.block_fp8_weight(128, 128, 128)
+    weight, scale = builders.block_fp8_weight(128, 128, 128)
     with pytest.raises(ValueError, match=r"activations: expected one of \['exact', 'fp8', 'auto'\], got 'int8'"):
         fp8_linear(torch.randn(2, 128), weight, scale, 128, activations="int8")
     with pytest.raises(ValueError, match=r"activations: expected one of .*, got 'w8a8'"):
@@ -388,7 +388,7 @@ def test_module_auto_runs_w8a8_where_the_rule_picks_it(monkeypatch):
 
 
 def _module_128(scale_dtype=E8M0) -> BlockFP8Linear:
-    weight, scale = T.block_fp8_weight(128, 512, 128, scale_dtype, seed=2)
+    weight, scale = builders.block_fp8_weight(128, 512, 128, scale_dtype, seed=2)
     module = BlockFP8Linear(512, 128, 128, scale_dtype)
     module.load_state_dict({"weight": weight, "weight_scale_inv": scale})
     return module
@@ -401,7 +401,7 @@ def test_module_keeps_fp32_scales_for_w8a8_in_step_with_its_buffers(scale_dtype)
     assert set(module.state_dict()) == {"weight", "weight_scale_inv"}  # derived: not saved
     module.to(BF16)
     assert module.scale_fp32.dtype == FP32
-    _, other = T.block_fp8_weight(128, 512, 128, scale_dtype, seed=9)
+    _, other = builders.block_fp8_weight(128, 512, 128, scale_dtype, seed=9)
     module.load_state_dict({"weight": module.weight.clone(), "weight_scale_inv": other})
     assert torch.equal(module.scale_fp32, other.float())
     module.activations = "fp8"

@@ -157,7 +157,7 @@ def test_act_quant_kernel_is_the_reference_bit_for_bit():
         scales = torch.empty(k // 128, 304, device="cuda")
         fp8_linear_tt.act_quant(x, codes, scales)
         want_codes, want_scales = fp8_linear_ref.act_quant(x)
-        assert T.bytes_equal(codes[:300], want_codes) and torch.equal(scales.t()[:300], want_scales)
+        assert builders.bytes_equal(codes[:300], want_codes) and torch.equal(scales.t()[:300], want_scales)
         assert (codes[300:].view(torch.uint8) == 0).all()
 
 
@@ -192,7 +192,7 @@ def test_module_auto_picks_w8a8_under_torch_compile(monkeypatch):
     from dsv4ops.fp8_linear import api, rule
 
     n, k = FLASH["o_b"]
-    weight, scale = T.block_fp8_weight(n, k, 128)
+    weight, scale = builders.block_fp8_weight(n, k, 128)
     module = BlockFP8Linear(k, n, 128).cuda()
     module.load_state_dict({"weight": weight, "weight_scale_inv": scale})
     assert module._capability == torch.cuda.get_device_capability()

@@ -499,7 +499,7 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
         return (torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.view(torch.uint8).to(DEV),
                 torch.empty(t, 512, device=DEV, dtype=torch.bfloat16), 128)
     if name == "fp8_linear_w8a8":
-        weight, scale = testing.block_fp8_weight(512, 4096, 128)
+        weight, scale = builders.block_fp8_weight(512, 4096, 128)
         return (torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.float().to(DEV),
                 torch.empty(t, 512, device=DEV, dtype=torch.bfloat16), 128)
     raise KeyError(name)

@@ -96,8 +96,8 @@ SAMPLES = {
         partial(builders.fp8_linear_args, BF16, tokens=1, noncontig=True),
     ],
     "fp8_linear_w8a8": [
-        partial(T.fp8_linear_w8a8_args, FP32),
-        partial(T.fp8_linear_w8a8_args, BF16, n=128, k=128, tokens=1, scale_dtype=FP32, noncontig=True),
+        partial(builders.fp8_linear_w8a8_args, FP32),
+        partial(builders.fp8_linear_w8a8_args, BF16, n=128, k=128, tokens=1, scale_dtype=FP32, noncontig=True),
     ],
 }
 

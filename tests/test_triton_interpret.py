@@ -746,8 +746,8 @@ def test_act_quant(dtype):
         scales = torch.full((x.shape[1] // 128, mp), float("nan"))
         fp8_linear_tt.act_quant(wide[:m, :x.shape[1]], codes, scales)
         want_codes, want_scales = fp8_linear_ref.act_quant(x[:m])
-        assert testing.bytes_equal(codes[:m], want_codes), m
-        assert testing.bytes_equal(scales.t()[:m].contiguous(), want_scales), m
+        assert builders.bytes_equal(codes[:m], want_codes), m
+        assert builders.bytes_equal(scales.t()[:m].contiguous(), want_scales), m
         assert (codes[m:].view(torch.uint8) == 0).all() and not scales.isnan().any()
 
 
@@ -777,7 +777,7 @@ def test_w8a8_launcher_hands_cublaslt_the_blockwise_layouts(monkeypatch):
     monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_model)
     n, k = 272, 512  # N: two 128-tiles and a partial one
-    weight, scale = testing.block_fp8_weight(n, k, 128, seed=4)
+    weight, scale = builders.block_fp8_weight(n, k, 128, seed=4)
     scale = scale.float()
     for m, gap in ((3, 0), (32, 0), (32, 5)):
         x = torch.randn(m, k).bfloat16()
@@ -798,7 +798,7 @@ def test_w8a8_launcher_hands_cublaslt_the_blockwise_layouts(monkeypatch):
     monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
     with pytest.raises(NotImplementedError, match=r"runs on sm_90 only .* this GPU is sm_100"):
         w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
-    assert testing.bytes_equal(wide, before)
+    assert builders.bytes_equal(wide, before)
 
 
 def test_w8a8_probe_uses_the_launchers_layouts_and_turns_auto_off_where_torch_refuses(monkeypatch):
