@@ -157,7 +157,7 @@ def main(argv=None):
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads: expected >= 1, got {args.threads}")
     threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads or (threads if args.device.startswith("cuda") else 1))
+    torch.set_num_threads(args.threads or (threads if args.device.type == "cuda" else 1))
     try:
         return run(args)
     finally:
