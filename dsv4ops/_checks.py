@@ -83,3 +83,11 @@ def paged_cache(name: str, cache: Tensor, width: int, ref: Tensor, fmt: str, fmt
         f"got {cache.shape[1]} B",
     )
     return bs
+
+
+def hadamard(flag: bool, fmt: str, width: int):
+    """`hadamard=True` rotates a bf16 row before a quantizer: a byte format of power-of-two rows."""
+    if flag:
+        torch._check(fmt != formats.EXACT, lambda: f"hadamard: expected a byte format (it rotates bf16 rows before "
+                     f"their quantizer), got fmt {fmt!r}")
+        torch._check(width & (width - 1) == 0, lambda: f"hadamard: expected rows of a power-of-two width, got {width}")
