@@ -85,9 +85,8 @@ def paged_cache(name: str, cache: Tensor, width: int, ref: Tensor, fmt: str, fmt
     return bs
 
 
-def hadamard(flag: bool, fmt: str, width: int):
-    """`hadamard=True` rotates a bf16 row before a quantizer: a byte format of power-of-two rows."""
-    if flag:
-        torch._check(fmt != formats.EXACT, lambda: f"hadamard: expected a byte format (it rotates bf16 rows before "
-                     f"their quantizer), got fmt {fmt!r}")
-        torch._check(width & (width - 1) == 0, lambda: f"hadamard: expected rows of a power-of-two width, got {width}")
+def hadamard(flag: bool, fmt: str):
+    """`hadamard=True` rotates bf16 rows before a quantizer: a byte format (whose rows are 128 or 512
+    wide, powers of two as the Hadamard needs)."""
+    torch._check(not flag or fmt != formats.EXACT, lambda: f"hadamard: expected a byte format (it rotates bf16 rows "
+                 f"before their quantizer), got fmt {fmt!r}")

@@ -42,7 +42,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
                  f"positions one entry pools) at dim 1, got {state.shape[1]}")
     c.size("state", state, 2, 2 * width, "kv and score rows")
     c.paged_cache("cache", cache, d, kv, fmt, "fmt")
-    c.hadamard(hadamard, fmt, d)
+    c.hadamard(hadamard, fmt)
     if latent_out is not None:
         c.ndim("latent_out", latent_out, 2, "[tokens, d]")
         c.size("latent_out", latent_out, 0, t, "tokens of kv")
