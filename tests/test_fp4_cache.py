@@ -84,13 +84,31 @@ def test_memory_per_context_token_of_v4_flash():
 
 
 # ---- the serving layer against the fp64 oracle -----------------------------------------------------
-def _setup(kind, cfg=CFG, seed=0):
-    layer = testing.randomize_(DeepseekV4Attention(cfg, LAYER[kind], numerics=FP4), seed=LAYER[kind])
-    manager = KVCacheManager(cfg, CacheConfig(max_requests=4, max_context=272, max_step_tokens=400,
-                                              exact_dtype=torch.float32, **MODES))
+def _setup(kind, cfg=CFG, seed=0, device="cpu", dtype=torch.float32):
+    layer = testing.randomize_(DeepseekV4Attention(cfg, LAYER[kind], numerics=FP4), seed=LAYER[kind]).to(device, dtype)
+    manager = KVCacheManager(cfg, CacheConfig(max_requests=4, max_context=272, max_step_tokens=400, **MODES),
+                             device=device)
     layer.attach_cache(manager)
     g = torch.Generator().manual_seed(seed)
-    return layer, manager, {rid: torch.randn(n, cfg.hidden_size, generator=g) for rid, n in LENGTHS.items()}
+    return layer, manager, {rid: torch.randn(n, cfg.hidden_size, generator=g).to(device, dtype)
+                            for rid, n in LENGTHS.items()}
+
+
+def check_against_oracle(layer, inputs: dict, outs: dict):
+    """Every request's outputs against the fp64 oracle in the FP4 mode; budget: its run in the
+    layer's dtype and its rounding twins (a chunked or decode schedule sums the values it quantizes
+    in another order, so a value at a bf16 boundary may round the other way, and with it an FP4 code
+    or an e4m3 scale)."""
+    cfg, li = layer.config, layer.layer_idx
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    p64 = {k: v.double() for k, v in params.items()}
+    for rid, x in inputs.items():
+        with torch.no_grad():
+            lowp = reference.attention(params, cfg, li, x[None], FP4)[0]
+            run64 = lambda: reference.attention(p64, cfg, li, x[None].double(), FP4)[0]  # noqa: E731
+            ref64 = run64()
+            twins = testing.rounding_twins(run64)
+        testing.assert_close_to_ref(outs[rid], ref64, [lowp, *twins], what=f"request {rid}")
 
 
 def _decode_after(prefill: int):
@@ -114,21 +132,10 @@ SCHEDULES = {
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("kind", [CSA, HCA])
 def test_serving_equals_the_oracle(kind, schedule):
-    """Every request's outputs against the fp64 oracle in the FP4 mode; budget: its fp32 run and its
-    rounding twins (a chunked or decode schedule sums the values it quantizes in another order, so a
-    value at a bf16 boundary may round the other way, and with it an FP4 code or an e4m3 scale)."""
     layer, manager, inputs = _setup(kind)
     with torch.no_grad():
         outs = testing.serve_schedule(layer, manager, inputs, SCHEDULES[schedule]())
-    params = {k: v.detach() for k, v in layer.named_parameters()}
-    p64 = {k: v.double() for k, v in params.items()}
-    for rid, x in inputs.items():
-        with torch.no_grad():
-            ref32 = reference.attention(params, CFG, LAYER[kind], x[None], FP4)[0]
-            run64 = lambda: reference.attention(p64, CFG, LAYER[kind], x[None].double(), FP4)[0]  # noqa: E731
-            ref64 = run64()
-            twins = testing.rounding_twins(run64)
-        testing.assert_close_to_ref(outs[rid], ref64, [ref32, *twins], what=f"request {rid}")
+    check_against_oracle(layer, inputs, outs)
 
 
 @pytest.mark.parametrize("schedule, compiled", [("chunked", False), ("decode", False), ("chunked", True)],
