@@ -35,7 +35,7 @@ def test_demo_small_run(cache, rows, capsys):
     text = capsys.readouterr().out
     assert "backend: reference kernels (pure PyTorch" in text
     assert "3 layers (sliding, CSA, HCA)" in text and "tokens/s" in text and "MiB of pools" in text
-    assert f"({rows} rows)" in text and "vs unquantized: max" in text
+    assert f"({rows} rows)" in text and text.count("vs unquantized: rms") == 2 and "vs V4 reference: rms" in text
     assert re.search(r"step (\d+)/\1 ", text)  # the progress display reached the last step
     assert [r["tokens"] for r in out["results"]] == [140, 105]
     for r in out["results"]:

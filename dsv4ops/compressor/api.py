@@ -36,7 +36,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     RMSNorm and RoPE at w * m. V4.1 (no overlap, no position bias): ratio 2 with ape = 0, ratio 1
     with ape = 0 and any finite score (a 1-slot softmax weighs 1).
 
-    hadamard=True (a byte format, d a power of two): the entry after RoPE is rotated by the
+    hadamard=True (a byte format): the entry after RoPE is rotated by the
     orthonormal Hadamard before its quantizer (quant.reference.rotate: V4's MXFP4 index keys).
 
     latent=True returns latent [T, d] in the entry dtype: each closing token's entry after the
