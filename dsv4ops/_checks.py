@@ -83,3 +83,10 @@ def paged_cache(name: str, cache: Tensor, width: int, ref: Tensor, fmt: str, fmt
         f"got {cache.shape[1]} B",
     )
     return bs
+
+
+def hadamard(flag: bool, fmt: str):
+    """`hadamard=True` rotates bf16 rows before a quantizer: a byte format (whose rows are 128 or 512
+    wide, powers of two as the Hadamard needs)."""
+    torch._check(not flag or fmt != formats.EXACT, lambda: f"hadamard: expected a byte format (it rotates bf16 rows "
+                 f"before their quantizer), got fmt {fmt!r}")

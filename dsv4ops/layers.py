@@ -19,6 +19,7 @@ from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
@@ -368,7 +369,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
         comp_cache, comp_fmt = cache.comp, fmt["comp"]
         if kind == CSA:
             _compress(c.indexer, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index,
-                      fmt["index"], layer.numerics.indexer, eps)
+                      fmt["index"], layer.numerics.indexer, eps, hadamard=indexer_rotates(layer.numerics))
             comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
         else:  # HCA: every complete entry of the token's request
             table, bs = step.block_table(kind), cache.cfg.block_size
@@ -385,14 +386,28 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     return layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, cfg.o_groups))
 
 
-def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps):
+def indexer_rotates(numerics: Numerics) -> bool:
+    """V4's MXFP4 indexer rotates its query and keys by the Hadamard before E2M1 (spec 3.3, 3.4: the
+    numerics it was trained with; one side alone would change every score)."""
+    return numerics.indexer == "mxfp4"
+
+
+def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps, hadamard=False):
     cdt = compressor_dtype(mode, x.dtype)
     # The weights are held in cdt (`_keep_fp32`; exact mode: the model dtype, x's): `.to` returns
     # them as they are (it converts only weights assigned in another dtype since).
     a = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt))
     z = F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
     torch.ops.dsv4.compressor_update(a, z, c.position_bias, pos, req, entry_slots, c.kv_norm.weight, inv_freq, state,
-                                     pool, None, eps, fmt)
+                                     pool, None, eps, fmt, hadamard)
+
+
+def indexer_query(q: Tensor, fmt: str) -> Tensor:
+    """The indexer_q_prep output for query q [T, H, d] and key format `fmt`: e4m3 rows (fp8_132),
+    packed 68-B rows (mxfp4_68) or rows in q's dtype."""
+    if fmt == "mxfp4_68":
+        return torch.empty(q.shape[0], q.shape[1], formats.FORMATS[fmt].row_bytes, dtype=torch.uint8, device=q.device)
+    return torch.empty(q.shape, dtype=torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype, device=q.device)
 
 
 def _select(indexer, x, qr, step, pos, req, layer, cache):
@@ -401,10 +416,9 @@ def _select(indexer, x, qr, step, pos, req, layer, cache):
     q = indexer.q_b_proj(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
     w = F.linear(x, indexer.scorer.weights_proj.weight)
     fmt = cache.fmt["index"]
-    q_dtype = torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype
-    q_out = torch.empty(q.shape, dtype=q_dtype, device=x.device)
+    q_out = indexer_query(q, fmt)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
-    torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, fmt)
+    torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, fmt, indexer_rotates(layer.numerics))
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, pos, req, cache.index, step.block_table(CSA), None, idx, None,
                                 cache.topk_workspace, cfg.csa_ratio, 0, fmt)

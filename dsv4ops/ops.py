@@ -116,26 +116,28 @@ def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_fr
 @custom_op("dsv4::compressor_update", mutates_args=("state", "cache", "latent_out"))
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      latent_out: Tensor | None, eps: float, fmt: str) -> None:
+                      latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool = False) -> None:
     """Save every token's (a, z + ape) in its request's state ring; tokens that close a block pool
     it (CSA: 8-slot overlap; otherwise the m slots of the block), RMSNorm, RoPE at w*m and store
-    the entry at entry_slots (pool format fmt). latent_out [T, d], if given, gets each closing
-    token's entry before RoPE (0 in the other rows)."""
+    the entry at entry_slots (pool format fmt; with `hadamard`, a byte format, the entry rotated by
+    the orthonormal Hadamard first: V4's MXFP4 index keys). latent_out [T, d], if given, gets each
+    closing token's entry before RoPE (0 in the other rows)."""
     _compressor_checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq,
-                                         state, cache, latent_out, fmt)
+                                         state, cache, latent_out, fmt, hadamard)
     _compressor.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
-                                  cache, latent_out, eps, fmt)
+                                  cache, latent_out, eps, fmt, hadamard)
 
 
 # ---- indexer -----------------------------------------------------------------------------------
 @custom_op("dsv4::indexer_q_prep", mutates_args=("q_out", "w_out"))
 def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tensor, q_out: Tensor,
-                   w_out: Tensor, fmt: str) -> None:
+                   w_out: Tensor, fmt: str, hadamard: bool = False) -> None:
     """q_out = RoPE(q), quantized per (token, head) row like keys of format fmt: `exact` (q's
     dtype), `fp8_132` (e4m3, the pow2 scale folded into w_out) or `mxfp4_68` (the packed 68-B row);
-    w_out = weights x d^-1/2 x H^-1/2 (x that scale)."""
-    _indexer_checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
-    _indexer.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+    with `hadamard` (a byte format), bf16(RoPE(q)) rotated by the orthonormal Hadamard before the
+    quantizer (V4's MXFP4 indexer); w_out = weights x d^-1/2 x H^-1/2 (x that scale)."""
+    _indexer_checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard)
+    _indexer.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard)
 
 
 @custom_op("dsv4::indexer_k_prep", mutates_args=("cache",))

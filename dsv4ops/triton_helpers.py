@@ -219,3 +219,18 @@ def apply_rope(x, cos, sin, rot, R: tl.constexpr, D: tl.constexpr, INVERSE: tl.c
     y0 = tl.where(rot[None, :], x0 * c - x1 * s, x0)
     y1 = tl.where(rot[None, :], x0 * s + x1 * c, x1)
     return tl.reshape(tl.join(y0, y1), [R, D])
+
+
+# ---- the Hadamard rotation of V4's MXFP4 indexer -----------------------------------------------
+@triton.jit
+def rotate(x, R: tl.constexpr, D: tl.constexpr, SOFT: tl.constexpr):
+    """quant.reference.rotate of fp32 rows x [R, D] (D a power of two, at most 1024): the orthonormal
+    Hadamard of bf16(x), as log2(D) butterfly stages in fp64 (where 128 bf16 terms add exactly, so
+    the result is the reference's bit for bit), / sqrt(D), as fp32."""
+    v = round_via(x, tl.bfloat16, SOFT).to(tl.float64)
+    for s in tl.static_range(10):
+        if (1 << s) < D:
+            # Elements i and i + 2^s (bit s of i clear) -> (x_i + x_j, x_i - x_j).
+            a, b = tl.split(tl.permute(tl.reshape(v, [R, D >> (s + 1), 2, 1 << s]), (0, 1, 3, 2)))
+            v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [R, D])
+    return (v / tl.sqrt(tl.full([R, D], D, tl.float64))).to(tl.float32)  # fp64: sqrt.rn, div.rn

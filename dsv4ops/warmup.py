@@ -16,6 +16,7 @@ from dsv4ops.cache.config import CacheConfig, blocks_per_request, topk_workspace
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear import rule as fp8_rule
 from dsv4ops.cache.config import paged_pool
+from dsv4ops.layers import indexer_query, indexer_rotates
 from dsv4ops.reference.numerics import compressor_dtype
 
 
@@ -40,7 +41,8 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
         first.setdefault(model_cfg.layer_type(i), i)
     kinds = set(first)
     numerics = cache_cfg.numerics()
-    main_fmt, index_fmt = cache_cfg.formats()
+    main_fmt, comp_fmt, index_fmt = cache_cfg.formats()
+    rotates = indexer_rotates(numerics)
     bs, ring = cache_cfg.block_size, cache_cfg.ring_size(model_cfg.window)
     h, d = model_cfg.num_heads, model_cfg.head_dim
     hi, di = model_cfg.index_n_heads, model_cfg.index_head_dim
@@ -65,25 +67,25 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                 coff = 2 if kind == CSA else 1
                 nblk = blocks_per_request(cache_cfg, ratio)
                 table = torch.zeros(1, nblk, dtype=torch.int32, device=device)
-                comp = _pool(main_fmt, d, 1, cache_cfg, device)
-                streams = [(d, comp, main_fmt, numerics.kv)]
+                comp = _pool(comp_fmt, d, 1, cache_cfg, device)
+                streams = [(d, comp, comp_fmt, numerics.kv, False)]
                 if kind == CSA:
-                    streams.append((di, _pool(index_fmt, di, 1, cache_cfg, device), index_fmt, numerics.indexer))
-                for dim, pool, fmt, mode in streams:
+                    streams.append((di, _pool(index_fmt, di, 1, cache_cfg, device), index_fmt, numerics.indexer,
+                                    rotates))
+                for dim, pool, fmt, mode, hadamard in streams:
                     cdt = compressor_dtype(mode, dtype)
                     a = torch.zeros(t, coff * dim, dtype=cdt, device=device)
                     ape = torch.zeros(ratio, coff * dim, dtype=torch.float32, device=device)
                     norm = torch.ones(dim, dtype=torch.float32, device=device)
                     state = torch.zeros(1, coff * ratio, 2 * coff * dim, dtype=torch.float32, device=device)
-                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, None, eps, fmt)
+                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, None, eps, fmt, hadamard)
                     calls += 1
                 if kind == CSA:
                     qi = torch.zeros(t, hi, di, dtype=dtype, device=device)
                     wi = torch.zeros(t, hi, dtype=dtype, device=device)
-                    qi_dtype = torch.float8_e4m3fn if index_fmt == "fp8_132" else dtype
-                    qi_out = torch.empty(t, hi, di, dtype=qi_dtype, device=device)
+                    qi_out = indexer_query(qi, index_fmt)
                     wi_out = torch.empty(t, hi, dtype=torch.float32, device=device)
-                    ops.indexer_q_prep(qi, wi, pos, freq, qi_out, wi_out, index_fmt)
+                    ops.indexer_q_prep(qi, wi, pos, freq, qi_out, wi_out, index_fmt, rotates)
                     idx = torch.empty(t, model_cfg.index_topk, dtype=torch.int32, device=device)
                     ws = torch.empty(topk_workspace_words(model_cfg, cache_cfg), dtype=torch.int32, device=device)
                     ops.indexer_topk(qi_out, wi_out, pos, req, streams[1][1], table, None, idx, None, ws, ratio, 0,
@@ -95,7 +97,7 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                     calls += 1
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32, device=device)
             ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, pos, sinks, o, d**-0.5, model_cfg.window, ring,
-                            main_fmt, main_fmt)
+                            main_fmt, main_fmt if kind == SLIDING else comp_fmt)
             ops.inv_rope(o, pos, freq, o_rot)
             calls += 3
         for n, k in _fp8_projections(model_cfg, kinds) if fp8_block else ():

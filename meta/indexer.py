@@ -6,8 +6,8 @@ from dsv4ops.indexer import checks
 
 
 @torch.library.register_fake("dsv4::indexer_q_prep")
-def _(q, weights, positions, inv_freq, q_out, w_out, fmt):
-    checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+def _(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard=False):
+    checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard)
 
 
 @torch.library.register_fake("dsv4::indexer_k_prep")

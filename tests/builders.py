@@ -140,8 +140,8 @@ def entry_slots_of(positions: Tensor, req_slots: Tensor, ratio: int, per_request
 
 def compressor_update_args(dtype=torch.float32, fmt=None, dim=8, ratio=4, overlap=True, main=True,
                            runs=((0, 2, 5), (1, 0, 3)), pad=1, requests=2, blocks=4, block_size=4,
-                           latent=False) -> dict:
-    """latent: a latent_out buffer (in the entry dtype) instead of None."""
+                           latent=False, hadamard=False) -> dict:
+    """latent: a latent_out buffer (in the entry dtype) instead of None; hadamard: the op's flag."""
     from dsv4ops.compressor.checks import entry_dtype
 
     fmt = fmt or dtype
@@ -159,11 +159,14 @@ def compressor_update_args(dtype=torch.float32, fmt=None, dim=8, ratio=4, overla
         norm_weight=1 + 0.1 * torch.randn(d), inv_freq=rope_table(rope),
         state=torch.randn(requests, width // d * ratio, 2 * width), cache=cache,
         latent_out=torch.empty(t, d, dtype=entry_dtype(cache, name)) if latent else None, eps=1e-6, fmt=name,
+        hadamard=hadamard,
     )
 
 
-def indexer_q_prep_args(dtype=torch.float32, fmt="exact", heads=2, dim=16, tokens=3, noncontig=False) -> dict:
-    """fmt: the query's format (exact, fp8_132 or mxfp4_68; the last two take 128-d rows)."""
+def indexer_q_prep_args(dtype=torch.float32, fmt="exact", heads=2, dim=16, tokens=3, noncontig=False,
+                        hadamard=False) -> dict:
+    """fmt: the query's format (exact, fp8_132 or mxfp4_68; the last two take 128-d rows);
+    hadamard: the op's flag."""
     from dsv4ops.quant import formats
 
     if fmt != formats.EXACT:
@@ -172,7 +175,7 @@ def indexer_q_prep_args(dtype=torch.float32, fmt="exact", heads=2, dim=16, token
            "mxfp4_68": ((tokens, heads, 68), torch.uint8)}[fmt]
     return dict(q=_rows((tokens, heads, dim), dtype, noncontig), weights=torch.randn(tokens, heads, dtype=dtype),
                 positions=torch.arange(3, 3 + tokens, dtype=torch.int32), inv_freq=rope_table(min(8, dim)),
-                q_out=torch.empty(*out[0], dtype=out[1]), w_out=torch.empty(tokens, heads), fmt=fmt)
+                q_out=torch.empty(*out[0], dtype=out[1]), w_out=torch.empty(tokens, heads), fmt=fmt, hadamard=hadamard)
 
 
 def mx4_query(q: Tensor) -> Tensor:
@@ -352,9 +355,10 @@ _PUBLIC = {
                                             q_norm=a["q_norm"]),
     "compressor_update": lambda api, a: api.compressor_update(
         a["kv"], a["score"], a["ape"], a["positions"], a["req_slots"], a["entry_slots"], a["norm_weight"],
-        a["inv_freq"], a["state"], a["cache"], a["eps"], a["fmt"], latent=a["latent_out"] is not None),
+        a["inv_freq"], a["state"], a["cache"], a["eps"], a["fmt"], latent=a["latent_out"] is not None,
+        hadamard=a.get("hadamard", False)),
     "indexer_q_prep": lambda api, a: api.indexer_q_prep(a["q"], a["weights"], a["positions"], a["inv_freq"],
-                                                        fmt=a["fmt"]),
+                                                        fmt=a["fmt"], hadamard=a.get("hadamard", False)),
     "indexer_k_prep": lambda api, a: api.indexer_k_prep(a["latent"], a["positions"], a["req_slots"],
                                                         a["entry_slots"], a["wk"], a["k_norm_weight"], a["inv_freq"],
                                                         a["cache"], a["ratio"], a["eps"], a["fmt"]),

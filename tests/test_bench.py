@@ -9,13 +9,14 @@ from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.reference.functional import grouped_output
 
 
-@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
-def test_attention_case_core_is_the_layer_step(kind, monkeypatch):
+@pytest.mark.parametrize("kind, cache", [(SLIDING, "fp8"), (CSA, "fp8"), (HCA, "fp8"), (CSA, "fp4"), (HCA, "fp4")])
+def test_attention_case_core_is_the_layer_step(kind, cache, monkeypatch):
     monkeypatch.setattr(attention, "graph_time_us", lambda fn, iters=30: (fn(), 1.0)[1])
     monkeypatch.setattr(attention, "eager_time_us", lambda fn, iters=10: (fn(), 2.0)[1])
     monkeypatch.setattr(attention, "ceilings", lambda: {"copy": 1e12, "gather": 1e12, "bf16": 1e14})
     model = DSV4AttentionConfig.tiny()
-    case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model)
+    case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model,
+                          numerics=attention.CACHES[cache])
     with torch.no_grad():
         rows = attention.bench_case(case, with_reference=True)
         y_layer = case.layer(case.x, case.step)
@@ -29,6 +30,24 @@ def test_attention_case_core_is_the_layer_step(kind, monkeypatch):
     assert ops[-3:] == ["attention core (all ops)", "projection GEMMs + norms (layer - core)", "whole layer"]
     assert all(r["pct_ceiling"] > 0 for r in rows if "pct_ceiling" in r)
     assert [r["torch_topk_us"] for r in rows if r["op"] == "indexer_topk"] == ([1.0] if kind == CSA else [])
+
+
+def test_stack_rows_time_both_caches_and_count_their_bytes(monkeypatch):
+    """The FP8 / FP4 stack comparison (timers stubbed: every op 1 us): each layer's ops, times the
+    layers of its kind; the cache bytes a decode step reads per request from the pools' row sizes."""
+    monkeypatch.setattr(attention, "graph_time_us", lambda fn, iters=30: (fn(), 1.0)[1])
+    model = DSV4AttentionConfig.tiny(index_topk=8)  # sliding, CSA, HCA, CSA
+    with torch.no_grad():
+        rows = attention.stack_rows([(2, 300)], progress=lambda r: None, model=model, device="cpu")
+    assert [r["cache"] for r in rows] == ["fp8", "fp4"]
+    # ops a step: sliding 3, CSA 7 (two compressor updates), HCA 5
+    assert [r["us"] for r in rows] == [3 + 2 * 7 + 5] * 2 and rows[1]["vs_fp8"] == 1.0
+    # Per request, its token at position 299: every attention layer reads a window of 128 584-B rows and
+    # its q and o (4 heads x 512 bf16 each); the CSA layers score 300 // 4 = 75 keys (and read q, 4 x 128
+    # bytes) and attend 8 selected entries; the HCA layer its 300 // 128 = 2 entries.
+    for row, (entry, key) in zip(rows, ((584, 132), (288, 68))):
+        window = 128 * 584 + 4 * 512 * 2 * 2
+        assert row["bytes_per_token"] == 4 * window + 2 * (75 * key + 4 * 128 + 8 * entry) + 2 * entry, row
 
 
 # ---- the CLI: shapes, JSON, the roofline chart ----------------------------------------------------

@@ -305,6 +305,9 @@ BAD = [
      r"cache: expected size 8 \(row width\) at dim 2, got 4"),
     ("fmt-unknown", wa("fmt", lambda a: "bf16"), r"fmt: expected one of \['fp8_584', "),
     ("fmt-width", wa("fmt", lambda a: "fp4_288"), r"cache: expected dtype in \[torch.uint8\], got torch.float32"),
+    # The Hadamard rotates bf16 rows before a byte format's quantizer (V4's MXFP4 keys).
+    ("hadamard-exact-pool", wa("hadamard", lambda a: True),
+     r"hadamard: expected a byte format \(it rotates bf16 rows before their quantizer\), got fmt 'exact'"),
     ("latent_out-dtype", wa("latent_out", lambda a: torch.empty(9, 8, dtype=torch.bfloat16)),
      r"latent_out: expected dtype in \[torch.float32\], got torch.bfloat16", ("op",)),
     ("latent_out-width", wa("latent_out", lambda a: torch.empty(9, 16)),

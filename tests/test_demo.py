@@ -1,5 +1,6 @@
-"""`python -m dsv4ops`: a small run of the demo (compiled with aot_eager, FP8 paged cache, chunked
-prefill and decode) whose every request stays within its fp64-oracle budget, and its scheduler."""
+"""`python -m dsv4ops`: a small run of the demo (compiled with aot_eager, FP8 paged cache or the FP4
+option, chunked prefill and decode) whose every request stays within its fp64-oracle budget, and its
+scheduler."""
 
 import re
 
@@ -29,11 +30,13 @@ def test_schedule_is_continuous_batching():
         assert all(r in s for s in steps[i:i + lengths[r] - prompts[r]])
 
 
-def test_demo_small_run(capsys):
-    out = demo.main(["--requests", "2", "--context", "140", "--step-tokens", "64", "--layers", "3"])
+@pytest.mark.parametrize("cache, rows", [("fp8", "fp8_584/fp8_132"), ("fp4", "fp8_584/fp4_288/mxfp4_68")])
+def test_demo_small_run(cache, rows, capsys):
+    out = demo.main(["--requests", "2", "--context", "140", "--step-tokens", "64", "--layers", "3", "--kv-cache", cache])
     text = capsys.readouterr().out
     assert "backend: reference kernels (pure PyTorch" in text
     assert "3 layers (sliding, CSA, HCA)" in text and "tokens/s" in text and "MiB of pools" in text
+    assert f"({rows} rows)" in text and text.count("vs unquantized: rms") == 2 and "vs V4 reference: rms" in text
     assert re.search(r"step (\d+)/\1 ", text)  # the progress display reached the last step
     assert [r["tokens"] for r in out["results"]] == [140, 105]
     for r in out["results"]:

@@ -192,6 +192,8 @@ BAD = [
     ("w_out-shape", "indexer_q_prep", Q_PREP, wa("w_out", lambda a: a["w_out"][:2]), r"w_out: expected shape", ("op",)),
     ("w_out-dtype", "indexer_q_prep", Q_PREP, wa("w_out", lambda a: a["w_out"].bfloat16()),
      r"w_out: expected dtype in \[torch.float32\]", ("op",)),
+    ("q_prep-hadamard-exact", "indexer_q_prep", Q_PREP, wa("hadamard", lambda a: True),
+     r"hadamard: expected a byte format \(it rotates bf16 rows before their quantizer\), got fmt 'exact'"),
     ("q_prep-positions-negative", "indexer_q_prep", Q_PREP,
      wa("positions", lambda a: torch.tensor([0, -3, 1], dtype=I32)),
      r"positions: expected >= 0 \(token positions\), got -3 at index 1", ("public",)),

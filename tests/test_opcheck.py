@@ -49,11 +49,14 @@ SAMPLES = {
         partial(builders.compressor_update_args, FP32, runs=((0, 3, 1),), pad=0),
         partial(builders.compressor_update_args, FP32, "fp4_288", ratio=2, overlap=False, latent=True),
         partial(builders.compressor_update_args, BF16, ratio=1, overlap=False, latent=True),
+        partial(builders.compressor_update_args, FP32, "mxfp4_68", block_size=7, hadamard=True),  # V4's MXFP4 keys
+        partial(builders.compressor_update_args, BF16, "fp4_288", ratio=128, overlap=False, runs=((1, 125, 4),), pad=0),
     ],
     "indexer_q_prep": [
         partial(builders.indexer_q_prep_args, FP32),
         partial(builders.indexer_q_prep_args, BF16, "fp8_132"),
         partial(builders.indexer_q_prep_args, FP32, "mxfp4_68"),
+        partial(builders.indexer_q_prep_args, BF16, "mxfp4_68", hadamard=True),
         partial(builders.indexer_q_prep_args, BF16, heads=1, tokens=1),
         partial(builders.indexer_q_prep_args, FP32, noncontig=True),
     ],
@@ -77,6 +80,7 @@ SAMPLES = {
         partial(builders.sparse_attn_args, BF16, heads=1, runs=((1, 2, 1),), pad=0),
         partial(builders.sparse_attn_args, FP32, noncontig=True),
         partial(builders.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
+        partial(builders.sparse_attn_args, BF16, FP8, comp_fmt="fp4_288"),  # V4's kv_cache="fp4"
         partial(builders.sparse_attn_args, FP32, blocks=True),
     ],
     "visible_entries": [

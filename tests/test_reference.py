@@ -12,9 +12,10 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Rotar
 
 from dsv4ops import DSV4AttentionConfig, reference, testing
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.quant import codecs
 from dsv4ops.quant.reference import FP4_BLOCK, e2m1_round, fp8_roundtrip, hadamard, mxfp4_roundtrip
 from dsv4ops.reference.functional import apply_rope, rope_angles, sink_attention
-from dsv4ops.reference.numerics import Numerics, round_indexer_key, round_kv
+from dsv4ops.reference.numerics import Numerics, quantize_indexer_query, round_entry, round_indexer_key, round_kv
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 # index_topk >= the number of entries (301 // 4 = 75) makes the CSA selection tie-free: every
@@ -273,6 +274,36 @@ def test_hadamard_is_orthogonal_and_scores_invariant_on_both_sides():
     assert not torch.allclose(hadamard(x) @ k.T, x @ k.T)  # one side only: wrong
 
 
+def test_fp4_entries_are_e2m1_times_an_e4m3_scale_per_16_as_the_288_byte_row():
+    # kv="fp4": the compressed entry (all 512 dims, rope too) as an fp4_288 row reads back. The oracle's
+    # fake quantizer (grid argmin, torch's e4m3 cast) and the row codec (nibble thresholds, scale bits)
+    # are separate formulations of the same exact rounding: equal on bf16 inputs, ties and edges too.
+    x = torch.randn(64, 512) * torch.logspace(-4, 2, 64)[:, None]
+    x[0, :16] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, -5.0, 5.5, 0.0, -0.0, 0, 0])
+    x[1, :16] = 0.0  # scale floor 2^-9
+    x[2, :16] = 3000.0  # amax / 6 = 500 > 464: e4m3's NaN scale (no clamp, as the QAT reference)
+    y = round_entry(x.bfloat16().float(), "fp4", 64)
+    assert torch.equal(y.nan_to_num(7.0), codecs.roundtrip("fp4_288", x).nan_to_num(7.0))
+    assert y[0, :8].tolist() == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]  # ties to the even code
+    assert y[2, :16].isnan().all() and not y[2, 16:].isnan().any()
+    blocks, yb = x.bfloat16().float()[3:].reshape(61, 32, 16), y[3:].reshape(61, 32, 16)
+    scale = (blocks.abs().amax(-1, keepdim=True).clamp(min=6 * 2**-9) / 6).to(torch.float8_e4m3fn).float()
+    assert torch.isin((yb / scale).abs(), torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])).all()
+    assert torch.equal(round_entry(x, "fp8", 64), round_kv(x, "fp8", 64))
+    assert torch.equal(round_entry(x, "exact", 64), x)
+
+
+def test_mxfp4_indexer_rotates_bf16_rows_then_rounds_as_the_68_byte_row():
+    # V4's indexer (DeepSeek's rotate_activation: bf16 in, bf16 out) before E2M1 with UE8M0 per 32:
+    # key and query alike, the query's weights untouched.
+    k = torch.randn(10, 128, dtype=torch.float64) * 3
+    rotated = (hadamard(k.bfloat16().double()).bfloat16().float())
+    assert torch.equal(round_indexer_key(k, "mxfp4"), codecs.roundtrip("mxfp4_68", rotated).double())
+    w = torch.randn(10)
+    q, w2 = quantize_indexer_query(k.view(10, 1, 128), w.view(10, 1), "mxfp4")
+    assert torch.equal(q.view(10, 128), codecs.roundtrip("mxfp4_68", rotated)) and torch.equal(w2.view(10), w)
+
+
 def test_indexer_fp8_key_has_one_pow2_scale_per_entry():
     k = torch.randn(10, 128)
     y = round_indexer_key(k, "fp8")
@@ -280,7 +311,8 @@ def test_indexer_fp8_key_has_one_pow2_scale_per_entry():
     assert torch.equal((y / scale).to(torch.float8_e4m3fn).float() * scale, y)
 
 
-@pytest.mark.parametrize("mode", [Numerics("fp8", "exact"), Numerics("exact", "fp8"), Numerics("exact", "mxfp4")])
+@pytest.mark.parametrize("mode", [Numerics("fp8", "exact"), Numerics("exact", "fp8"), Numerics("exact", "mxfp4"),
+                                  Numerics("fp4", "exact"), Numerics("fp4", "mxfp4")])
 def test_modes_move_the_output_by_their_quantization_error(mode):
     cfg = DSV4AttentionConfig.tiny(index_topk=8)
     _, hf = _hf_layer(1, cfg)

@@ -44,11 +44,11 @@ def test_qkv_prep():
 
 
 def test_compressor_update():
-    assert_expected_inline(_schema("compressor_update"), """dsv4::compressor_update(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor norm_weight, Tensor inv_freq, Tensor(a8!) state, Tensor(a9!) cache, Tensor(a10!)? latent_out, float eps, str fmt) -> ()""")
+    assert_expected_inline(_schema("compressor_update"), """dsv4::compressor_update(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor norm_weight, Tensor inv_freq, Tensor(a8!) state, Tensor(a9!) cache, Tensor(a10!)? latent_out, float eps, str fmt, bool hadamard=False) -> ()""")
 
 
 def test_indexer_q_prep():
-    assert_expected_inline(_schema("indexer_q_prep"), """dsv4::indexer_q_prep(Tensor q, Tensor weights, Tensor positions, Tensor inv_freq, Tensor(a4!) q_out, Tensor(a5!) w_out, str fmt) -> ()""")
+    assert_expected_inline(_schema("indexer_q_prep"), """dsv4::indexer_q_prep(Tensor q, Tensor weights, Tensor positions, Tensor inv_freq, Tensor(a4!) q_out, Tensor(a5!) w_out, str fmt, bool hadamard=False) -> ()""")
 
 
 def test_indexer_k_prep():

@@ -256,10 +256,10 @@ def _check_usage(manager, usage):
     """usage() against a count of the block tables and the bytes of the formats' pages (every
     layer of the model) plus memory()'s fixed bytes per request."""
     cfg, model = manager.cfg, manager.model
-    main, index = cfg.formats()
-    page = {f: formats.get(f).page_bytes(cfg.block_size) for f in (main, index) if f != formats.EXACT}
+    _, comp, index = cfg.formats()
+    page = {f: formats.get(f).page_bytes(cfg.block_size) for f in (comp, index) if f != formats.EXACT}
     layers = [model.layer_type(i) for i in range(model.num_layers)]
-    block_bytes = {CSA: layers.count(CSA) * (page[main] + page[index]), HCA: layers.count(HCA) * page[main]}
+    block_bytes = {CSA: layers.count(CSA) * (page[comp] + page[index]), HCA: layers.count(HCA) * page[comp]}
     expect = len(manager.slot_of) * memory(model, cfg)["fixed_bytes_per_request"]
     unshared = expect
     for kind, table in manager.tables.items():

@@ -312,6 +312,34 @@ def test_compressor_update_v41_with_latent(ratio, pool, split, monkeypatch):
     testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])
+def test_compressor_update_rotates_v4_mx4_index_keys(split, monkeypatch):
+    # V4's MXFP4 index keys (indexer_cache="mxfp4"): the CSA indexer stream's entries rotated by the
+    # Hadamard before E2M1, over pages of 7 mxfp4_68 slots. Expected: the entries of an exact fp32 pool
+    # (no rotation there: a float pool has no quantizer), rotated in fp64.
+    _pool_plan(monkeypatch, split)
+    d, ratio, _, steps, _ = STEPS["indexer"]
+    width, rows, bs, nblk = 2 * d, 2 * ratio, 7, 10
+    ape, w = torch.randn(ratio, width), 1 + 0.1 * torch.randn(d)
+    runs = {name: (torch.full((2, rows, 2 * width), float("nan")), builders.page_pool(nblk, bs, d, pool))
+            for name, pool in (("kernel", "mxfp4_68"), ("ref", "mxfp4_68"), ("ref64", torch.float32))}
+    lens = [0, 0]
+    for step in steps:
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
+        kv, score = torch.randn(len(pos), width), torch.randn(len(pos), width)
+        for name, (state, cache) in runs.items():
+            fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
+            fmt, rotate = ("exact", False) if name == "ref64" else ("mxfp4_68", True)
+            fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, None, 1e-6, fmt, rotate)
+        assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
+    got, lowp = (_rows(runs[n][1], d, fmt="mxfp4_68") for n in ("kernel", "ref"))
+    ref = quant_ref.hadamard(_rows(runs["ref64"][1], d))
+    # Poisoned slots read back NaN (float pool) or -inf (0xFF bytes of mxfp4_68: -6 x 2^128).
+    written = ref.isfinite().all(1)
+    assert written.sum() == 4 and torch.equal(written, got.isfinite().all(1)), "entries written"
+    testing.assert_close_to_ref(got[written], ref[written], lowp[written], what="rotated index keys")
+
+
 # ---- indexer -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
 def test_indexer_q_prep(out_dtype):
@@ -497,6 +525,47 @@ def test_indexer_q_prep_mx4():
     testing.assert_close_to_ref(got, ref, lowp, what="q x w")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4_68", "fp8_132"])
+def test_indexer_q_prep_rotates_v4_queries(fmt):
+    # V4's 64 index heads, rotated by the Hadamard before the quantizer (the MXFP4 indexer; fp8_132 takes
+    # the flag too): what the scores see against the fp64 rotation of the fp32 RoPE'd query.
+    t, h = 3, 64
+    q, w = 3 * torch.randn(t, h, 128), torch.randn(t, h)
+    pos = _i32(0, 77, 5000)
+
+    def run(fn, dtype, fmt, rotate):
+        odt, width = {"mxfp4_68": (torch.uint8, 68), "fp8_132": (torch.float8_e4m3fn, 128)}.get(fmt, (dtype, 128))
+        q_out, w_out = torch.empty(t, h, width, dtype=odt), torch.empty(t, h)
+        fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, fmt, rotate)
+        return indexer_ref.query_values(q_out).double() * w_out.double()[..., None]
+
+    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, fmt, True)
+    lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, fmt, True)
+    ref = quant_ref.hadamard(run(indexer_ref.indexer_q_prep, torch.float32, "exact", False))
+    testing.assert_close_to_ref(got, ref, lowp, what="rotated q x w")
+
+
+def test_indexer_topk_mx4_keys_with_v4_heads():
+    # V4's CSA indexer on MXFP4 keys: 64 heads (the C++ MX4 scoring serves <= 32; V4 takes this one),
+    # ratio 4, pages of 128 keys. Grid values and power-of-two weights make every score exact: the
+    # selection equals the reference's, ties included.
+    g = torch.Generator().manual_seed(4)
+    grid = lambda *shape: E2M1_GRID[torch.randint(0, 8, shape, generator=g)] * (torch.randint(0, 2, shape, generator=g) * 2 - 1)  # noqa: E731
+    h, bs, pages, t, k = 64, 128, 3, 5, 16
+    cache = builders.page_pool(pages, bs, 128, "mxfp4_68")
+    quant_ref.pack_kv(grid(pages * bs, 128), torch.arange(pages * bs, dtype=torch.int32), cache, "mxfp4_68")
+    table = _i32(2, 0, 1).view(1, 3)
+    q = builders.mx4_query(grid(t, h, 128))
+    w = (2.0 ** torch.randint(-2, 3, (t, h), generator=g)) * (torch.randint(0, 2, (t, h), generator=g) * 2 - 1)
+    pos, req = _i32(3, 130, 700, 1535, 9), _i32(0, 0, 0, 0, -1)
+    got, want = torch.full((t, k), 99, dtype=torch.int32), torch.empty(t, k, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(t, pages * bs, k),
+                            4, 0, "mxfp4_68")
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, "mxfp4_68")
+    assert torch.equal(got, want)
+    assert (want[0, 1:] == -1).all() and (want[1:4] >= 0).all() and (want[4] == -1).all()
+
+
 @pytest.mark.parametrize("pool", ["mxfp4_68", torch.bfloat16], ids=["mxfp4_68", "bf16"])
 def test_indexer_k_prep(pool):
     # V4.1's index keys from the compressor's latent: only closing live tokens write their entry.
@@ -598,8 +667,8 @@ def test_indexer_score_keys_order_like_scores():
 @pytest.mark.parametrize("stages,n_split,blocks", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)],
                          ids=["skip-empty-tiles", "pipelined", "2-splits", "2-splits-draft-block"])
 @pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), (torch.bfloat16, torch.bfloat16), ("fp8", torch.float32),
-                                            ("fp8_528", "fp4_288"), ("fp8_528", torch.float32)],
-                         ids=["fp8", "bf16", "fp8-window-fp32-comp", "v41", "v41-window-fp32-comp"])
+                                            ("fp8_528", "fp4_288"), ("fp8_528", torch.float32), ("fp8", "fp4_288")],
+                         ids=["fp8", "bf16", "fp8-window-fp32-comp", "v41", "v41-window-fp32-comp", "v4-fp4-entries"])
 def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
     # 16-key tiles: the 8-key window is one tile, the 40 listed columns three more; two splits cut
     # the entries between programs, merged with the sink by the combine kernel. Draft block: tokens
@@ -879,7 +948,7 @@ def test_launchers_reject_the_combinations_they_do_not_implement():
 
 
 # ---- warmup ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["fp8", "bf16"])
+@pytest.mark.parametrize("mode", ["fp8", "bf16", "fp4"])
 def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
     # On CPU the ops run their reference kernels: this checks that every warmup call is a valid op
     # call (the CUDA run compiles through the same calls), and that it covers every op and bucket.
@@ -896,7 +965,9 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
 
     for name in dsv4ops.backends.TRITON_LAUNCHERS:
         monkeypatch.setattr(torch.ops.dsv4, name, spy(name, getattr(torch.ops.dsv4, name)))
-    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, kv_cache=mode, indexer_cache=mode)
+    modes = {"fp4": dict(kv_cache="fp4", indexer_cache="mxfp4", block_size=128)}.get(
+        mode, dict(kv_cache=mode, indexer_cache=mode))
+    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, **modes)
     fp8_block = 128 if mode == "fp8" else None  # layers loaded with keep_fp8=True: fp8_linear too
     calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block)
     assert calls == len(seen)
@@ -1061,6 +1132,7 @@ def record_launches():
                 quant_tt.unpack_kv(_pool(pool, d, 1), pos, rows, f512 if d == 512 else f128)
         recorded.append(rec)
     recorded.append(_record_v41_launches(t, pos, req))
+    recorded.append(_record_v4_fp4_launches(t, pos, req))
     for rec in recorded:
         for kernel, args, constexprs, warps in rec:
             sig, consts, attrs = signature(kernel, args, constexprs)
@@ -1123,6 +1195,34 @@ def _record_v41_launches(t, pos, req) -> list:
             rows, pool = torch.zeros(t, d, dtype=torch.bfloat16), builders.page_pool(1, bs, d, fmt)
             quant_tt.pack_kv(rows, pos, pool, fmt)
             quant_tt.unpack_kv(pool, pos, rows, fmt)
+    return rec
+
+
+def _record_v4_fp4_launches(t, pos, req) -> list:
+    """A bf16 V4 model with kv_cache="fp4" / indexer_cache="mxfp4": fp4_288 entries (CSA and HCA)
+    beside fp8_584 window rows, and the MXFP4 indexer's rotated keys and queries of 64 heads over
+    pages of 128 keys."""
+    with th.recording() as rec:
+        q = torch.zeros(t, 64, 512, dtype=torch.bfloat16)
+        window, comp = _pool("fp8", 512, 4), builders.page_pool(2, BS, 512, "fp4_288")
+        for ratio, coff in ((4, 2), (128, 1)):
+            a = torch.zeros(t, coff * 512)
+            compressor_tt.compressor_update(a, a, torch.zeros(ratio, coff * 512), pos, req, pos, torch.ones(512),
+                                            INV_FREQ, torch.zeros(1, coff * ratio, 2 * coff * 512), comp, None, 1e-6,
+                                            "fp4_288")
+        keys = builders.page_pool(2, 128, 128, "mxfp4_68")
+        a = torch.zeros(t, 256)
+        compressor_tt.compressor_update(a, a, torch.zeros(4, 256), pos, req, pos, torch.ones(128), INV_FREQ,
+                                        torch.zeros(1, 8, 512), keys, None, 1e-6, "mxfp4_68", True)
+        qi, q4 = torch.zeros(t, 64, 128, dtype=torch.bfloat16), torch.zeros(t, 64, 68, dtype=torch.uint8)
+        indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68", True)
+        idx = torch.zeros(t, 512, dtype=torch.int32)
+        # The scoring of 64 heads at ratio 4 is this mode's own variant (the selects are V4's and V4.1's).
+        indexer_tt.indexer_topk(q4, torch.zeros(t, 64), pos, req, keys, torch.zeros(1, 2, dtype=torch.int32), None,
+                                idx, None, builders.topk_workspace(t, 2 * 128, 512), 4, 0, "mxfp4_68")
+        lens = torch.full((t,), idx.shape[1], dtype=torch.int32)
+        sparse_attn_tt.sparse_attn(q, window, comp, pos, req, idx, lens, None, torch.zeros(64), q, 0.04, 8, 8,
+                                   "fp8_584", "fp4_288")
     return rec
 
 

@@ -1,6 +1,8 @@
 """Attention benchmarks at V4-Flash shapes: every op of a layer step (decode batch 1/32/128 at 4K
 and 64K context, prefill 4096 tokens), the attention core (all ops) vs the projection GEMMs, the
-reference backend on the GPU, and transformers' layer (eager and compiled) as baselines.
+reference backend on the GPU, and transformers' layer (eager and compiled) as baselines; any of
+them with the FP8 cache (default) or the FP4 cache option (`numerics`); and the decode step of the
+whole V4-Flash stack (its layers' attention cores) with each cache at the same shapes (`stack_rows`).
 
 Caches are filled synthetically: requests are marked as holding `context - 1` tokens, their blocks
 allocated, and every pool slot written with random entries through `dsv4::pack_kv`."""
@@ -18,12 +20,15 @@ from dsv4ops.bench.timing import ceilings, eager_time_us, graph_time_us
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.step import visible_counts
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.layers import indexer_query, indexer_rotates
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import rms_norm
 from dsv4ops.reference.numerics import compressor_dtype
 
 FLASH = DSV4AttentionConfig.flash()
 FP8 = Numerics(kv="fp8", indexer="fp8")
+FP4 = Numerics(kv="fp4", indexer="mxfp4")  # 288-B FP4 entries, 68-B MXFP4 keys (CacheConfig "fp4" / "mxfp4")
+CACHES = {"fp8": FP8, "fp4": FP4}
 ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "visible_entries", "sparse_attn",
             "inv_rope")
 
@@ -49,29 +54,31 @@ def _fill(pool: torch.Tensor, dim: int, fmt: str, gen: torch.Generator):
         ops.pack_kv(rows, torch.arange(s, s + n, device=pool.device, dtype=torch.int32), pool, fmt)
 
 
-def new_layer(kind: str, model: DSV4AttentionConfig = FLASH, device="cuda") -> DeepseekV4Attention:
-    """The model's first layer of this kind, random weights (testing.randomize_), bf16, FP8 caches."""
+def new_layer(kind: str, model: DSV4AttentionConfig = FLASH, device="cuda",
+              numerics: Numerics = FP8) -> DeepseekV4Attention:
+    """The model's first layer of this kind, random weights (testing.randomize_), bf16, in `numerics`."""
     layer_idx = next(i for i in range(model.num_layers) if model.layer_type(i) == kind)
-    return testing.randomize_(DeepseekV4Attention(model, layer_idx, numerics=FP8)).to(device, torch.bfloat16)
+    return testing.randomize_(DeepseekV4Attention(model, layer_idx, numerics=numerics)).to(device, torch.bfloat16)
 
 
 class Case:
     """One layer of V4-Flash with a synthetic cache and the inputs of every op of one step."""
 
     def __init__(self, kind: str, batch: int, context: int, new_tokens: int, device="cuda",
-                 model: DSV4AttentionConfig = FLASH, max_context: int | None = None,
+                 model: DSV4AttentionConfig = FLASH, max_context: int | None = None, numerics: Numerics = FP8,
                  layer: DeepseekV4Attention | None = None):
-        """`layer`: a layer of this kind and model (bf16, FP8 numerics, on `device`) to attach the new
-        cache to instead of building one (a sweep reuses one per kind; `release` detaches it)."""
+        """`layer`: a layer of this kind, model and numerics (bf16, on `device`) to attach the new cache to
+        instead of building one (a sweep reuses one per kind; `release` detaches it)."""
         self.kind, self.batch, self.context, self.new_tokens, self.model = kind, batch, context, new_tokens, model
         self.max_context = max_context or context + new_tokens
+        self.numerics = numerics
         cfg = model
-        self.layer = layer if layer is not None else new_layer(kind, model, device)
+        self.layer = layer if layer is not None else new_layer(kind, model, device, numerics)
         # The pools hold the real context (max_total_tokens); max_context sizes the block tables, the
         # key lists and the indexer's workspace rows.
-        cache_cfg = CacheConfig(max_requests=batch, max_context=self.max_context,
-                                max_total_tokens=batch * (context + new_tokens),
-                                max_step_tokens=batch * new_tokens, buckets=(batch * new_tokens,))
+        cache_cfg = CacheConfig.for_numerics(numerics, torch.bfloat16, max_requests=batch, max_context=self.max_context,
+                                             max_total_tokens=batch * (context + new_tokens),
+                                             max_step_tokens=batch * new_tokens, buckets=(batch * new_tokens,))
         self.manager = KVCacheManager(cfg, cache_cfg, device=device)
         self.layer.attach_cache(self.manager)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -108,7 +115,7 @@ class Case:
         if c is None:
             return
         ratio = cfg.compress_ratio(layer.layer_idx)
-        cdt = compressor_dtype("fp8", x.dtype)
+        cdt = compressor_dtype(self.numerics.kv, x.dtype)
         self.a, self.z = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt)), F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
         if self.kind == CSA:
             ix = c.indexer
@@ -116,7 +123,7 @@ class Case:
                                 F.linear(x.to(cdt), ix.gate_proj.weight.to(cdt)))
             self.qi = ix.q_b_proj(self.qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
             self.wi = F.linear(x, ix.scorer.weights_proj.weight)
-            self.qi_out = torch.empty(self.qi.shape, dtype=torch.float8_e4m3fn, device=x.device)
+            self.qi_out = indexer_query(self.qi, layer.cache.fmt["index"])
             self.wi_out = torch.empty(self.wi.shape, dtype=torch.float32, device=x.device)
             self.idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
         else:  # the key list sparse_attn reads (op_calls' visible_entries rewrites the same)
@@ -144,11 +151,12 @@ class Case:
                 c.kv_norm.weight, layer.inv_freq, cache.state, cache.comp, None, eps, fmt["comp"])
             if self.kind == CSA:
                 ix = c.indexer
+                rotate = indexer_rotates(self.numerics)
                 calls["compressor_update (indexer)"] = lambda: d.compressor_update(
                     self.ia, self.iz, ix.position_bias, st.positions, st.req_slots, st.entry_slots(CSA),
-                    ix.kv_norm.weight, layer.inv_freq, cache.index_state, cache.index, None, eps, fmt["index"])
+                    ix.kv_norm.weight, layer.inv_freq, cache.index_state, cache.index, None, eps, fmt["index"], rotate)
                 calls["indexer_q_prep"] = lambda: d.indexer_q_prep(self.qi, self.wi, st.positions, layer.inv_freq,
-                                                                   self.qi_out, self.wi_out, fmt["index"])
+                                                                   self.qi_out, self.wi_out, fmt["index"], rotate)
                 calls["indexer_topk"] = lambda: d.indexer_topk(self.qi_out, self.wi_out, st.positions, st.req_slots,
                                                                cache.index, st.block_table(CSA), None, self.idx, None,
                                                                cache.topk_workspace, cfg.csa_ratio, 0, fmt["index"])
@@ -163,12 +171,16 @@ class Case:
         return calls
 
     # ---- work per op (bytes moved, flops), for the roofline columns ------------------------------
+    def row_bytes(self, pool: str) -> int:
+        """Bytes of a row of the layer's pool `pool` (window, comp, index) in its format."""
+        return formats.get(self.layer.cache.fmt[pool]).row_bytes
+
     def work(self, op: str) -> tuple[float, float, str]:
         cfg, t = self.model, self.x.shape[0]
         h, dd = cfg.num_heads, cfg.head_dim
         pos = self.step.positions.long()
         if op == "qkv_prep":
-            return t * h * dd * 2 * 2 + t * dd * 2 + t * 584, 0.0, "copy"
+            return t * h * dd * 2 * 2 + t * dd * 2 + t * self.row_bytes("window"), 0.0, "copy"
         if op.startswith("compressor_update"):
             indexer = "indexer" in op
             width = self.ia.shape[1] if indexer else self.a.shape[1]
@@ -176,7 +188,7 @@ class Case:
             m = cfg.csa_ratio if self.kind == CSA else cfg.hca_ratio
             rows = (width // d) * m
             closing = int(((pos + 1) % m == 0).sum())
-            entry = 132 if indexer else 584
+            entry = self.row_bytes("index" if indexer else "comp")
             # a, z read once; a closing token reads the rows older than the step from the state (its
             # own step's rows are the a, z just read) and writes an entry; each request writes at
             # most `rows` state rows.
@@ -188,10 +200,16 @@ class Case:
             return t * cfg.index_n_heads * (cfg.index_head_dim * 3 + 6), 0.0, "copy"
         if op == "indexer_topk":
             n = ((pos + 1) // cfg.csa_ratio).sum().item()
-            return n * 132 + t * cfg.index_n_heads * cfg.index_head_dim, 2.0 * n * cfg.index_n_heads * cfg.index_head_dim, "copy"
+            return (n * self.row_bytes("index") + t * cfg.index_n_heads * cfg.index_head_dim,
+                    2.0 * n * cfg.index_n_heads * cfg.index_head_dim, "copy")
         if op == "sparse_attn":
-            keys = (torch.clamp(pos + 1, max=cfg.window) + (self.idx >= 0).sum(1)).sum().item()
-            return keys * 584 + t * h * dd * 2 * 2, 4.0 * keys * h * dd, "gather" if self.new_tokens == 1 else "bf16"
+            window = torch.clamp(pos + 1, max=cfg.window).sum().item()
+            live = torch.arange(self.idx.shape[1], device=self.idx.device)[None] < self.lens[:, None]
+            entries = ((self.idx >= 0) & live).sum().item()
+            comp = self.row_bytes("comp" if self.layer.compressor is not None else "window")
+            keys = window + entries
+            return (window * self.row_bytes("window") + entries * comp + t * h * dd * 2 * 2, 4.0 * keys * h * dd,
+                    "gather" if self.new_tokens == 1 else "bf16")
         if op == "visible_entries":
             return self.idx.numel() * 4, 0.0, "copy"
         if op == "inv_rope":
@@ -218,8 +236,9 @@ class Case:
 
     def flashmla_call(self):
         """FlashMLA's kernel on this case's pools and indices (decode, or sparse prefill on the keys
-        gathered to bf16), or None where it cannot run: not installed, or heads other than 64 / 128."""
-        if not flashmla.available() or self.model.num_heads not in (64, 128):
+        gathered to bf16), or None where it cannot run: not installed, heads other than 64 / 128, or
+        compressed entries in another format than its 584-B rows (the FP4 cache option)."""
+        if not flashmla.available() or self.model.num_heads not in (64, 128) or self.numerics.kv != "fp8":
             return None
         st, cache = self.step, self.layer.cache
         comp = cache.comp if self.layer.compressor is not None else cache.window
@@ -350,10 +369,10 @@ def hf_baselines(kind: str, batch: int, context: int, device="cuda", model: DSV4
 
 
 def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, int, int | None]] | None = None,
-        model: DSV4AttentionConfig = FLASH) -> list[dict]:
+        model: DSV4AttentionConfig = FLASH, numerics: Numerics = FP8) -> list[dict]:
     """Every case (or only `cases`: (layer kind, batch, context, new tokens per request, max_context or
-    None), without the baselines); each finished row also goes to `progress` (a long run leaves a
-    partial log)."""
+    None), without the baselines), with the cache of `numerics`; each finished row also goes to
+    `progress` (a long run leaves a partial log)."""
     rows = []
     decode = [(1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536)]
     if quick:
@@ -366,14 +385,63 @@ def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, in
 
     if cases:
         for kind, batch, context, new, max_context in cases:
-            add(bench_case(Case(kind, batch, context, new, model=model, max_context=max_context), with_reference=False))
+            add(bench_case(Case(kind, batch, context, new, model=model, max_context=max_context, numerics=numerics),
+                           with_reference=False))
             torch.cuda.empty_cache()
         return rows
     for kind in (SLIDING, CSA, HCA):
         for batch, context in decode:
-            add(bench_case(Case(kind, batch, context, 1, model=model), with_reference=(batch, context) == (128, 4096)))
+            add(bench_case(Case(kind, batch, context, 1, model=model, numerics=numerics),
+                           with_reference=(batch, context) == (128, 4096)))
             torch.cuda.empty_cache()
-        add(bench_case(Case(kind, 1, 4096, 4096, model=model), with_reference=False))
+        add(bench_case(Case(kind, 1, 4096, 4096, model=model, numerics=numerics), with_reference=False))
         add(hf_baselines(kind, 1, 4096, model=model))
         torch.cuda.empty_cache()
+    return rows
+
+
+# The decode shapes of the FP8 / FP4 cache comparison (issue 29: 64K and 1M context).
+STACK_SHAPES = [(1, 65536), (32, 65536), (128, 65536), (1, 1 << 20), (32, 1 << 20)]
+
+
+def stack_time(batch: int, context: int, numerics: Numerics = FP8, model: DSV4AttentionConfig = FLASH,
+               device="cuda") -> tuple[float, float]:
+    """(us, cache bytes the step reads per request) of one decode step of the model's whole stack of
+    attention cores (every op of every layer, projections excluded), from one timed layer per kind
+    times the layers of that kind."""
+    total, nbytes = 0.0, 0.0
+    for kind in (SLIDING, CSA, HCA):
+        count = sum(model.layer_type(i) == kind for i in range(model.num_layers))
+        if not count:
+            continue
+        case = Case(kind, batch, context, 1, model=model, numerics=numerics, device=device)
+        calls = case.op_calls()
+        for call in calls.values():
+            call()  # the inputs each op reads
+        total += count * sum(graph_time_us(c) for c in calls.values())
+        for op in ("indexer_topk", "sparse_attn"):
+            if op in calls:
+                nbytes += count * case.work(op)[0] / batch
+        del case
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return total, nbytes
+
+
+@torch.no_grad()
+def stack_rows(shapes=None, progress=print, model: DSV4AttentionConfig = FLASH, device="cuda") -> list[dict]:
+    """The decode step of the model's stack with the FP8 cache and with the FP4 cache option at each
+    (batch, context) of `shapes` (default STACK_SHAPES), same run: us per step and per request, the
+    cache bytes read per request, and FP4 against FP8."""
+    rows = []
+    for batch, context in shapes or STACK_SHAPES:
+        got = {}
+        for name, numerics in CACHES.items():
+            us, nbytes = stack_time(batch, context, numerics, model, device)
+            got[name] = us
+            row = {"batch": batch, "context": context, "cache": name, "op": f"V4 stack ({model.num_layers} layers' "
+                   f"cores), decode", "us": us, "per_token_us": us / batch, "bytes_per_token": nbytes,
+                   "vs_fp8": us / got["fp8"]}
+            progress(row)
+            rows.append(row)
     return rows

@@ -1,5 +1,7 @@
 """`python -m dsv4ops bench`: attention (per op, core vs GEMMs, baselines), router, fp8_linear (the
-block-FP8 projections vs bf16 F.linear) and cache memory tables, as markdown, with the GPU and versions; `--case` picks the attention shapes, `--json PATH`
+block-FP8 projections vs bf16 F.linear), the V4 stack's decode step with the FP8 cache and the FP4
+cache option (fp4_cache) and cache memory tables, as markdown, with the GPU and versions; `--case`
+picks the attention shapes, `--kv-cache fp4` runs the attention cases on the FP4 cache, `--json PATH`
 writes the rows, `--plot PATH.png` draws each kernel's fraction of its ceiling (FlashMLA beside
 sparse_attn), also from the rows of an earlier run (`--from-json`, no GPU needed)."""
 
@@ -70,12 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default="attention,flashmla,v41,router,fp8_linear,memory",
                     help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), v41 (V4.1-Flash ops and "
                          "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections, W8A16 and W8A8, at "
-                         "1 .. 4096 tokens beside bf16 F.linear, and the rule table they give), memory")
+                         "1 .. 4096 tokens beside bf16 F.linear, and the rule table they give), fp4_cache (the V4 "
+                         "stack's decode step, FP8 cache and FP4 cache option, at 64K and 1M context or the --case "
+                         "shapes), memory")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
                          "csa:1x4K:4K (a 4K prefill), csa:128x4K@1M (a cache sized for 1M positions a request)")
     ap.add_argument("--model", choices=sorted(MODELS), default="flash", help="layer dims of the attention cases")
+    ap.add_argument("--kv-cache", choices=("fp8", "fp4"), default="fp8",
+                    help="the attention cases' cache: fp8 (584-B entries, 132-B index keys) or fp4 (288-B FP4 "
+                         "entries, 68-B MXFP4 index keys; the window ring stays 584-B FP8)")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--plot", metavar="PATH.png", help="roofline chart of the attention rows")
     ap.add_argument("--from-json", metavar="PATH", help="plot / print the rows of an earlier --json (runs nothing)")
@@ -103,14 +110,15 @@ def main(argv=None):
     if "memory" in parts:
         out["memory"] = memory.rows()
         print(memory.markdown(out["memory"]))
-    if parts & {"attention", "flashmla", "v41", "router", "fp8_linear"}:
+    if parts & {"attention", "flashmla", "v41", "router", "fp8_linear", "fp4_cache"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
     if "attention" in parts:
         from dsv4ops.bench import attention
 
         out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
-                                         cases=args.case, model=MODELS[args.model]())
+                                         cases=args.case, model=MODELS[args.model](),
+                                         numerics=attention.CACHES[args.kv_cache])
         print(table(out["attention"], ["layer", "batch", "context", "max_context", "tokens", "op", "us", "GB/s", "TFLOP/s",
                                        "ceiling", "pct_ceiling", "reference_us", "flashmla_us", "torch_topk_us"]))
     if "flashmla" in parts:
@@ -130,6 +138,16 @@ def main(argv=None):
         print(table(out["v41"], ["batch", "context", "tokens", "op", "us", "per_token_us", "GB/s", "pct_ceiling",
                                  "v4_kernel_us", "flashmla_us", "vs_flashmla", "rel_diff", "route_us", "v4_us",
                                  "vs_v4", "bytes_per_token", "v4_bytes_per_token"]))
+    if "fp4_cache" in parts:
+        from dsv4ops.bench import attention
+
+        shapes = [(b, c) for _, b, c, _, _ in args.case] if args.case else None  # decode; the kind is ignored
+        if shapes is None and args.quick:
+            shapes = [(1, 65536), (1, 1 << 20)]
+        out["fp4_cache"] = attention.stack_rows(shapes, progress=lambda r: print("row", json.dumps(r), flush=True),
+                                                model=MODELS[args.model]())
+        print(table(out["fp4_cache"], ["batch", "context", "cache", "op", "us", "per_token_us", "bytes_per_token",
+                                       "vs_fp8"]))
     if "router" in parts:
         from dsv4ops.bench import router
 

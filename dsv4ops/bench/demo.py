@@ -1,9 +1,11 @@
 """`python -m dsv4ops`: the library doing its job. A stack of V4 attention layers (random weights,
-residual between layers) serves several requests through the paged FP8 cache: continuous batching,
-each step the decode tokens of the requests that finished their prompt plus prefill chunks of the
-others up to the step's token budget, compiled (CUDA graphs on a GPU). Then the summary: the
-backend that ran, tokens/s, cache memory, and each request's deviation from the float64 oracle run
-on its whole sequence, against the error budget of the oracle's own low-precision run."""
+residual between layers) serves several requests through the paged FP8 cache (or, with `--kv-cache
+fp4`, FP4 compressed entries and MXFP4 index keys): continuous batching, each step the decode tokens
+of the requests that finished their prompt plus prefill chunks of the others up to the step's token
+budget, compiled (CUDA graphs on a GPU). Then the summary: the backend that ran, tokens/s, cache
+memory, and each request's deviation from the float64 oracle run on its whole sequence in the
+cache's numerics, against the error budget of the oracle's own low-precision run, and from the float64
+oracle without cache rounding and in DeepSeek's reference numerics (what the cache's formats cost)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,12 @@ from dsv4ops.config import CSA, HCA, SLIDING
 
 PRESETS = {"tiny": DSV4AttentionConfig.tiny, "flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
 COMPILE = ("none", "aot_eager", "inductor", "cudagraphs")
-NUMERICS = Numerics(kv="fp8", indexer="fp8")
+# The cache modes (CacheConfig's names, Numerics' too); the indexer's follows --kv-cache by default.
+DEFAULT_INDEXER = {"fp8": "fp8", "fp4": "mxfp4"}
+# What the served outputs are also measured against, each an fp64 oracle: no cache rounding at all
+# (transformers' layer), and the numerics of DeepSeek's reference code, V4's QAT (FP8 KV, MXFP4
+# indexer after the Hadamard), which neither cache mode matches exactly.
+BASELINES = {"unquantized": Numerics(), "V4 reference": Numerics(kv="fp8", indexer="mxfp4")}
 SHORT = {SLIDING: "sliding", CSA: "CSA", HCA: "HCA"}
 ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "visible_entries", "sparse_attn",
             "inv_rope")
@@ -31,9 +38,10 @@ ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "
 class Stack(nn.Module):
     """The first `n` attention layers of a preset with a residual between them: h += layer(h)."""
 
-    def __init__(self, cfg: DSV4AttentionConfig, n: int, seed: int):
+    def __init__(self, cfg: DSV4AttentionConfig, n: int, seed: int, numerics: Numerics):
         super().__init__()
-        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(cfg, i, numerics=NUMERICS), seed=seed + i)
+        self.numerics = numerics
+        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(cfg, i, numerics=numerics), seed=seed + i)
                                     for i in range(n))
 
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
@@ -86,27 +94,38 @@ def backend_name(device: torch.device) -> str:
 
 
 def oracle_check(stack: Stack, x: torch.Tensor, out: torch.Tensor) -> dict:
-    """The fp64 oracle stack on one request's whole sequence x [L, hidden] vs the served `out`; the
-    budget is 2x the distance of the oracle's model-dtype run and its FP8 rounding twins (values
-    within 2^-17 of a rounding boundary moved once) to the fp64 run (testing.assert_close_to_ref).
-    Tokens past the budget are counted and their largest error reported."""
+    """The fp64 oracle stack in the cache's numerics on one request's whole sequence x [L, hidden] vs
+    the served `out`; the budget is 2x the distance of the oracle's model-dtype run and its rounding
+    twins (values within 2^-17 of a rounding boundary moved once) to the fp64 run
+    (testing.assert_close_to_ref). Tokens past the budget are counted and their largest error
+    reported. `vs`: for each of BASELINES, the served output's largest and RMS distance to that fp64
+    oracle, and the RMS relative to the RMS of the layers' part of that oracle's output (minus the
+    residual input x): what the cache's formats cost (random weights, not a model's)."""
     cfg = stack.layers[0].config
     params = [{k: v.detach() for k, v in layer.named_parameters()} for layer in stack.layers]
 
-    def run(dtype):
+    def run(dtype, numerics=stack.numerics):
         h = x.detach().to(dtype)[None]
         for i, p in enumerate(params):
-            h = h + reference.attention({k: v.to(dtype) for k, v in p.items()}, cfg, i, h, NUMERICS)
+            h = h + reference.attention({k: v.to(dtype) for k, v in p.items()}, cfg, i, h, numerics)
         return h[0]
 
     with torch.no_grad():
         ref = run(torch.float64)
         lowp = (run(x.dtype).double() - ref).abs().max().item()
         twins = max((t - ref).abs().max().item() for t in testing.rounding_twins(lambda: run(torch.float64)))
+        vs = {}
+        for name, numerics in BASELINES.items():
+            base = run(torch.float64, numerics)
+            off = out.double() - base
+            layers = base - x.double()
+            vs[name] = {"max": off.abs().max().item(), "rms": off.square().mean().sqrt().item(),
+                        "rel_rms": (off.square().mean() / layers.square().mean()).sqrt().item()}
     bound = 2 * max(lowp, twins) + torch.finfo(out.dtype).eps * ref.abs().max().item()
     per_token = (out.double() - ref).abs().amax(-1)
     return {"err": per_token.max().item(), "lowp": lowp, "twins": twins, "bound": bound,
-            "scale": ref.abs().max().item(), "beyond": int((per_token > bound).sum()), "tokens": x.shape[0]}
+            "scale": ref.abs().max().item(), "beyond": int((per_token > bound).sum()), "tokens": x.shape[0],
+            "vs": vs}
 
 
 def device_arg(text: str) -> torch.device:
@@ -144,6 +163,12 @@ def main(argv=None):
                     help="torch.compile of the step: cudagraphs = Inductor + CUDA graphs (mode='reduce-overhead'); "
                          "aot_eager = one Dynamo graph per bucket running the ops eagerly (CPU default: Inductor's "
                          "CPU compile alone takes minutes)")
+    ap.add_argument("--kv-cache", choices=sorted(DEFAULT_INDEXER), default="fp8",
+                    help="compressed entries: fp8 (584-B rows, as the window ring) or fp4 (288-B FP4 rows; V4 was not "
+                         "trained for them)")
+    ap.add_argument("--indexer-cache", choices=("fp8", "mxfp4"),
+                    help="index keys: fp8 (132-B) or mxfp4 (68-B, after V4's Hadamard); default fp8 with --kv-cache "
+                         "fp8, mxfp4 with fp4")
     ap.add_argument("--device", type=device_arg, default="cuda" if gpu else "cpu")
     # One thread by default on a CPU: the tiny preset's ops are too small to share, and where other
     # processes load the cores, threads that spin-wait for each other at every op made a 4-token
@@ -170,22 +195,27 @@ def run(args) -> dict:
     if args.layers > cfg.num_layers:
         raise SystemExit(f"--layers: the {args.preset} preset has {cfg.num_layers} layers, got {args.layers}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv_cache = args.kv_cache
+    indexer_cache = args.indexer_cache or DEFAULT_INDEXER[kv_cache]
+    numerics = Numerics(kv=kv_cache, indexer=indexer_cache)
     torch.manual_seed(args.seed)
-    stack = Stack(cfg, args.layers, args.seed).to(device, dtype)
+    stack = Stack(cfg, args.layers, args.seed, numerics).to(device, dtype)
     n = args.requests
     lengths = [max(2, args.context - r * args.context // (2 * n)) for r in range(n)]
     prompts = [max(1, L - max(1, min(16, L // 4))) for L in lengths]
     steps = schedule(lengths, prompts, args.step_tokens)
     buckets = tuple(sorted({min(n, args.step_tokens), args.step_tokens}))
-    cache_cfg = CacheConfig(max_requests=n, max_context=max(lengths), max_step_tokens=args.step_tokens,
-                            buckets=buckets)
+    cache_cfg = CacheConfig.for_numerics(numerics, dtype, max_requests=n, max_context=max(lengths),
+                                         max_step_tokens=args.step_tokens, buckets=buckets)
+    formats = "/".join(dict.fromkeys(cache_cfg.formats()))
     manager = KVCacheManager(cfg, cache_cfg, device=device)
     for layer in stack.layers:
         layer.attach_cache(manager)
     kinds = ", ".join(SHORT[layer.layer_type] for layer in stack.layers)
     print(f"dsv4ops demo: {args.preset} preset, {args.layers} layers ({kinds}), {dtype}, {device}; "
           f"{n} requests of {min(lengths)}..{max(lengths)} tokens ({sum(lengths) - sum(prompts)} decode tokens), "
-          f"{len(steps)} steps of <= {args.step_tokens} tokens (buckets {buckets}); FP8 paged cache; "
+          f"{len(steps)} steps of <= {args.step_tokens} tokens (buckets {buckets}); paged cache {kv_cache} / "
+          f"{indexer_cache} ({formats} rows); "
           f"compile: {args.compile}")
     step_fn = _compiled(stack, args.compile)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -235,9 +265,11 @@ def run(args) -> dict:
     print(f"cache: {pools / 2**20:.1f} MiB of pools for {n} requests x {max(lengths)} positions "
           f"({mem['bytes_per_token']:.0f} B per context token over {args.layers} layers, "
           f"{mem['fixed_bytes_per_request'] / 2**20:.2f} MiB fixed per request: window rings and compressor states)")
-    print(f"deviation from the float64 oracle on each request's whole sequence; budget = 2 x the larger of the "
-          f"oracle's own {str(dtype)[6:]} run and its FP8 rounding twins (every value within 2^-17 of an FP8 / bf16 "
-          f"rounding boundary moved across it):")
+    print(f"deviation from the float64 oracle in the cache's numerics ({numerics}) on each request's whole "
+          f"sequence; budget = 2 x the larger of the oracle's own {str(dtype)[6:]} run and its rounding twins (every "
+          f"value within 2^-17 of a bf16 / FP8 / FP4 rounding boundary moved across it); then from the float64 "
+          f"oracle without cache rounding and in DeepSeek's reference numerics ({BASELINES['V4 reference']}): "
+          f"what the cache's formats cost (rms, and in % of the rms of the layers' part of the output):")
     results = []
     for r in range(n):
         res = oracle_check(stack, inputs[r], torch.cat(outs[r]))
@@ -246,7 +278,9 @@ def run(args) -> dict:
         print(f"  request {r}: {res['tokens']:5d} tokens | max |out - oracle| {res['err']:.1e} "
               f"(|oracle| <= {res['scale']:.1f}) | {str(dtype)[6:]} run {res['lowp']:.1e}, twins {res['twins']:.1e} "
               f"-> budget {res['bound']:.1e}: {verdict}")
-    return {"results": results, "tokens": tokens, "seconds": total}
+        print("      " + " | ".join(f"vs {name}: rms {v['rms']:.1e} ({100 * v['rel_rms']:.2f}%), max {v['max']:.1e}"
+                                    for name, v in res["vs"].items()))
+    return {"results": results, "tokens": tokens, "seconds": total, "numerics": numerics}
 
 
 def _compiled(stack: Stack, mode: str):

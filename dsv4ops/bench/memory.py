@@ -6,18 +6,22 @@ from dsv4ops.config import DSV4AttentionConfig
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.reference.v41 import V41Numerics
 
-CONTEXTS = (128 * 1024, 1 << 20)
+CONTEXTS = (64 * 1024, 128 * 1024, 1 << 20)
+# V4's cache modes: (label, CacheConfig modes). fp4: 288-B FP4 entries and 68-B MXFP4 keys (pages of
+# 128 rows, the MXFP4 page's smallest; the 584-B window rows pad alike at 64 and 128).
+V4_MODES = (("fp8", dict(kv_cache="fp8", indexer_cache="fp8")),
+            ("fp4 (584 / 288 / 68 B)", dict(kv_cache="fp4", indexer_cache="mxfp4", block_size=128)),
+            ("bf16", dict(kv_cache="bf16", indexer_cache="bf16")))
 
 
 def rows(step_tokens: int = 512) -> list[dict]:
     out = []
     for name in ("flash", "pro"):
         model = getattr(DSV4AttentionConfig, name)()
-        for mode in ("fp8", "bf16"):
+        for label, modes in V4_MODES:
             for ctx in CONTEXTS:
-                cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, kv_cache=mode,
-                                  indexer_cache=mode)
-                out.append(_row(f"V4-{name.capitalize()}", mode, ctx, memory(model, cfg)))
+                cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, **modes)
+                out.append(_row(f"V4-{name.capitalize()}", label, ctx, memory(model, cfg)))
     flash41 = DSV41AttentionConfig.v41_flash()
     for label, numerics in (("qat (528 / 288 / 68 B)", V41Numerics()),
                             ("fp8 keys (528 / 288 / 132 B)", V41Numerics(index="fp8_132")),

@@ -211,25 +211,9 @@ def _v41_layer_ops() -> list[list[str]]:
 
 def _v4_stack(batch: int, context: int) -> tuple[float, float]:
     """(us, cache bytes read per token) of the V4-Flash stack's cores, from one layer per kind."""
-    from dsv4ops.bench.attention import Case
+    from dsv4ops.bench.attention import stack_time
 
-    v4 = DSV4AttentionConfig.flash()
-    total, nbytes = 0.0, 0.0
-    for kind in (SLIDING, CSA, HCA):
-        count = sum(v4.layer_type(i) == kind for i in range(v4.num_layers))
-        if not count:
-            continue
-        case = Case(kind, batch, context, 1, model=v4)
-        calls = case.op_calls()
-        for call in calls.values():
-            call()  # the inputs each op reads
-        total += count * sum(graph_time_us(c) for c in calls.values())
-        for op in ("indexer_topk", "sparse_attn"):
-            if op in calls:
-                nbytes += count * case.work(op)[0] / batch
-        del case
-        torch.cuda.empty_cache()
-    return total, nbytes
+    return stack_time(batch, context, model=DSV4AttentionConfig.flash())
 
 
 @torch.no_grad()

@@ -12,7 +12,14 @@ from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.quant import formats
 from dsv4ops.reference.numerics import Numerics
 
-CACHE_MODES = ("bf16", "fp8")
+KV_CACHE_MODES = ("bf16", "fp8", "fp4")
+INDEXER_CACHE_MODES = ("bf16", "fp8", "mxfp4")
+# Row formats of (window ring, compressed entries) by kv_cache, and of the index keys by indexer_cache.
+KV_FORMATS = {"bf16": (formats.EXACT, formats.EXACT), "fp8": ("fp8_584", "fp8_584"), "fp4": ("fp8_584", "fp4_288")}
+INDEXER_FORMATS = {"bf16": formats.EXACT, "fp8": "fp8_132", "mxfp4": "mxfp4_68"}
+# Numerics mode of each cache mode (bf16 rows: exact).
+_KV_NUMERICS = {"bf16": "exact", "fp8": "fp8", "fp4": "fp4"}
+_INDEXER_NUMERICS = {"bf16": "exact", "fp8": "fp8", "mxfp4": "mxfp4"}
 
 
 def _default_buckets(max_step_tokens: int) -> tuple[int, ...]:
@@ -29,9 +36,13 @@ class CacheConfig:
 
     max_requests: request slots. max_context: positions per request. max_step_tokens: tokens of one
     step (all requests; padded to a bucket). max_request_step_tokens: tokens one request may add in
-    one step (sizes the window ring; defaults to max_step_tokens). kv_cache / indexer_cache: "fp8"
-    (584-B / 132-B entries) or "bf16" (unquantized rows of dtype `exact_dtype`; float32 gives a
-    bit-level comparison with an fp32 model). max_total_tokens: context held by all requests at once
+    one step (sizes the window ring; defaults to max_step_tokens). kv_cache: "fp8" (584-B window
+    rows and compressed entries), "fp4" (584-B window rows, 288-B FP4 compressed entries: e2m1 with
+    an e4m3 scale per 16, V4.1's format; V4 was not trained for it) or "bf16" (unquantized rows of
+    dtype `exact_dtype`; float32 gives a bit-level comparison with an fp32 model). indexer_cache:
+    "fp8" (132-B keys), "mxfp4" (68-B keys: e2m1 with a UE8M0 scale per 32 after V4's Hadamard, the
+    reference's trained indexer numerics; its pages hold a multiple of 128 entries: block_size) or
+    "bf16". max_total_tokens: context held by all requests at once
     (sizes the compressed pools; defaults to max_requests x max_context). topk_tokens: tokens one
     launch of the indexer's top-k serves (sizes its workspace, one row of max_context / 4 keys per
     token, shared by the CSA layers; defaults to max_step_tokens, at most max(256, 2^25 / max_context)
@@ -65,9 +76,11 @@ class CacheConfig:
             low = 0 if name == "max_draft_tokens" else 1
             if value < low:
                 raise ValueError(f"{name}: expected >= {low}, got {value}")
-        for name in ("kv_cache", "indexer_cache"):
-            if getattr(self, name) not in CACHE_MODES:
-                raise ValueError(f"{name}: expected one of {CACHE_MODES}, got {getattr(self, name)!r}")
+        for name, modes in (("kv_cache", KV_CACHE_MODES), ("indexer_cache", INDEXER_CACHE_MODES)):
+            if getattr(self, name) not in modes:
+                raise ValueError(f"{name}: expected one of {modes}, got {getattr(self, name)!r}")
+        for fmt in set(self.formats()) - {formats.EXACT}:
+            formats.get(fmt).page_bytes(self.block_size)  # a block size the format cannot page raises here
         if not isinstance(self.exact_dtype, torch.dtype) or not self.exact_dtype.is_floating_point:
             raise ValueError(f"exact_dtype: expected a float torch.dtype, got {self.exact_dtype!r}")
         if not self.buckets:
@@ -115,22 +128,23 @@ class CacheConfig:
         p % rows), so span - 1 + n rows (CSA m = 4 with 5 drafts: 12; HCA: 132)."""
         return span - 1 + self.rewind_tokens
 
-    def formats(self) -> tuple[str, str]:
-        """Pool formats of (main KV, indexer keys): fp8_584 / fp8_132, or exact rows for "bf16"."""
-        return ("fp8_584" if self.kv_cache == "fp8" else formats.EXACT,
-                "fp8_132" if self.indexer_cache == "fp8" else formats.EXACT)
+    def formats(self) -> tuple[str, str, str]:
+        """Pool formats of (window ring, compressed entries, indexer keys) (dsv4ops/quant/formats.py;
+        exact rows for "bf16")."""
+        return (*KV_FORMATS[self.kv_cache], INDEXER_FORMATS[self.indexer_cache])
 
     def numerics(self) -> Numerics:
-        return Numerics(kv="fp8" if self.kv_cache == "fp8" else "exact",
-                        indexer="fp8" if self.indexer_cache == "fp8" else "exact")
+        return Numerics(kv=_KV_NUMERICS[self.kv_cache], indexer=_INDEXER_NUMERICS[self.indexer_cache])
 
     @classmethod
     def for_numerics(cls, numerics: Numerics, dtype: torch.dtype, **capacity) -> CacheConfig:
-        if numerics.indexer == "mxfp4":
-            raise NotImplementedError("indexer_cache: the MXFP4 (68-B) indexer entry is not implemented in the "
-                                      "ops yet; dsv4ops.reference.attention computes that mode")
-        return cls(kv_cache="fp8" if numerics.kv == "fp8" else "bf16",
-                   indexer_cache="fp8" if numerics.indexer == "fp8" else "bf16", exact_dtype=dtype, **capacity)
+        """The cache of a layer computing `numerics` (exact rows in `dtype`); an MXFP4 indexer's pages
+        default to 128 entries (the smallest count its 512-B page alignment pads by less than a row)."""
+        kv = {v: k for k, v in _KV_NUMERICS.items()}[numerics.kv]
+        indexer = {v: k for k, v in _INDEXER_NUMERICS.items()}[numerics.indexer]
+        if indexer == "mxfp4":
+            capacity.setdefault("block_size", 128)
+        return cls(kv_cache=kv, indexer_cache=indexer, exact_dtype=dtype, **capacity)
 
 
 @dataclass(frozen=True)
@@ -169,13 +183,13 @@ def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) ->
     pool + both compressor states; HCA = ring + compressed pool (m=128) + state."""
     kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
     d, di = model.head_dim, model.index_head_dim
-    main, index = cfg.formats()
+    window, comp, index = cfg.formats()
     ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
-    pools = [paged_pool("window", cfg, main, d, ring_blocks)]
+    pools = [paged_pool("window", cfg, window, d, ring_blocks)]
     if kind == SLIDING:
         return pools
     coff = 2 if kind == CSA else 1
-    pools.append(paged_pool("comp", cfg, main, d, pool_blocks(cfg, ratio)))
+    pools.append(paged_pool("comp", cfg, comp, d, pool_blocks(cfg, ratio)))
     pools.append(PoolSpec("state", (cfg.max_requests, cfg.state_rows(coff * ratio), 2 * coff * d), torch.float32))
     if kind == CSA:
         pools.append(paged_pool("index", cfg, index, di, pool_blocks(cfg, ratio)))
@@ -194,12 +208,13 @@ def topk_workspace_words(model: DSV4AttentionConfig, cfg: CacheConfig) -> int:
 def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
     """Bytes per context token (growth) and fixed bytes per request, over all main layers (of them
     the window rings: `window_bytes_per_request`), and the fixed bytes of the manager (the
-    indexer's top-k workspace); paged FP8 main entries count with their page padding (64 entries:
-    37440 B, 585 B each)."""
-    main = row_bytes(cfg, cfg.formats()[0], model.head_dim)
-    idx = row_bytes(cfg, cfg.formats()[1], model.index_head_dim)
+    indexer's top-k workspace); paged rows count with their page padding (fp8_584, 64 entries: 37440 B,
+    585 B each; fp4_288 and mxfp4_68 pages of 128 entries have none)."""
+    window_fmt, comp_fmt, index_fmt = cfg.formats()
+    main = row_bytes(cfg, comp_fmt, model.head_dim)
+    idx = row_bytes(cfg, index_fmt, model.index_head_dim)
     per_token = fixed = 0.0
-    window = model.num_layers * cfg.ring_size(model.window) * main
+    window = model.num_layers * cfg.ring_size(model.window) * row_bytes(cfg, window_fmt, model.head_dim)
     for li in range(model.num_layers):
         kind, ratio = model.layer_type(li), model.compress_ratio(li)
         if kind == SLIDING:

@@ -17,7 +17,7 @@ _compressor_update = torch.ops.dsv4.compressor_update.default
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      eps: float, fmt: str, latent: bool = False) -> Tensor | None:
+                      eps: float, fmt: str, latent: bool = False, hadamard: bool = False) -> Tensor | None:
     """One compressor step over a flat batch of T tokens; mutates `state` and `cache`.
 
     kv, score [T, coff * d] (float, contiguous last dim): the a and z projections (coff = 2 with the
@@ -36,6 +36,9 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     RMSNorm and RoPE at w * m. V4.1 (no overlap, no position bias): ratio 2 with ape = 0, ratio 1
     with ape = 0 and any finite score (a 1-slot softmax weighs 1).
 
+    hadamard=True (a byte format): the entry after RoPE is rotated by the
+    orthonormal Hadamard before its quantizer (quant.reference.rotate: V4's MXFP4 index keys).
+
     latent=True returns latent [T, d] in the entry dtype: each closing token's entry after the
     RMSNorm and before RoPE (V4.1's index keys are made from it), 0 for the other tokens.
 
@@ -49,7 +52,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
                                  device=kv.device)
     if _values.has_data(kv, score, positions, req_slots, entry_slots, state, cache):
         checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
-                                 cache, latent_out, fmt)
+                                 cache, latent_out, fmt, hadamard)
         m = ape.shape[0]
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, state.shape[0],
@@ -58,5 +61,5 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
         check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
         _values.closing_slots(entry_slots, positions, req_slots, m)
     _compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                       latent_out, eps, fmt)
+                       latent_out, eps, fmt, hadamard)
     return latent_out

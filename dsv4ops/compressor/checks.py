@@ -9,7 +9,7 @@ from dsv4ops.quant import formats
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      latent_out: Tensor | None, fmt: str):
+                      latent_out: Tensor | None, fmt: str, hadamard: bool = False):
     c.ndim("kv", kv, 2, "[tokens, coff * d]")
     c.dtype("kv", kv, c.FLOATS)
     c.last_dim_contiguous("kv", kv)
@@ -42,6 +42,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
                  f"positions one entry pools) at dim 1, got {state.shape[1]}")
     c.size("state", state, 2, 2 * width, "kv and score rows")
     c.paged_cache("cache", cache, d, kv, fmt, "fmt")
+    c.hadamard(hadamard, fmt)
     if latent_out is not None:
         c.ndim("latent_out", latent_out, 2, "[tokens, d]")
         c.size("latent_out", latent_out, 0, t, "tokens of kv")

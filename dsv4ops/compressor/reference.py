@@ -6,7 +6,8 @@ lets a rewind drop tokens without losing rows). Every token with (p + 1) % m == 
 w = p // m: it pools positions [p - coff*m + 1, p] (the step's own rows when they are in this step,
 the state ring otherwise, -inf before position 0), per channel softmax in fp32 (CSA: the first m slots use the
 a-stream [:d], the last m the b-stream [d:]), casts to the entry dtype (the cache's float dtype; bf16
-for FP8 pools), RMSNorm, RoPE at w*m, and stores the entry at entry_slots[token].
+for FP8 pools), RMSNorm, RoPE at w*m, and stores the entry at entry_slots[token] (with `hadamard`,
+rotated first: quant.reference.rotate).
 
 Tokens of one request are contiguous in the step with consecutive positions (the step planner's
 invariant); a state row is written only by the last token of the step that maps to it. A request
@@ -17,13 +18,13 @@ import torch
 from torch import Tensor
 
 from dsv4ops.compressor.checks import entry_dtype
-from dsv4ops.quant.reference import pack_kv
+from dsv4ops.quant.reference import pack_kv, rotate
 from dsv4ops.reference.functional import apply_rope, pool_entry, rms_norm, rope_angles
 
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      latent_out: Tensor | None, eps: float, fmt: str) -> None:
+                      latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool = False) -> None:
     t, width = kv.shape
     d, m = norm_weight.shape[0], ape.shape[0]
     span, rows = (width // d) * m, state.shape[1]
@@ -58,7 +59,8 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
         if latent_out is not None:
             latent_out[close] = entry
         cos, sin = rope_angles((pos[close] // m) * m, inv_freq, edt)
-        pack_kv(apply_rope(entry, cos, sin), entry_slots[close], cache, fmt)
+        entry = apply_rope(entry, cos, sin)
+        pack_kv(rotate(entry) if hadamard else entry, entry_slots[close], cache, fmt)
 
     nxt = torch.arange(t, device=kv.device) + rows
     later = nxt < t

@@ -5,8 +5,9 @@ Two launches on the current stream, in this order (three for an HCA decode step,
    once): pools positions [p - coff*m + 1, p] per channel with an online softmax over slot chunks
    (the step's own rows where the reference takes them, the state ring otherwise, -inf before 0;
    CSA: slots < m read the a-stream [:d], the others the b-stream [d:]; V4.1 ratio 2 / 1: 2 / 1
-   slots, no overlap), casts to the entry dtype, RMSNorm, RoPE at w*m, and stores the entry (in the
-   pool's format) at entry_slots; with `latent_out`, every token writes its row of it (the entry
+   slots, no overlap), casts to the entry dtype, RMSNorm, RoPE at w*m, with HADAMARD the rotation
+   of V4's MXFP4 index keys (triton_helpers.rotate), and stores the entry (in the pool's format) at
+   entry_slots; with `latent_out`, every token writes its row of it (the entry
    before RoPE for closing tokens, zeros for the others: the reference's zero fill).
    HCA decode: `_pool_split_kernel` pools (token, channel block) programs into a float row per
    token and `_finish_kernel` norms, ropes and stores it (the norm needs the whole row).
@@ -36,6 +37,7 @@ from dsv4ops.triton_helpers import (
     launch,
     require_layout,
     rope_coeffs,
+    rotate,
     round_via,
     to_f32,
     wait_prior_grid,
@@ -110,8 +112,9 @@ def _pool(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, i, pos, req, 
 @triton.jit
 def _finish(x, i, pos, eslot_ptr, w_ptr, freq_ptr, cache_ptr, latent_ptr, n_slots, s_lat, ratio, block_size, eps,
             D: tl.constexpr, ROPE: tl.constexpr, EDT: tl.constexpr, FMT: tl.constexpr, LATENT: tl.constexpr,
-            SOFT: tl.constexpr):
-    """RMSNorm of the pooled row x [D], latent_out, RoPE at w*m, the entry stored at entry_slots[i]."""
+            HADAMARD: tl.constexpr, SOFT: tl.constexpr):
+    """RMSNorm of the pooled row x [D], latent_out, RoPE at w*m (then the Hadamard rotation with
+    HADAMARD), the entry stored at entry_slots[i]."""
     c = tl.arange(0, D)
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) * (1.0 / D) + eps)
     w = to_f32(tl.load(w_ptr + c), SOFT)
@@ -120,6 +123,8 @@ def _finish(x, i, pos, eslot_ptr, w_ptr, freq_ptr, cache_ptr, latent_ptr, n_slot
         tl.store(latent_ptr + i * s_lat + c, y.to(latent_ptr.dtype.element_ty))
     cos, sin, rot = rope_coeffs(freq_ptr, (pos // ratio) * ratio, D, ROPE)
     y = round_via(apply_rope(y[None, :], cos, sin, rot, 1, D, False), EDT, SOFT)
+    if HADAMARD:
+        y = rotate(y, 1, D, SOFT)
     slot = tl.full([1], 0, tl.int64) + tl.load(eslot_ptr + i)
     ok = (slot >= 0) & (slot < n_slots)  # -1 or out of range: no entry
     store_rows(cache_ptr, tl.where(ok, slot, 0), ok, y, block_size, 1, D, FMT, SOFT)
@@ -131,7 +136,7 @@ def _finish(x, i, pos, eslot_ptr, w_ptr, freq_ptr, cache_ptr, latent_ptr, n_slot
 def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, state_ptr, cache_ptr,
                      latent_ptr, n_tokens, n_requests, n_slots, s_kv, s_sc, s_lat, ratio, ring, block_size, eps,
                      D: tl.constexpr, ROPE: tl.constexpr, OVERLAP: tl.constexpr, RB: tl.constexpr, EDT: tl.constexpr,
-                     FMT: tl.constexpr, LATENT: tl.constexpr, SOFT: tl.constexpr):
+                     FMT: tl.constexpr, LATENT: tl.constexpr, HADAMARD: tl.constexpr, SOFT: tl.constexpr):
     wait_prior_grid()
     i = tl.program_id(0).to(tl.int64)
     pos, req, closes = _closes(pos_ptr, req_ptr, latent_ptr, i, n_requests, s_lat, ratio, D, LATENT)
@@ -139,7 +144,7 @@ def _compress_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, eslot_ptr, w_
         x = _pool(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, i, pos, req, n_tokens, s_kv, s_sc, ratio,
                   ring, tl.arange(0, D), D, OVERLAP, RB, EDT, SOFT)
         _finish(x, i, pos, eslot_ptr, w_ptr, freq_ptr, cache_ptr, latent_ptr, n_slots, s_lat, ratio, block_size, eps,
-                D, ROPE, EDT, FMT, LATENT, SOFT)
+                D, ROPE, EDT, FMT, LATENT, HADAMARD, SOFT)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "n_requests"])
@@ -160,7 +165,7 @@ def _pool_split_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, 
 @triton.jit(do_not_specialize=["n_tokens", "n_requests"])
 def _finish_kernel(x_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_ptr, latent_ptr, n_requests, n_slots,
                    s_lat, ratio, block_size, eps, D: tl.constexpr, ROPE: tl.constexpr, EDT: tl.constexpr,
-                   FMT: tl.constexpr, LATENT: tl.constexpr, SOFT: tl.constexpr):
+                   FMT: tl.constexpr, LATENT: tl.constexpr, HADAMARD: tl.constexpr, SOFT: tl.constexpr):
     """The entries of the rows _pool_split_kernel pooled."""
     wait_prior_grid()
     i = tl.program_id(0).to(tl.int64)
@@ -168,7 +173,7 @@ def _finish_kernel(x_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_pt
     if closes:
         x = tl.load(x_ptr + i * D + tl.arange(0, D))
         _finish(x, i, pos, eslot_ptr, w_ptr, freq_ptr, cache_ptr, latent_ptr, n_slots, s_lat, ratio, block_size, eps,
-                D, ROPE, EDT, FMT, LATENT, SOFT)
+                D, ROPE, EDT, FMT, LATENT, HADAMARD, SOFT)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "n_requests"])
@@ -206,10 +211,10 @@ def pool_plan(span: int, tokens: int, d: int) -> tuple[int, int, int]:
 
 
 def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                      latent_out, eps: float, fmt: str) -> None:
+                      latent_out, eps: float, fmt: str, hadamard: bool = False) -> None:
     """Launcher of `dsv4::compressor_update` (same arguments)."""
     _checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                              latent_out, fmt)
+                              latent_out, fmt, hadamard)
     code = fmt_code("compressor_update", "fmt", fmt)
     t, width = kv.shape
     d, ratio = norm_weight.shape[0], ape.shape[0]
@@ -223,7 +228,8 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
     latent = cache if latent_out is None else latent_out
     s_lat = 0 if latent_out is None else latent_out.stride(0)
     finish = (capacity(cache, fmt), s_lat, ratio, block_size(cache, fmt), eps)
-    meta = dict(D=d, ROPE=MAIN_ROPE, EDT=TL_DTYPES[edt], FMT=code, LATENT=latent_out is not None, SOFT=INTERPRET)
+    meta = dict(D=d, ROPE=MAIN_ROPE, EDT=TL_DTYPES[edt], FMT=code, LATENT=latent_out is not None, HADAMARD=hadamard,
+                SOFT=INTERPRET)
     if db == d:
         launch(_compress_kernel, (t,),
                (kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, latent, t,

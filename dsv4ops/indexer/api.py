@@ -20,7 +20,7 @@ _indexer_topk = torch.ops.dsv4.indexer_topk.default
 
 
 def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tensor,
-                   fmt: str = formats.EXACT) -> tuple[Tensor, Tensor]:
+                   fmt: str = formats.EXACT, hadamard: bool = False) -> tuple[Tensor, Tensor]:
     """q [T, H, d] (float, contiguous last dim), weights [T, H] (float), positions [T] int32 (>= 0),
     inv_freq [R/2] fp32 -> (q_out, w_out [T, H] fp32).
 
@@ -28,7 +28,9 @@ def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tens
     `exact`: [T, H, d] in q's dtype; `fp8_132` (d = 128): float8_e4m3fn [T, H, d] of bf16(q) with
     one power-of-two scale per row, folded into w_out; `mxfp4_68` (d = 128): uint8 [T, H, 68], the
     packed row (64 B of e2m1 nibbles, 4 UE8M0 bytes; V4.1's FP4 query). w_out = weights x d^-1/2 x
-    H^-1/2 (x the fp8 scale), so sum_h w_out relu(q_out . k) is the score."""
+    H^-1/2 (x the fp8 scale), so sum_h w_out relu(q_out . k) is the score. hadamard=True (a byte
+    format): bf16(RoPE(q)) is rotated by the orthonormal Hadamard before the quantizer
+    (quant.reference.rotate: V4's MXFP4 indexer, whose keys are rotated alike)."""
     t, h, d = q.shape if q.dim() == 3 else (0, 0, 0)  # other ranks are reported by the op's checks
     if fmt == "fp8_132":
         q_out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
@@ -38,9 +40,9 @@ def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tens
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     w_out = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
     if _values.has_data(q, weights, positions):
-        checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+        checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard)
         _values.in_range("positions", positions, 0, None, "token positions")
-    _indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+    _indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard)
     return q_out, w_out
 
 

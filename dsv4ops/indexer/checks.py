@@ -14,7 +14,7 @@ MX4 = formats.FORMATS["mxfp4_68"]
 
 
 def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tensor, q_out: Tensor, w_out: Tensor,
-                   fmt: str):
+                   fmt: str, hadamard: bool = False):
     c.ndim("q", q, 3, "[tokens, index_heads, index_head_dim]")
     c.dtype("q", q, c.FLOATS)
     c.last_dim_contiguous("q", q)
@@ -25,6 +25,7 @@ def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tens
     c.index_vector("positions", positions, t, q, "q")
     c.rope_table(inv_freq, d, q)
     torch._check(fmt in Q_FORMATS, lambda: f"fmt: expected one of {list(Q_FORMATS)}, got {fmt!r}")
+    c.hadamard(hadamard, fmt)
     c.ndim("q_out", q_out, 3, "[tokens, index_heads, row]")
     c.same_device("q_out", q_out, q, "q")
     c.last_dim_contiguous("q_out", q_out)

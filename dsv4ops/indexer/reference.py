@@ -1,7 +1,8 @@
 """Reference kernels of the indexer ops.
 
 `indexer_q_prep`: RoPE of the indexer query at the token position (the layer's table), head
-weights x d^-1/2 x H^-1/2, and the query quantized per (token, head) row like keys of its format:
+weights x d^-1/2 x H^-1/2, and the query (with `hadamard`: rotated, quant.reference.rotate)
+quantized per (token, head) row like keys of its format:
 `fp8_132` folds the row's power-of-two scale into the weights (e4m3 q_out), `mxfp4_68` writes the
 packed 68-B row (64 B of e2m1 nibbles, 4 UE8M0 bytes).
 `indexer_k_prep` (V4.1 spec 2.4): the index key of each entry closed in the step,
@@ -21,17 +22,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dsv4ops.quant import codecs, formats
-from dsv4ops.quant.reference import pack_kv, unpack_kv
+from dsv4ops.quant.reference import pack_kv, rotate, unpack_kv
 from dsv4ops.reference.functional import apply_rope, candidate_blocks, rms_norm, rope_angles, stable_topk
 
 MX4_ROW = formats.FORMATS["mxfp4_68"]
 
 
 def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tensor, q_out: Tensor,
-                   w_out: Tensor, fmt: str) -> None:
+                   w_out: Tensor, fmt: str, hadamard: bool = False) -> None:
     t, h, d = q.shape
     cos, sin = rope_angles(positions, inv_freq, q.dtype)
     qr = apply_rope(q, cos[:, None], sin[:, None])
+    if hadamard:
+        qr = rotate(qr)
     w = weights.float() * (d**-0.5 * h**-0.5)
     if fmt == formats.EXACT:
         q_out.copy_(qr)

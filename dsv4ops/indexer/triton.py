@@ -1,7 +1,8 @@
 """Triton kernels of the Lightning Indexer ops (indexer/reference.py is the specification).
 
-`indexer_q_prep`: RoPE of the 128-d indexer query, head weights x d^-1/2 x H^-1/2, and for an e4m3
-q_out the per-(token, head) UE8M0 scale folded into the weights. Grid (tokens, head blocks).
+`indexer_q_prep`: RoPE of the 128-d indexer query (with HADAMARD, V4's rotation of its MXFP4 indexer
+after it: triton_helpers.rotate), head weights x d^-1/2 x H^-1/2, and for an e4m3 q_out the
+per-(token, head) UE8M0 scale folded into the weights. Grid (tokens, head blocks).
 
 `indexer_topk`: exact top-k without a sort and without per-entry int64 keys, three launches.
 1. `_score_kernel`, grid (tokens, G): a token's visible entries w < (t + 1) // ratio (only these: the
@@ -49,6 +50,7 @@ from dsv4ops.triton_helpers import (
     require,
     require_layout,
     rope_coeffs,
+    rotate,
     round_to,
     round_via,
     to_f32,
@@ -61,7 +63,7 @@ from dsv4ops.triton_helpers import (
 @triton.jit(do_not_specialize=["n_heads"])
 def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, sw_t, so_t, so_h, swo_t, n_heads,
                    w_scale, D: tl.constexpr, ROPE: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr,
-                   SOFT: tl.constexpr):
+                   HADAMARD: tl.constexpr, SOFT: tl.constexpr):
     """OUT: 0 = float q_out, 1 = e4m3 (scale folded into the weights), 2 = packed MX4 rows."""
     wait_prior_grid()
     t = tl.program_id(0).to(tl.int64)
@@ -72,6 +74,8 @@ def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, 
     cos, sin, rot = rope_coeffs(freq_ptr, tl.load(pos_ptr + t), D, ROPE)
     x = to_f32(tl.load(q_ptr + t * sq_t + h64[:, None] * sq_h + cols[None, :], mask=hm[:, None], other=0.0), SOFT)
     y = round_via(apply_rope(x, cos, sin, rot, HB, D, False), q_ptr.dtype.element_ty, SOFT)
+    if HADAMARD:
+        y = rotate(y, HB, D, SOFT)
     w = to_f32(tl.load(w_ptr + t * sw_t + heads, mask=hm, other=0.0), SOFT) * w_scale
     row = qo_ptr + t * so_t + h64[:, None] * so_h
     if OUT == 1:
@@ -89,9 +93,9 @@ def _q_prep_kernel(q_ptr, w_ptr, pos_ptr, freq_ptr, qo_ptr, wo_ptr, sq_t, sq_h, 
     tl.store(wo_ptr + t * swo_t + heads, w, mask=hm)
 
 
-def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> None:
+def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str, hadamard: bool = False) -> None:
     """Launcher of `dsv4::indexer_q_prep` (same arguments)."""
-    _checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt)
+    _checks.indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard)
     out = {"exact": 0, "fp8_132": 1, "mxfp4_68": 2}
     if fmt not in out:
         not_yet("indexer_q_prep", f"fmt={fmt!r} (it writes queries of {sorted(out)})")
@@ -103,7 +107,7 @@ def indexer_q_prep(q, weights, positions, inv_freq, q_out, w_out, fmt: str) -> N
     launch(_q_prep_kernel, (t, triton.cdiv(h, hb)),
            (q, weights, positions, inv_freq, q_out, w_out, q.stride(0), q.stride(1), weights.stride(0),
             q_out.stride(0), q_out.stride(1), w_out.stride(0), h, d**-0.5 * h**-0.5),
-           dict(D=d, ROPE=MAIN_ROPE, HB=hb, OUT=out[fmt], SOFT=INTERPRET), pdl=True)
+           dict(D=d, ROPE=MAIN_ROPE, HB=hb, OUT=out[fmt], HADAMARD=hadamard, SOFT=INTERPRET), pdl=True)
 
 
 @triton.jit

@@ -4,6 +4,7 @@ reference numerics:
 - FP8 e4m3 with power-of-two UE8M0 scales: scale = 2^ceil(log2(max(amax, 1e-4) / 448)), the
   official `act_quant` rule; the exponent is taken with frexp so it is exact at powers of two.
 - MXFP4 (E2M1 values, UE8M0 scale per 32) after a 128-point Hadamard, as DeepSeek's reference.
+- FP4 with e4m3 scales per 16 (the values of a 288-B fp4_288 row; V4's `kv="fp4"` entries).
 All byte offsets are int64.
 """
 
@@ -21,6 +22,8 @@ FP4_MAX = 6.0
 FP4_AMAX_FLOOR = 6.0 * 2.0**-126
 FP8_BLOCK = 64
 FP4_BLOCK = 32
+FP4_E4M3_BLOCK = 16  # fp4_288: one e4m3 scale per 16 elements
+FP4_E4M3_FLOOR = FP4_MAX * 2.0**-9  # the smallest e4m3 subnormal scale, 2^-9
 _E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 MAIN_DIM = 512
@@ -68,6 +71,17 @@ def mxfp4_roundtrip(x: Tensor) -> Tensor:
     return (e2m1_round(xb / scale) * scale).reshape(shape).to(x.dtype)
 
 
+def fp4_roundtrip(x: Tensor) -> Tensor:
+    """E2M1 quantize-dequantize with one e4m3 scale per 16 channels (the fp4_288 row's values):
+    S = e4m3(max(amax, 6 x 2^-9) / 6) rounded to nearest even, where S > 464 (past the midpoint of
+    448 and 480) is e4m3's NaN; value = e2m1(x / S) x S. Reads fp32(x); returned in x.dtype."""
+    shape = x.shape
+    xb = x.float().reshape(*shape[:-1], shape[-1] // FP4_E4M3_BLOCK, FP4_E4M3_BLOCK)
+    s = xb.abs().amax(-1, keepdim=True).clamp(min=FP4_E4M3_FLOOR) / FP4_MAX
+    s = torch.where(s > 464.0, torch.nan, s.clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float())
+    return (e2m1_round(xb / s) * s).reshape(shape).to(x.dtype)
+
+
 def hadamard(x: Tensor) -> Tensor:
     """Orthonormal Sylvester-Hadamard transform of the last dim (a power of two): x @ H / sqrt(n)."""
     n = x.shape[-1]
@@ -75,6 +89,13 @@ def hadamard(x: Tensor) -> Tensor:
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return x @ h / math.sqrt(n)
+
+
+def rotate(x: Tensor) -> Tensor:
+    """DeepSeek's `rotate_activation` (V4's indexer, before its FP4 quantizer) of the last dim: the
+    Hadamard of the bf16 row, summed exactly (fp64: 128 bf16 terms), / sqrt(n), as fp32 (the
+    quantizer then reads it in bf16, the official bf16 output)."""
+    return hadamard(x.to(torch.bfloat16).double()).float()
 
 
 # ---- paged pools -------------------------------------------------------------------------------

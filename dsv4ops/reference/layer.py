@@ -29,6 +29,7 @@ from dsv4ops.reference.numerics import (
     compressor_dtype,
     entry_dtype,
     quantize_indexer_query,
+    round_entry,
     round_indexer_key,
     round_kv,
     round_to,
@@ -80,7 +81,9 @@ class _Layer:
             x, p["compressor.kv_proj.weight"], p["compressor.gate_proj.weight"], p["compressor.position_bias"],
             p["compressor.kv_norm.weight"], self.ratio, self.inv_freq, self.numerics.kv, c.rms_norm_eps,
         )
-        return round_kv(e, self.numerics.kv, c.rope_head_dim).to(x.dtype)
+        # The entries are bf16 here (the mode's entry dtype, cast at a nudged round_to), so the twins
+        # need not nudge round_entry: its quantizer reads the same bf16 values as the kernels'.
+        return round_entry(e, self.numerics.kv, c.rope_head_dim).to(x.dtype)
 
     def indexer_scores(self, x: Tensor, qr: Tensor, positions: Tensor) -> Tensor:
         """[S, N] score of every compressed entry for every query; invisible entries -inf."""

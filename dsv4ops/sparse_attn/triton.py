@@ -12,8 +12,9 @@ split of that list: every key is read once for all HB heads. Grid (tokens, head 
   registers (an fp32 [64, 512] tile alone is 128 registers per thread at 8 warps). Float pools are
   converted to q's dtype, as the reference's key copy.
 - V4 (fp8_584) tiles are [512 dims with the rope dims zeroed | 64 bf16 rope dims]; V4.1 (fp8_528
-  window, fp4_288 compressed) tiles are [even dims | odd dims], the split an fp4 byte gives for
-  free (its two nibbles); q, the accumulators and the output follow the tiles' split.
+  window, fp4_288 compressed) tiles, and V4's fp8_584 window beside fp4_288 entries (its FP4 cache
+  option), are [even dims | odd dims], the split an fp4 byte gives for free (its two nibbles); q,
+  the accumulators and the output follow the tiles' split.
 - S = q k^T and O += P k on the tensor cores in q's dtype, fp32 accumulation, P cast to q's dtype
   (DeepSeek's kernel); online softmax in fp32 (exp2).
 - One split: the sink opens the online softmax (running max s_h, sum e^0 = 1, no value), which is
@@ -78,8 +79,8 @@ def _load_keys(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr, R:
 @triton.jit
 def _load_keys_eo(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr,
                   KDT: tl.constexpr, SOFT: tl.constexpr):
-    """Key tile of `slots` (V4.1 formats, or exact rows beside one) in KDT as its even and odd
-    columns, each [BK, D // 2]: fp4_288 bytes hold elements 2i and 2i + 1 in their low and high
+    """Key tile of `slots` (V4.1 formats, V4's 584-B window rows beside fp4_288 entries, or exact
+    rows beside one) in KDT as its even and odd columns, each [BK, D // 2]: fp4_288 bytes hold elements 2i and 2i + 1 in their low and high
     nibbles, so the halves come out of a byte without moving data across threads; q, the
     accumulator and the output use the same split. Rows with valid False are 0."""
     H: tl.constexpr = D // 2
@@ -110,6 +111,20 @@ def _load_keys_eo(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr,
                             * scale[:, :, None], [BK, H])
         k_odd = tl.reshape(tl.reshape(c_odd.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), [BK, 16, 16])
                            * scale[:, :, None], [BK, H])
+    elif FMT == 1 and KDT == tl.bfloat16 and not SOFT:  # V4's 584-B window rows beside fp4_288 entries
+        data_at, scale_at = main_offsets(slots, bs)
+        data_at = tl.multiple_of(data_at, 16)
+        blk = tl.arange(0, 8)[None, :, None]
+        c64 = tl.arange(0, 64)[None, None, :]
+        codes = tl.load(pool_ptr + data_at[:, None, None] + blk * 64 + c64, mask=valid[:, None, None] & (blk < 7),
+                        other=0)
+        b8 = tl.arange(0, 8)[None, :]
+        sc = tl.load(pool_ptr + scale_at[:, None] + b8, mask=valid[:, None] & (b8 < 7), other=127)
+        scale = (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # UE8M0 byte -> bf16 2^(e - 127)
+        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale[:, :, None]
+        rope_ptr = (pool_ptr + data_at + 448).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr[:, None, None] + c64 + blk * 0, mask=valid[:, None, None] & (blk == 7), other=0.0)
+        k_even, k_odd = tl.split(tl.reshape(tl.where(blk < 7, nope, rope), [BK, H, 2]))
     else:
         rows = round_to(load_rows(pool_ptr, slots, valid, bs, BK, D, FMT, SOFT), KDT, SOFT)
         k_even, k_odd = tl.split(tl.reshape(rows, [BK, H, 2]))
@@ -324,10 +339,12 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     w_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt, allowed=(EXACT, "fp8_584", "fp8_528"))
     # A sliding layer passes its window as comp_cache (and no entries): the window's format there too.
     c_fmt = fmt_code("sparse_attn", "comp_fmt", comp_fmt, allowed=(EXACT, "fp8_584", "fp8_528", "fp4_288"))
+    # V4.1's formats, and V4's 584-B window rows beside fp4_288 entries (kv_cache="fp4"), run as even /
+    # odd column halves.
     even_odd = window_fmt in _V41 or comp_fmt in _V41
-    if even_odd and "fp8_584" in (window_fmt, comp_fmt):
-        not_yet("sparse_attn", f"window_fmt={window_fmt!r} with comp_fmt={comp_fmt!r} (V4's 584-B rows beside a "
-                               f"V4.1 format)")
+    if even_odd and comp_fmt == "fp8_584":
+        not_yet("sparse_attn", f"window_fmt={window_fmt!r} with comp_fmt={comp_fmt!r} (V4's 584-B entries beside a "
+                               f"V4.1 window)")
     t, h, d = q.shape
     require(d == MAIN_DIM, "sparse_attn", "q", f"head_dim {MAIN_DIM} (V4 layout)", d)
     if t == 0 or h == 0:
