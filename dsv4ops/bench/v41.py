@@ -21,7 +21,7 @@ import torch
 from dsv4ops import DSV4AttentionConfig, ops
 from dsv4ops.bench import flashmla
 from dsv4ops.bench.timing import ceilings, graph_time_us
-from dsv4ops.config import CSA, HCA, SLIDING, rope_inv_freq
+from dsv4ops.config import rope_inv_freq
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.quant import formats
