@@ -39,7 +39,18 @@ Benchmarks; ncu at base clocks, caches flushed):
   were tried and not kept.
 - 4K in a 1M table (1 x: 12.2 against 9.0, 128 x: 19.6 against 16.8): the selects' fixed cost of a
   wider launch (CTAs that leave at once; at batch 128, 512 threads of 8 keys on a 4096-key tile
-  against the tree's 512 of 4). The attention core stays within 1.11x of its 4K-table time."""
+  against the tree's 512 of 4). The attention core stays within 1.11x of its 4K-table time.
+
+MX4 scoring (V4.1's 68-B keys, H100, 2026-11-27, whole indexer_topk): 128 x 64K ratio-2 source 262.9
+us (1.09 TB/s of keys; the Triton scoring: 486), candidate source 552 us, reindex in the pool 174 us;
+1 x 1M 50.7 us. It misses 70% of copy: the kernel is issue-bound, not memory-bound. ncu (base clocks,
+the previous build at 138 registers and 3 CTAs an SM; 275 us graph-timed): SM 65% busy, DRAM 28%,
+stalls per issue: fixed-latency wait 1.02, not selected 0.71, short scoreboard 0.46, math throttle
+0.31. Each 64-key tile costs a thread ~300 instructions: the e2m1 -> e4m3 conversion of its A
+fragments (PRMT tables, ~130), four k32 wgmmas a tile (one a scale group) and ~100 to apply the key
+groups' scales. What would close it: the key's group scales inside the tensor cores' operand (shift
+each group's codes to its row's largest scale where e4m3 holds them exactly, one accumulator, as the
+query's fold does), or Blackwell's block-scaled FP4 MMA."""
 
 import torch
 

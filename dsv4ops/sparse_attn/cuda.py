@@ -34,6 +34,16 @@ caches flushed) says why:
   128.6 vs 128.1 us). Closing both needs the softmax of one tile to overlap the wgmmas of the next
   (two consumer groups on alternating tiles) and, for V4-Pro, one dequantized tile shared by a
   2-CTA cluster; the prefill also pays each CTA's start in each of its 31 waves.
+V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
+(csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K
+window + 512 entries 43.0 us (V4's kernel on the same keys re-encoded to 584-B rows: 40.8; FlashMLA
+on them: 47.7; the Triton kernel: 175). Reading 57% of V4's bytes buys no time: ncu (base clocks)
+shows the V4.1 CTA latency-bound like V4's, DRAM 22% busy, SM 44%, 7.8 cycles a warp between issues
+(barrier 1.30, fixed-latency wait 1.27, short scoreboard 1.16 per issue) with one 16-warp CTA an SM.
+Keeping the rows in e4m3 for FP8 wgmmas would need q in e4m3 (V4 and V4.1 run QK in bf16) and is not
+exact for FP4 entries (an e2m1 value times an e4m3 scale has up to 6 significant bits), so the tiles
+stay bf16; the time is the tile chain's, and what would shorten it is the overlap named above (a
+tile's softmax under the next tile's wgmmas, or two tokens in flight an SM).
 Tried and not kept: issuing the next tile's S before waiting for this tile's P V (ptxas then
 serializes every wgmma; 51.2 us against 43.3 at CSA 128 x 4K), and an integer e4m3 -> bf16
 conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers)."""
