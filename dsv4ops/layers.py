@@ -18,6 +18,8 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
+from dsv4ops.parallel import Group, all_reduce
+from dsv4ops.parallel import tp as _tp
 from dsv4ops.fp8_linear.api import BlockFP8Linear
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
@@ -147,23 +149,34 @@ class DeepseekV4Attention(nn.Module):
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
     from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
-    through its output raises a RuntimeError (the dsv4:: ops have no backward)."""
+    through its output raises a RuntimeError (the dsv4:: ops have no backward).
 
-    def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics()):
+    `process_group` (torch.distributed): tensor parallelism over its ranks (dsv4ops.parallel.tp). This
+    rank holds `heads` = num_heads / ranks query heads and `groups` = o_groups / ranks output groups
+    (parameter names unchanged, shapes this rank's); the rest is replicated, and forward returns
+    the whole layer's output (its o_b share summed over the ranks, one all-reduce). Every rank runs
+    the same forward on the same input. `load_state_dict` and `load_deepseek_state_dict` take the
+    full tensors and keep this rank's share."""
+
+    def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics(), process_group=None):
         super().__init__()
         cfg = config if isinstance(config, DSV4AttentionConfig) else DSV4AttentionConfig.from_hf(config)
         if not isinstance(numerics, Numerics):
             raise TypeError(f"numerics: expected a dsv4ops.Numerics, got {type(numerics).__name__}")
         self.config, self.layer_idx, self.numerics = cfg, layer_idx, numerics
         self.layer_type = cfg.layer_type(layer_idx)  # checks 0 <= layer_idx < num_layers
-        h, d = cfg.num_heads, cfg.head_dim
+        self.tp_group = Group.of(process_group)
+        _tp.check_divides(self.tp_group, cfg.num_heads, cfg.o_groups, f"DeepseekV4Attention(layer {layer_idx})")
+        ranks = 1 if self.tp_group is None else self.tp_group.size
+        self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
+        h, d = self.heads, cfg.head_dim
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank)
         self.q_b_proj = _linear(cfg.q_lora_rank, h * d)
         self.kv_proj = _linear(cfg.hidden_size, d)
         self.kv_norm = RMSNorm(d)
-        self.o_a_proj = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
+        self.o_b_proj = _linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(h))
         self.compressor = None if self.layer_type == SLIDING else Compressor(cfg, cfg.compress_ratio(layer_idx))
         self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
@@ -186,6 +199,15 @@ class DeepseekV4Attention(nn.Module):
             if keep and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Loading (as a module of its own or inside another) cuts the full tensors of the split
+        parameters to this rank's share, before anything loads (dsv4ops.parallel.tp.shard_: a shard
+        raises, with or without a process group)."""
+        blocks = {n: m.block for n in ("q_b_proj", "o_b_proj") if isinstance(m := getattr(self, n), BlockFP8Linear)}
+        _tp.shard_(state_dict, prefix, self.tp_group, _tp.full_shapes(self.config, blocks),
+                   f"DeepseekV4Attention(layer {self.layer_idx})")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK,
                                  keep_fp8: bool = False):
         """Load this layer's weights from a DeepSeek-V4 checkpoint dict (DEEPSEEK_NAMES under
@@ -206,6 +228,9 @@ class DeepseekV4Attention(nn.Module):
             sk = checkpoint.scale_key(mine, key)
             if key in mine and sk is not None:
                 checkpoint.check_block_fp8(mine[key], mine[sk], block, name=prefix + key)
+                if self.tp_group is not None and name in ("q_b_proj", "o_b_proj"):
+                    _tp.check_fp8_split(prefix + key, tuple(mine[key].shape), _tp.SPLIT[name + ".weight"][0],
+                                        self.tp_group, block)
                 scale = mine.pop(sk)
                 kept[name] = (mine.pop(key), scale if scale.dtype == torch.float8_e8m0fnu else scale.float())
         mine = checkpoint.dequantize_state_dict(mine, block, torch.float32)
@@ -340,7 +365,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     pos, req = live_tokens(step, cache)
     t = x.shape[0]
     qr = rms_norm(layer.q_a_proj(x), layer.q_a_norm.weight, eps)
-    q = layer.q_b_proj(qr).view(t, cfg.num_heads, cfg.head_dim)
+    q = layer.q_b_proj(qr).view(t, layer.heads, cfg.head_dim)
     kv = rms_norm(layer.kv_proj(x), layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
     fmt = cache.fmt
@@ -370,7 +395,9 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
                     cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
-    return layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, cfg.o_groups))
+    y = layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, layer.groups))
+    # Tensor parallel: this rank's heads' share of the output; the sum over the ranks is the layer's.
+    return y if layer.tp_group is None else all_reduce(y, layer.tp_group)
 
 
 def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps):

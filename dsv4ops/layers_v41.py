@@ -30,6 +30,8 @@ from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.step import live_tokens
 from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.parallel import Group, all_reduce
+from dsv4ops.parallel import tp as _tp
 from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm, serving_cache
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_output, rms_norm
@@ -84,20 +86,28 @@ class V41Indexer(nn.Module):
 
 class DeepseekV41Attention(nn.Module):
     """The weights of one V4.1 attention layer (which exist depends on its role, `config.role(i)`)
-    and its serving forward over a step (run by DeepseekV41AttentionStack)."""
+    and its serving forward over a step (run by DeepseekV41AttentionStack).
 
-    def __init__(self, config: DSV41AttentionConfig, layer_idx: int):
+    `process_group`: tensor parallelism as DeepseekV4Attention's (this rank's `heads` and `groups`;
+    dsv4ops.parallel.tp); forward then returns this rank's share of the output, which the stack sums
+    over the ranks."""
+
+    def __init__(self, config: DSV41AttentionConfig, layer_idx: int, process_group=None):
         super().__init__()
         cfg = config
         self.config, self.layer_idx, self.role = cfg, layer_idx, cfg.role(layer_idx)
-        h, d = cfg.num_heads, cfg.head_dim
+        self.tp_group = Group.of(process_group)
+        _tp.check_divides(self.tp_group, cfg.num_heads, cfg.o_groups, f"DeepseekV41Attention(layer {layer_idx})")
+        ranks = 1 if self.tp_group is None else self.tp_group.size
+        self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
+        h, d = self.heads, cfg.head_dim
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank)
         self.q_b_proj = _linear(cfg.q_lora_rank, h * d)
         self.kv_proj = _linear(cfg.hidden_size, d)
         self.kv_norm = RMSNorm(d)
-        self.o_a_proj = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
+        self.o_b_proj = _linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(h))
         self.compressor = V41Compressor(cfg, self.role.ratio) if self.role.owns_compressor else None
         self.indexer = V41Indexer(cfg, self.role.owns_index_keys) if self.role.indexer else None
@@ -108,6 +118,16 @@ class DeepseekV41Attention(nn.Module):
         published top-k rows and candidate pool (written by sources, read by later layers)."""
         return _attend(self, x, step, cache, shared)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Loading cuts the full tensors of the split parameters to this rank's share (dsv4ops.parallel.tp)."""
+        _shard_layer(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _shard_layer(layer: DeepseekV41Attention, state_dict: dict, prefix: str, cut: bool = True) -> None:
+    _tp.shard_(state_dict, prefix, layer.tp_group, _tp.full_shapes(layer.config, {}),
+               f"DeepseekV41Attention(layer {layer.layer_idx})", cut)
+
 
 def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
     """The ops of one layer, called directly (the step planner checked every value; the public
@@ -117,7 +137,7 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     eps, t, i = cfg.rms_norm_eps, x.shape[0], layer.layer_idx
     fmt = cache.fmt
     qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
-    q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
+    q = F.linear(qr, layer.q_b_proj.weight).view(t, layer.heads, cfg.head_dim)
     kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
     window = getattr(cache, f"window_{i}")
@@ -144,7 +164,7 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
                     cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
-    return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
+    return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, layer.groups)
 
 
 def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
@@ -213,12 +233,18 @@ class DeepseekV41AttentionStack(nn.Module):
     - with a step (from the attached V41CacheManager): xs [num_layers, T, hidden], the step's flat
       batch per layer (padded to its bucket) -> [num_layers, T, hidden], reading and writing the
       attached cache.
-    `numerics` gives the caches' formats (QAT formats by default; V41Numerics.exact() for none)."""
+    `numerics` gives the caches' formats (QAT formats by default; V41Numerics.exact() for none).
 
-    def __init__(self, config: DSV41AttentionConfig, numerics: V41Numerics = V41Numerics()):
+    `process_group`: tensor parallelism over its ranks (every layer holds this rank's query heads and
+    output groups, dsv4ops.parallel.tp); the layers' outputs are summed over the ranks by one all-reduce
+    of the stacked [num_layers, T, hidden] (the layers' inputs are given, so no layer waits for
+    another's sum). Every rank runs the same forward on the same inputs."""
+
+    def __init__(self, config: DSV41AttentionConfig, numerics: V41Numerics = V41Numerics(), process_group=None):
         super().__init__()
         self.config, self.numerics = config, numerics
-        self.layers = nn.ModuleList(DeepseekV41Attention(config, i) for i in range(config.num_layers))
+        self.tp_group = Group.of(process_group)
+        self.layers = nn.ModuleList(DeepseekV41Attention(config, i, process_group) for i in range(config.num_layers))
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` keeps in fp32 what transformers keeps in fp32 (sinks, norm weights; the ratio-2
@@ -299,6 +325,8 @@ class DeepseekV41AttentionStack(nn.Module):
         shared: dict = {} if published is None else published
         shared.clear()  # a step reads only what its own sources published
         ys = torch.stack([layer(xs[i], step, cache, shared) for i, layer in enumerate(self.layers)])
+        if self.tp_group is not None:
+            ys = all_reduce(ys, self.tp_group)
         if published is not None:
             published["step"] = step
         return ys
@@ -323,4 +351,11 @@ class DeepseekV41AttentionStack(nn.Module):
             if int(layer) < self.config.num_layers:
                 mapped[f"layers.{layer}.{DEEPSEEK_NAMES[name]}"] = value
         return self.load_state_dict(mapped, strict=strict)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module.load_state_dict; every layer's split parameters (cut to this rank's share as
+        each layer loads, dsv4ops.parallel.tp) are checked before anything loads."""
+        for i, layer in enumerate(self.layers):
+            _shard_layer(layer, state_dict, f"layers.{i}.", cut=False)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 

@@ -56,14 +56,17 @@ def default_cache_config(config) -> CacheConfig:
 
 
 def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, routers: bool = False,
-                compile: bool | dict = False) -> nn.Module:
+                compile: bool | dict = False, process_group=None) -> nn.Module:
     """Swap the attention of a transformers `DeepseekV4ForCausalLM` / `DeepseekV4Model` for
     dsv4ops' (in place; returns `model`). Move and cast the model first: the pools are allocated on
     its device, the layers take its dtype (FP8 caches: the compressor projection weights fp32, as
     DeepSeek's reference keeps them). `cache_config` sizes the paged cache and picks its formats
     (default: `default_cache_config`); `routers=True` swaps the MoE routers too; `compile=True` (or
     a dict of `torch.compile` options) compiles each layer's serving step (fullgraph; one graph per
-    layer and batch bucket)."""
+    layer and batch bucket). `process_group` (torch.distributed): each attention layer keeps this
+    rank's heads and output groups of the model's weights (tensor parallelism, dsv4ops.parallel.tp) and
+    sums its output over the ranks; every rank runs the same calls (the rest of the model is
+    replicated), with a cache of its own."""
     inner = _decoder(model)
     if hasattr(inner, "_dsv4ops_patch"):
         raise ValueError("model: already patched by dsv4ops")
@@ -76,7 +79,7 @@ def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, ro
     patch = _Patch(manager, _compile_options(compile))
     block = _fp8_block(inner.config)
     for decoder_layer in inner.layers:
-        attn = TransformersAttention(decoder_layer.self_attn, cfg, patch, embed.dtype, block)
+        attn = TransformersAttention(decoder_layer.self_attn, cfg, patch, embed.dtype, block, process_group)
         attn.attach_cache(manager)
         decoder_layer.self_attn = attn
         if routers:
@@ -211,11 +214,13 @@ class TransformersAttention(DeepseekV4Attention):
     model planned (its step, or the stateless row groups); the other arguments are transformers'
     and are not read. Parameter names and state dict are transformers'."""
 
-    def __init__(self, hf_attn: nn.Module, cfg: DSV4AttentionConfig, patch: _Patch, dtype: torch.dtype, block: int):
+    def __init__(self, hf_attn: nn.Module, cfg: DSV4AttentionConfig, patch: _Patch, dtype: torch.dtype, block: int,
+                 process_group=None):
         numerics = patch.manager.cfg.numerics()
         with torch.device("meta"):  # the weights come from hf_attn: no second allocation
-            super().__init__(cfg, hf_attn.layer_idx, numerics)
-        # transformers' FP8Linear modules hold e4m3 weights and tile scales: dequantized to `dtype`.
+            super().__init__(cfg, hf_attn.layer_idx, numerics, process_group)
+        # transformers' FP8Linear modules hold e4m3 weights and tile scales: dequantized to `dtype`
+        # (under tensor parallelism, this rank's share of them: load_state_dict cuts it).
         state = checkpoint.dequantize_state_dict(hf_attn.state_dict(), block, dtype)
         self.load_state_dict(state, strict=True, assign=True)
         device = hf_attn.q_a_proj.weight.device
