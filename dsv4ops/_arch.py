@@ -26,6 +26,7 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     # sm_90: the warp-specialized wgmma kernel of csrc/sparse_attn/ for V4's fp8_584 pools with bf16
     # q (1.4-3.1x the Triton kernel on the H100 bench shapes), Triton for every other format and dtype.
     "sparse_attn": {9: ("csrc", "triton"), 10: ("triton",)},
+    "attn_merge": {9: ("triton",), 10: ("triton",)},
     "visible_entries": {9: ("triton",), 10: ("triton",)},
     "inv_rope": {9: ("triton",), 10: ("triton",)},
     "fp8_linear": {9: ("triton",), 10: ("triton",)},

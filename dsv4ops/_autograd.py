@@ -73,8 +73,8 @@ def _autograd_kernel(op: torch._ops.OpOverload):
             op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
         if grads:
             for name in outputs:
-                out = bound[name]
-                if out.is_floating_point():
+                out = bound.get(name)  # an optional output left out (its default None)
+                if out is not None and out.is_floating_point():
                     _NoBackward.apply(label, True, out, *grads)
 
     return kernel

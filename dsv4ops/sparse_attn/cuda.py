@@ -24,10 +24,12 @@ KEYS_PER_TILE = 32  # csrc/sparse_attn/sparse_attn.cu kKeys
 HEADS_PER_CTA = 64  # kHeads
 
 
-def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str) -> bool:
-    """Whether the C++ kernel serves these arguments (the Triton kernel serves the rest)."""
+def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str, lse=None) -> bool:
+    """Whether the C++ kernel serves these arguments (the Triton kernel serves the rest, a
+    context-parallel shard's partial with `lse` included)."""
     return (window_fmt == comp_fmt == "fp8_584" and q.dtype == torch.bfloat16 and q.shape[-1] == 512
-            and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous())
+            and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous()
+            and lse is None)
 
 
 @functools.cache  # launch-time Python: up to a few hundred candidate counts per shape
@@ -46,11 +48,11 @@ def split_count(ctas: int, keys: int, sms: int) -> int:
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
-    if not serves(q, window_cache, comp_cache, comp_idx, window_fmt, comp_fmt):
+    if not serves(q, window_cache, comp_cache, comp_idx, window_fmt, comp_fmt, lse):
         _triton.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
-                            sinks, out, scale, window, ring_size, window_fmt, comp_fmt)
+                            sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
         return
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                         window, ring_size, window_fmt, comp_fmt)
