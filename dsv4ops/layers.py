@@ -19,8 +19,10 @@ from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.parallel import Group, all_reduce
+from dsv4ops.parallel import dcp as _dcp
 from dsv4ops.parallel import tp as _tp
 from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.indexer.reference import query_values
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
@@ -289,7 +291,12 @@ class DeepseekV4Attention(nn.Module):
         device = self.q_a_proj.weight.device
         if manager.device != device:
             raise ValueError(f"manager: plans steps on {manager.device}, the layer is on {device}")
-        cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device))
+        dcp = getattr(manager, "dcp", None)
+        if dcp is not None and self.tp_group is not None:
+            raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel layer (both process "
+                                      "groups at once) is not supported; use one or the other")
+        cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device),
+                           dcp=dcp, dcp_topk=getattr(manager, "dcp_topk", "exact"))
         manager.attach(cache)
         self.cache = cache
         self.cache_manager = manager
@@ -379,20 +386,35 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
         _compress(c, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.state, cache.comp, fmt["comp"],
                   layer.numerics.kv, eps)
         comp_cache, comp_fmt = cache.comp, fmt["comp"]
+        ratio, dcp = cfg.compress_ratio(layer.layer_idx), cache.dcp
+        visible = visible_counts(pos, req, ratio)
         if kind == CSA:
             _compress(c.indexer, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index,
                       fmt["index"], layer.numerics.indexer, eps)
-            comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
-        else:  # HCA: every complete entry of the token's request
+            if dcp is None:
+                comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
+            else:
+                comp_idx, comp_lens, _ = _select_dcp(c.indexer, x, qr, step, pos, req, layer, cache)
+        else:  # HCA: every complete entry of the token's request (context parallel: of this rank's blocks)
             table, bs = step.block_table(kind), cache.cfg.block_size
             comp_idx = torch.empty(t, table.shape[1] * bs, dtype=torch.int32, device=x.device)
-            ops.visible_entries(table, pos, req, comp_idx, cfg.compress_ratio(layer.layer_idx), bs)
-        # The selection lists its entries first, so the first min(visible, k) columns hold them all.
-        comp_lens = visible_counts(pos, req, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
+            if dcp is None:
+                ops.visible_entries(table, pos, req, comp_idx, ratio, bs)
+            else:  # the rank's compact entries c < n_local, as ratio-1 entries of "position" n_local - 1
+                n_local = _dcp.owned_count(visible, bs, dcp)
+                ops.visible_entries(table, n_local - 1, req, comp_idx, 1, bs)
+                comp_lens = n_local.clamp(max=comp_idx.shape[1])
+        if dcp is None:
+            # The selection lists its entries first, so the first min(visible, k) columns hold them all.
+            comp_lens = visible.clamp(max=comp_idx.shape[1])
 
-    o = torch.empty_like(q_rot)
-    ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
-                    cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
+    if cache.dcp is None:
+        o = torch.empty_like(q_rot)
+        ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
+                        o, cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
+    else:  # context parallel: this rank's share, merged over the ranks with the sink
+        o = _dcp.attend(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
+                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt, cache.dcp)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
     y = layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, layer.groups))
@@ -410,8 +432,8 @@ def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps
                                      pool, None, eps, fmt)
 
 
-def _select(indexer, x, qr, step, pos, req, layer, cache):
-    """The indexer's top-k: [T, index_topk] global slots of the CSA pools (-1: none)."""
+def _index_query(indexer, x, qr, pos, layer, cache) -> tuple[Tensor, Tensor]:
+    """(q_out, w_out) of indexer_q_prep: the indexer's prepared query and head weights."""
     cfg, t = layer.config, x.shape[0]
     q = indexer.q_b_proj(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
     w = F.linear(x, indexer.scorer.weights_proj.weight)
@@ -420,7 +442,33 @@ def _select(indexer, x, qr, step, pos, req, layer, cache):
     q_out = torch.empty(q.shape, dtype=q_dtype, device=x.device)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
     torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, fmt)
+    return q_out, w_out
+
+
+def _select(indexer, x, qr, step, pos, req, layer, cache):
+    """The indexer's top-k: [T, index_topk] global slots of the CSA pools (-1: none)."""
+    cfg, t = layer.config, x.shape[0]
+    q_out, w_out = _index_query(indexer, x, qr, pos, layer, cache)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, pos, req, cache.index, step.block_table(CSA), None, idx, None,
-                                cache.topk_workspace, cfg.csa_ratio, 0, fmt)
+                                cache.topk_workspace, cfg.csa_ratio, 0, cache.fmt["index"])
     return idx
+
+
+def _select_dcp(indexer, x, qr, step, pos, req, layer, cache):
+    """Context parallel (dsv4ops.parallel.dcp): the top-k of this rank's entries, merged over the group
+    ("exact") or kept ("union") -> (this rank's key list [T, k] pool slots, valid first; their
+    count [T]; the selection as entries of the tokens' requests [T, k], -1 none)."""
+    cfg, t, g = layer.config, x.shape[0], cache.dcp
+    bs, fmt, table = cache.cfg.block_size, cache.fmt["index"], step.block_table(CSA)
+    q_out, w_out = _index_query(indexer, x, qr, pos, layer, cache)
+    n_local = _dcp.owned_count(visible_counts(pos, req, cfg.csa_ratio), bs, g)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, n_local - 1, req, cache.index, table, None, idx, None,
+                                cache.topk_workspace, 1, 0, fmt)
+    entries = _dcp.slot_entries(idx, getattr(cache, f"block_index_{CSA}"), bs)
+    if cache.dcp_topk == "union":
+        return idx, (idx >= 0).sum(1).to(torch.int32), entries
+    scores = _dcp.entry_scores(query_values(q_out), w_out, cache.index, idx, fmt)
+    merged = _dcp.merge_best(entries, scores, cfg.index_topk, g)
+    return (*_dcp.front(_dcp.local_slots(merged, req, table, bs, g)), merged)

@@ -31,7 +31,9 @@ from dsv4ops.cache.step import live_tokens
 from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.parallel import Group, all_reduce
+from dsv4ops.parallel import dcp as _dcp
 from dsv4ops.parallel import tp as _tp
+from dsv4ops.indexer.reference import query_values
 from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm, serving_cache
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_output, rms_norm
@@ -157,11 +159,19 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
             raise RuntimeError(f"layer {i} reads the top-k of index source {role.index_source}, which has not run in "
                                f"this step: run the layers of a step in order (a stale top-k would be read)")
         comp_idx = shared["topk", role.index_source]
-        # The selection lists its entries first: the first min(visible, k) columns hold them all.
-        comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
-    o = torch.empty_like(q_rot)
-    ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
-                    cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
+        if cache.dcp is None:
+            # The selection lists its entries first: the first min(visible, k) columns hold them all.
+            comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
+        else:  # the selection's entries in this rank's blocks, as its pool slots
+            comp_idx, comp_lens = _dcp.front(_dcp.local_slots(comp_idx, req, step.block_table(role.ratio),
+                                                              cache.cfg.block_size, cache.dcp))
+    if cache.dcp is None or role.sliding:
+        o = torch.empty_like(q_rot)
+        ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
+                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
+    else:  # context parallel: this rank's share, merged over the ranks with the sink
+        o = _dcp.attend(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
+                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt, cache.dcp)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, layer.groups)
@@ -207,12 +217,14 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
         q_out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if kfmt == "fp8_132" else q.dtype, device=x.device)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
     torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, kfmt)
-    cand = cand_out = None
-    if role.uses_candidates:
-        if "pool" not in shared:
-            raise RuntimeError(f"layer {role.layer} scores inside the candidate pool of layer "
-                               f"{cfg.candidate_source_layer}, which has not run in this step: run the layers in order")
-        cand = shared["pool"]
+    if role.uses_candidates and "pool" not in shared:
+        raise RuntimeError(f"layer {role.layer} scores inside the candidate pool of layer "
+                           f"{cfg.candidate_source_layer}, which has not run in this step: run the layers in order")
+    if cache.dcp is not None:
+        _select_dcp(layer, q_out, w_out, step, pos, req, cache, shared)
+        return
+    cand = shared["pool"] if role.uses_candidates else None
+    cand_out = None
     if role.candidate_source:
         cand_out = torch.empty(t, cfg.candidate_topk_blocks, dtype=torch.int32, device=x.device)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
@@ -222,6 +234,41 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
     shared["topk", role.layer] = idx
     if cand_out is not None:
         shared["pool"] = cand_out
+
+
+def _select_dcp(layer: DeepseekV41Attention, q_out: Tensor, w_out: Tensor, step: V41StepMeta, pos: Tensor,
+                req: Tensor, cache: V41StackCache, shared: dict) -> None:
+    """Context parallel (dsv4ops.parallel.dcp): this rank's top-k (inside its share of the candidate
+    pool, for a reindex layer) merged over the group ("exact") or kept ("union"), published as
+    entries of the tokens' requests; the candidate source's pool likewise, as global candidate
+    blocks (exact: each rank proposes one block more than the pool holds, since a rank forces its
+    own newest block)."""
+    cfg, role, t, g = layer.config, layer.role, q_out.shape[0], cache.dcp
+    src, m, cb, bs = role.kv_source, role.ratio, cfg.candidate_block_size, cache.cfg.block_size
+    kfmt, keys, table = cache.fmt[f"keys_{src}"], getattr(cache, f"keys_{src}"), step.block_table(m)
+    exact = cache.dcp_topk == "exact"
+    n = torch.where(req >= 0, (pos + 1) // m, 0)
+    n_local = _dcp.owned_count(n, bs, g)
+    cand = _dcp.local_blocks(shared["pool"], cb, bs, g) if role.uses_candidates else None
+    cand_out = None
+    if role.candidate_source:
+        cand_out = torch.empty(t, cfg.candidate_topk_blocks + exact, dtype=torch.int32, device=q_out.device)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=q_out.device)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, n_local - 1, req, keys, table, cand, idx, cand_out, cache.topk_workspace,
+                                1, cb, kfmt)
+    entries = _dcp.slot_entries(idx, getattr(cache, f"block_index_{m}"), bs)
+    q_values = query_values(q_out) if exact else None
+    if exact:
+        entries = _dcp.merge_best(entries, _dcp.entry_scores(q_values, w_out, keys, idx, kfmt), cfg.index_topk, g)
+    shared["topk", role.layer] = entries
+    if cand_out is not None:
+        blocks = _dcp.global_blocks(cand_out, cb, bs, g)
+        if exact:
+            score = _dcp.block_scores(cand_out, n_local, q_values, w_out, keys, req, table, cb, bs, kfmt)
+            newest = ((n - 1) // cb)[:, None]
+            score = torch.where((blocks == newest) & (n >= 1)[:, None], float("inf"), score)
+            blocks = _dcp.merge_best(blocks, score, cfg.candidate_topk_blocks, g)
+        shared["pool"] = blocks
 
 
 class DeepseekV41AttentionStack(nn.Module):
@@ -272,7 +319,11 @@ class DeepseekV41AttentionStack(nn.Module):
         device = self.layers[0].sinks.device
         if manager.device != device:
             raise ValueError(f"manager: plans steps on {manager.device}, the stack is on {device}")
-        cache = V41StackCache(self.config, manager.cfg, self.numerics, device=device)
+        if manager.dcp is not None and self.tp_group is not None:
+            raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel stack (both process "
+                                      "groups at once) is not supported; use one or the other")
+        cache = V41StackCache(self.config, manager.cfg, self.numerics, device=device, dcp=manager.dcp,
+                              dcp_topk=manager.dcp_topk)
         manager.attach(cache)
         self.cache = cache
         self.cache_manager = manager
@@ -281,6 +332,8 @@ class DeepseekV41AttentionStack(nn.Module):
         """`published`, if given, receives the step's top-k rows {("topk", L): [T, k] global slots},
         candidate pool {"pool": [T, blocks] entry blocks} and the step itself {"step": V41StepMeta}
         (its block tables map slots back to entries): tie-aware comparisons need the selections.
+        With a context-parallel cache the top-k rows are entries of the tokens' requests (the
+        merged selection; "union": this rank's own).
 
         With a step, the contract of DeepseekV4Attention.forward holds: in eager mode a step that is
         not the attached manager's open step raises before anything is written; compiled, a token

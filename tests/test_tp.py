@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_cases
-import gloo
+import multiproc
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager, V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
@@ -102,7 +102,7 @@ class _Compiled(torch.nn.Module):
 
 @pytest.mark.parametrize("li,mode", [(0, "exact"), (1, "exact"), (2, "exact"), (1, "fp8"), (2, "fp8")])
 def test_tp_layer_equals_one_process(li, mode):
-    outs = gloo.run(_v4_body, li, mode, False)
+    outs = multiproc.run(_v4_body, li, mode, False)
     for r in outs[0]:  # both ranks hold the whole output
         assert torch.equal(outs[0][r], outs[1][r])
 
@@ -137,11 +137,11 @@ def _compiled_body(rank, group):
 
 
 def test_tp_step_compiles_into_one_graph_with_its_all_reduce():
-    assert gloo.run(_compiled_body) == [True, True]
+    assert multiproc.run(_compiled_body) == [True, True]
 
 
 def test_tp_compiled_scenario_equals_one_process():
-    gloo.run(_v4_body, 1, "exact", True)
+    multiproc.run(_v4_body, 1, "exact", True)
 
 
 def _v41_serve(stack, numerics):
@@ -215,7 +215,7 @@ _DS41 = {v: k for k, v in DEEPSEEK_NAMES_V41.items()}
 
 @pytest.mark.parametrize("mode", ["exact", "qat"])
 def test_tp_v41_stack_equals_one_process(mode):
-    assert gloo.run(_v41_body, mode) == [True, True]
+    assert multiproc.run(_v41_body, mode) == [True, True]
 
 
 def _deepseek_v4(full: DeepseekV4Attention, block: int) -> dict:
@@ -266,7 +266,7 @@ def _load_body(rank, group):
 
 
 def test_tp_loads_this_ranks_share_by_transformers_and_deepseek_names():
-    shards = gloo.run(_load_body)
+    shards = multiproc.run(_load_body)
     # A shard without a process group: refused with the reason, the layer unchanged.
     layer = DeepseekV4Attention(CFG, 1)
     before = {k: v.clone() for k, v in layer.state_dict().items()}
@@ -313,7 +313,7 @@ def _bad_body(rank, group):
 
 
 def test_tp_bad_use_fails_clearly():
-    assert gloo.run(_bad_body) == [True, True]
+    assert multiproc.run(_bad_body) == [True, True]
 
 
 def _patch_body(rank, group):
@@ -329,7 +329,7 @@ def _patch_body(rank, group):
 def test_tp_patch_model_generates_like_transformers():
     """patch_model(..., process_group=group): every rank generates the tokens transformers' model
     does (logits within its fp32 run's budget of the fp64 run)."""
-    tokens = gloo.run(_patch_body)
+    tokens = multiproc.run(_patch_body)
     assert torch.equal(tokens[0], tokens[1])
 
 

@@ -790,8 +790,9 @@ def test_launchers_reject_the_combinations_they_do_not_implement():
 
 
 # ---- warmup ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("parallel", [(1, 1), (2, 2)], ids=["one-gpu", "tp2-dcp2"])
 @pytest.mark.parametrize("mode", ["fp8", "bf16"])
-def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
+def test_warmup_calls_every_op_of_every_layer_kind(mode, parallel, monkeypatch):
     # On CPU the ops run their reference kernels: this checks that every warmup call is a valid op
     # call (the CUDA run compiles through the same calls), and that it covers every op and bucket.
     from dsv4ops.cache import CacheConfig
@@ -809,10 +810,12 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
         monkeypatch.setattr(torch.ops.dsv4, name, spy(name, getattr(torch.ops.dsv4, name)))
     cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, kv_cache=mode, indexer_cache=mode)
     fp8_block = 128 if mode == "fp8" else None  # layers loaded with keep_fp8=True: fp8_linear too
-    calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block)
+    tp, dcp = parallel  # a rank's heads under tensor parallelism; the partial and merge of context parallelism
+    calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block, tp=tp, dcp=dcp)
     assert calls == len(seen)
-    # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations).
-    skipped = {"indexer_k_prep"} if fp8_block else {"indexer_k_prep", "fp8_linear"}
+    # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations), and
+    # attn_merge only for a context-parallel cache.
+    skipped = {"indexer_k_prep"} | ({"fp8_linear"} if not fp8_block else set()) | ({"attn_merge"} if dcp == 1 else set())
     assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS) - skipped
     assert {t for _, t in seen} == set(cache_cfg.buckets)
 

@@ -7,7 +7,8 @@ on its whole sequence, against the error budget of the oracle's own low-precisio
 
 Under torchrun (`torchrun --nproc-per-node 2 -m dsv4ops --parallel tp`) every process serves the
 same requests over a process group (NCCL on GPUs, one per process; gloo on CPU): `--parallel tp`
-splits each layer's heads over the ranks (dsv4ops.parallel.tp); rank 0 prints."""
+splits each layer's heads over the ranks (dsv4ops.parallel.tp), `--parallel dcp` the cache's
+compressed entries (dsv4ops.parallel.dcp, exact top-k merge); rank 0 prints."""
 
 from __future__ import annotations
 
@@ -135,8 +136,9 @@ def main(argv=None):
                          "CPU compile alone takes minutes)")
     ap.add_argument("--device", default="cuda" if gpu else "cpu")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--parallel", choices=("none", "tp"), default="none",
-                    help="under torchrun: tp = the layers' heads split over the processes (one GPU each)")
+    ap.add_argument("--parallel", choices=("none", "tp", "dcp"), default="none",
+                    help="under torchrun: tp = the layers' heads split over the processes (one GPU each); dcp = the "
+                         "cache's compressed entries split over them (decode context parallelism)")
     args = ap.parse_args(argv)
     if args.parallel != "none" and "WORLD_SIZE" not in os.environ:
         ap.error(f"--parallel {args.parallel}: run under torchrun (torchrun --nproc-per-node N -m dsv4ops ...)")
@@ -171,7 +173,7 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     full = Stack(cfg, args.layers, args.seed).to(device, dtype)  # the oracle's weights
     stack = full
-    if group is not None:
+    if args.parallel == "tp":
         stack = Stack(cfg, args.layers, args.seed, process_group=group).to(device, dtype)
         stack.load_state_dict(full.state_dict())  # each rank keeps its heads' share
     n = args.requests
@@ -181,7 +183,7 @@ def run(args) -> dict:
     buckets = tuple(sorted({min(n, args.step_tokens), args.step_tokens}))
     cache_cfg = CacheConfig(max_requests=n, max_context=max(lengths), max_step_tokens=args.step_tokens,
                             buckets=buckets)
-    manager = KVCacheManager(cfg, cache_cfg, device=device)
+    manager = KVCacheManager(cfg, cache_cfg, device=device, process_group=group if args.parallel == "dcp" else None)
     for layer in stack.layers:
         layer.attach_cache(manager)
     kinds = ", ".join(SHORT[layer.layer_type] for layer in stack.layers)
