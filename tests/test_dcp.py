@@ -372,3 +372,37 @@ def test_parallel_bench_needs_torchrun_and_gpus(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="bench --only parallel: needs one CUDA GPU per process"):
             cli.main(["--only", "parallel"])
+
+
+def _v41_union_body(rank, group):
+    """topk="union": each rank's index sources select inside its own blocks (and the reindex layer
+    inside its own candidate pool); the output equals the fp64 oracle fed every rank's selections
+    together (up to 2 x index_topk entries a token), within its fp32 run's error."""
+    numerics = V41Numerics.exact()
+    stack = testing.randomize_(DeepseekV41AttentionStack(CFG41, numerics), seed=5)
+    cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41["exact"],
+                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT)
+    manager = V41CacheManager(CFG41, cache, numerics, process_group=group, topk="union")
+    rows, got, topk, _ = _v41_serve(stack, manager, "exact")
+    p32 = dict(stack.named_parameters())
+    p64 = {k: v.double() for k, v in p32.items()}
+    fork = next(op for op in dist_cases.PLAN if op[0] == "fork")
+    for r, x in rows.items():
+        start = fork[3] if r == fork[2] else 0
+        sel = {}
+        for layer, mine in topk[r].items():
+            if start:
+                mine = torch.cat([topk[fork[1]][layer][:start], mine])
+            owned = mine[mine >= 0] // BLOCK41["exact"] % 2
+            assert (owned == rank).all(), f"layer {layer}: rank {rank} selected another rank's entries"
+            every = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(every, mine.contiguous(), group=group)
+            sel[layer] = torch.cat(every, 1)[None]
+        ref64 = stack_attention(p64, CFG41, x[:, None].double(), numerics, sel)
+        low = stack_attention(p32, CFG41, x[:, None], numerics, sel)
+        testing.assert_close_to_ref(got[r], ref64.y[:, 0, start:], low.y[:, 0, start:], what=f"rank {rank} union {r}")
+    return True
+
+
+def test_dcp_v41_union_equals_the_oracle_on_every_ranks_selection():
+    assert multiproc.run(_v41_union_body) == [True, True]

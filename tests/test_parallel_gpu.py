@@ -100,10 +100,17 @@ def _flash_body(rank, group, mode):
     assert counters["stats"]["unique_graphs"] == 2, counters["stats"]  # one graph per bucket
     params = [{k: v.double() for k, v in layer.named_parameters()} for layer in full.layers]
     for r, n in enumerate(LENGTHS):
-        h = inputs[r][: n + DECODE_STEPS][None].double()
-        for i in range(3):
-            h = h + reference.attention(params[i], CFG, i, h, FP8)
-        testing.assert_close_to_ref(outs[r], h[0], eager[r], what=f"rank {rank} {mode} request {r}")
+        def run64(r=r, n=n):
+            h = inputs[r][: n + DECODE_STEPS][None].double()
+            for i in range(3):
+                h = h + reference.attention(params[i], CFG, i, h, FP8)
+            return h[0]
+
+        # Budget: the one-GPU eager run and the oracle's FP8 rounding twins (a layer's output that
+        # moved by the all-reduce's or the merge's rounding may flip an e4m3 rounding in the next
+        # layer's KV, as between any two summation orders).
+        testing.assert_close_to_ref(outs[r], run64(), [eager[r], *testing.rounding_twins(run64)],
+                                    what=f"rank {rank} {mode} request {r}")
     return True
 
 
