@@ -27,6 +27,7 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     # and V4.1 (fp8_528 window, fp4_288 entries) with bf16 q (V4: 1.4-3.1x the Triton kernel on the
     # H100 bench shapes), Triton for exact pools and other dtypes.
     "sparse_attn": {9: ("csrc", "triton"), 10: ("triton",)},
+    "attn_merge": {9: ("triton",), 10: ("triton",)},
     "visible_entries": {9: ("triton",), 10: ("triton",)},
     "inv_rope": {9: ("triton",), 10: ("triton",)},
     "fp8_linear": {9: ("triton",), 10: ("triton",)},

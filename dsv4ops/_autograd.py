@@ -73,8 +73,8 @@ def _autograd_kernel(op: torch._ops.OpOverload):
             op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
         if grads:
             for name in outputs:
-                out = bound[name]
-                if out.is_floating_point():
+                out = bound.get(name)  # an optional output left out (its default None)
+                if out is not None and out.is_floating_point():
                     _NoBackward.apply(label, True, out, *grads)
 
     return kernel
@@ -89,13 +89,40 @@ def op_names() -> set[str]:
     return {n for n in dir(ns) if isinstance(getattr(ns, n), torch._ops.OpOverloadPacket)}
 
 
+def _ad_inplace_kernel(op: torch._ops.OpOverload):
+    """The ADInplaceOrView kernel of an op with a defaulted mutable argument (sparse_attn's lse):
+    bump the version of every mutated tensor given, then run the op below. custom_op's own kernel
+    does this in torch 2.13; in torch 2.11 it indexes the mutated arguments by position, and the
+    dispatcher drops a trailing argument equal to its default, so every grad-mode call raised
+    IndexError (inference mode skips this key)."""
+    names = [a.name for a in op._schema.arguments]
+    written = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+    def kernel(keyset, *args, **kwargs):
+        bound = dict(zip(names, args)) | kwargs
+        for name in written:
+            if isinstance(bound.get(name), Tensor):
+                torch.autograd.graph.increment_version(bound[name])
+        return op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs)
+
+    return kernel
+
+
 def install_all() -> None:
-    """Give every dsv4:: op defined so far the Autograd kernel above (idempotent per op)."""
+    """Give every dsv4:: op defined so far the Autograd kernel above (idempotent per op), and the
+    ADInplaceOrView kernel above to ops with a defaulted mutable argument."""
+    import warnings
+
     for name in sorted(op_names() - _installed):
         op = getattr(torch.ops.dsv4, name).default
         kernel = _autograd_kernel(op)
         for key in ("AutogradCPU", "AutogradCUDA", "AutogradMeta"):
             _LIB.impl(name, kernel, key, with_keyset=True)
+        if any(a.has_default_value() and a.alias_info is not None and a.alias_info.is_write
+               for a in op._schema.arguments):
+            with warnings.catch_warnings():  # the dispatcher's note that a kernel is replaced
+                warnings.simplefilter("ignore", UserWarning)
+                _LIB.impl(name, _ad_inplace_kernel(op), "ADInplaceOrView", with_keyset=True, allow_override=True)
         _installed.add(name)
 
 

@@ -29,6 +29,7 @@ TRITON_LAUNCHERS: dict[str, tuple[str, str]] = {
     "indexer_k_prep": ("dsv4ops.indexer.triton", "indexer_k_prep"),
     "indexer_topk": ("dsv4ops.indexer.triton", "indexer_topk"),
     "sparse_attn": ("dsv4ops.sparse_attn.triton", "sparse_attn"),
+    "attn_merge": ("dsv4ops.attn_merge.triton", "attn_merge"),
     "visible_entries": ("dsv4ops.visible_entries.triton", "visible_entries"),
     "inv_rope": ("dsv4ops.inv_rope.triton", "inv_rope"),
     "fp8_linear": ("dsv4ops.fp8_linear.triton", "fp8_linear"),

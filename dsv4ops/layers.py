@@ -18,7 +18,11 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
+from dsv4ops.parallel import Group, all_reduce
+from dsv4ops.parallel import dcp as _dcp
+from dsv4ops.parallel import tp as _tp
 from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.indexer.reference import query_values
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
@@ -148,9 +152,16 @@ class DeepseekV4Attention(nn.Module):
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
     from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
-    through its output raises a RuntimeError (the dsv4:: ops have no backward)."""
+    through its output raises a RuntimeError (the dsv4:: ops have no backward).
 
-    def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics()):
+    `process_group` (torch.distributed): tensor parallelism over its ranks (dsv4ops.parallel.tp). This
+    rank holds `heads` = num_heads / ranks query heads and `groups` = o_groups / ranks output groups
+    (parameter names unchanged, shapes this rank's); the rest is replicated, and forward returns
+    the whole layer's output (its o_b share summed over the ranks, one all-reduce). Every rank runs
+    the same forward on the same input. `load_state_dict` and `load_deepseek_state_dict` take the
+    full tensors and keep this rank's share."""
+
+    def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics(), process_group=None):
         super().__init__()
         if isinstance(config, DSV4AttentionConfig):
             cfg = config
@@ -164,14 +175,18 @@ class DeepseekV4Attention(nn.Module):
             raise TypeError(f"numerics: expected a dsv4ops.Numerics, got {type(numerics).__name__}")
         self.config, self.layer_idx, self.numerics = cfg, layer_idx, numerics
         self.layer_type = cfg.layer_type(layer_idx)  # checks 0 <= layer_idx < num_layers
-        h, d = cfg.num_heads, cfg.head_dim
+        self.tp_group = Group.of(process_group)
+        _tp.check_divides(self.tp_group, cfg.num_heads, cfg.o_groups, f"DeepseekV4Attention(layer {layer_idx})")
+        ranks = 1 if self.tp_group is None else self.tp_group.size
+        self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
+        h, d = self.heads, cfg.head_dim
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank)
         self.q_b_proj = _linear(cfg.q_lora_rank, h * d)
         self.kv_proj = _linear(cfg.hidden_size, d)
         self.kv_norm = RMSNorm(d)
-        self.o_a_proj = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
+        self.o_b_proj = _linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(h))
         self.compressor = None if self.layer_type == SLIDING else Compressor(cfg, cfg.compress_ratio(layer_idx))
         self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
@@ -199,6 +214,15 @@ class DeepseekV4Attention(nn.Module):
         anything is copied, so a failed load leaves the layer as it was."""
         return checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Loading (as a module of its own or inside another) cuts the full tensors of the split
+        parameters to this rank's share, before anything loads (dsv4ops.parallel.tp.shard_: a shard
+        raises, with or without a process group)."""
+        blocks = {n: m.block for n in ("q_b_proj", "o_b_proj") if isinstance(m := getattr(self, n), BlockFP8Linear)}
+        _tp.shard_(state_dict, prefix, self.tp_group, _tp.full_shapes(self.config, blocks),
+                   f"DeepseekV4Attention(layer {self.layer_idx})")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK,
                                  keep_fp8: bool = False):
         """Load this layer's weights from a DeepSeek-V4 checkpoint dict (DEEPSEEK_NAMES under
@@ -219,6 +243,9 @@ class DeepseekV4Attention(nn.Module):
             sk = checkpoint.scale_key(mine, key)
             if key in mine and sk is not None:
                 checkpoint.check_block_fp8(mine[key], mine[sk], block, name=prefix + key)
+                if self.tp_group is not None and name in ("q_b_proj", "o_b_proj"):
+                    _tp.check_fp8_split(prefix + key, tuple(mine[key].shape), _tp.SPLIT[name + ".weight"][0],
+                                        self.tp_group, block)
                 scale = mine.pop(sk)
                 kept[name] = (mine.pop(key), scale if scale.dtype == torch.float8_e8m0fnu else scale.float())
         mine = checkpoint.dequantize_state_dict(mine, block, torch.float32)
@@ -277,7 +304,12 @@ class DeepseekV4Attention(nn.Module):
         device = self.q_a_proj.weight.device
         if manager.device != device:
             raise ValueError(f"manager: plans steps on {manager.device}, the layer is on {device}")
-        cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device))
+        dcp = getattr(manager, "dcp", None)
+        if dcp is not None and self.tp_group is not None:
+            raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel layer (both process "
+                                      "groups at once) is not supported; use one or the other")
+        cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device),
+                           dcp=dcp, dcp_topk=getattr(manager, "dcp_topk", "exact"))
         manager.attach(cache)
         self.cache = cache
         self.cache_manager = manager
@@ -353,7 +385,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     pos, req = live_tokens(step, cache)
     t = x.shape[0]
     qr = rms_norm(layer.q_a_proj(x), layer.q_a_norm.weight, eps)
-    q = layer.q_b_proj(qr).view(t, cfg.num_heads, cfg.head_dim)
+    q = layer.q_b_proj(qr).view(t, layer.heads, cfg.head_dim)
     kv = rms_norm(layer.kv_proj(x), layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
     fmt = cache.fmt
@@ -367,23 +399,40 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
         _compress(c, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.state, cache.comp, fmt["comp"],
                   layer.numerics.kv, eps)
         comp_cache, comp_fmt = cache.comp, fmt["comp"]
+        ratio, dcp = cfg.compress_ratio(layer.layer_idx), cache.dcp
+        visible = visible_counts(pos, req, ratio)
         if kind == CSA:
             _compress(c.indexer, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index,
                       fmt["index"], layer.numerics.indexer, eps, hadamard=indexer_rotates(layer.numerics))
-            comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
-        else:  # HCA: every complete entry of the token's request
+            if dcp is None:
+                comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
+            else:
+                comp_idx, comp_lens, _ = _select_dcp(c.indexer, x, qr, step, pos, req, layer, cache)
+        else:  # HCA: every complete entry of the token's request (context parallel: of this rank's blocks)
             table, bs = step.block_table(kind), cache.cfg.block_size
             comp_idx = torch.empty(t, table.shape[1] * bs, dtype=torch.int32, device=x.device)
-            ops.visible_entries(table, pos, req, comp_idx, cfg.compress_ratio(layer.layer_idx), bs)
-        # The selection lists its entries first, so the first min(visible, k) columns hold them all.
-        comp_lens = visible_counts(pos, req, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
+            if dcp is None:
+                ops.visible_entries(table, pos, req, comp_idx, ratio, bs)
+            else:  # the rank's compact entries c < n_local, as ratio-1 entries of "position" n_local - 1
+                n_local = _dcp.owned_count(visible, bs, dcp)
+                ops.visible_entries(table, n_local - 1, req, comp_idx, 1, bs)
+                comp_lens = n_local.clamp(max=comp_idx.shape[1])
+        if dcp is None:
+            # The selection lists its entries first, so the first min(visible, k) columns hold them all.
+            comp_lens = visible.clamp(max=comp_idx.shape[1])
 
-    o = torch.empty_like(q_rot)
-    ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
-                    cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
+    if cache.dcp is None:
+        o = torch.empty_like(q_rot)
+        ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
+                        o, cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
+    else:  # context parallel: this rank's share, merged over the ranks with the sink
+        o = _dcp.attend(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
+                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt, cache.dcp)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
-    return layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, cfg.o_groups))
+    y = layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, layer.groups))
+    # Tensor parallel: this rank's heads' share of the output; the sum over the ranks is the layer's.
+    return y if layer.tp_group is None else all_reduce(y, layer.tp_group)
 
 
 def indexer_rotates(numerics: Numerics) -> bool:
@@ -410,8 +459,8 @@ def indexer_query(q: Tensor, fmt: str) -> Tensor:
     return torch.empty(q.shape, dtype=torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype, device=q.device)
 
 
-def _select(indexer, x, qr, step, pos, req, layer, cache):
-    """The indexer's top-k: [T, index_topk] global slots of the CSA pools (-1: none)."""
+def _index_query(indexer, x, qr, pos, layer, cache) -> tuple[Tensor, Tensor]:
+    """(q_out, w_out) of indexer_q_prep: the indexer's prepared query and head weights."""
     cfg, t = layer.config, x.shape[0]
     q = indexer.q_b_proj(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
     w = F.linear(x, indexer.scorer.weights_proj.weight)
@@ -419,7 +468,33 @@ def _select(indexer, x, qr, step, pos, req, layer, cache):
     q_out = indexer_query(q, fmt)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
     torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, fmt, indexer_rotates(layer.numerics))
+    return q_out, w_out
+
+
+def _select(indexer, x, qr, step, pos, req, layer, cache):
+    """The indexer's top-k: [T, index_topk] global slots of the CSA pools (-1: none)."""
+    cfg, t = layer.config, x.shape[0]
+    q_out, w_out = _index_query(indexer, x, qr, pos, layer, cache)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, pos, req, cache.index, step.block_table(CSA), None, idx, None,
-                                cache.topk_workspace, cfg.csa_ratio, 0, fmt)
+                                cache.topk_workspace, cfg.csa_ratio, 0, cache.fmt["index"])
     return idx
+
+
+def _select_dcp(indexer, x, qr, step, pos, req, layer, cache):
+    """Context parallel (dsv4ops.parallel.dcp): the top-k of this rank's entries, merged over the group
+    ("exact") or kept ("union") -> (this rank's key list [T, k] pool slots, valid first; their
+    count [T]; the selection as entries of the tokens' requests [T, k], -1 none)."""
+    cfg, t, g = layer.config, x.shape[0], cache.dcp
+    bs, fmt, table = cache.cfg.block_size, cache.fmt["index"], step.block_table(CSA)
+    q_out, w_out = _index_query(indexer, x, qr, pos, layer, cache)
+    n_local = _dcp.owned_count(visible_counts(pos, req, cfg.csa_ratio), bs, g)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, n_local - 1, req, cache.index, table, None, idx, None,
+                                cache.topk_workspace, 1, 0, fmt)
+    entries = _dcp.slot_entries(idx, getattr(cache, f"block_index_{CSA}"), bs)
+    if cache.dcp_topk == "union":
+        return idx, (idx >= 0).sum(1).to(torch.int32), entries
+    scores = _dcp.entry_scores(query_values(q_out), w_out, cache.index, idx, fmt)
+    merged = _dcp.merge_best(entries, scores, cfg.index_topk, g)
+    return (*_dcp.front(_dcp.local_slots(merged, req, table, bs, g)), merged)

@@ -30,6 +30,10 @@ from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.step import live_tokens
 from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.parallel import Group, all_reduce
+from dsv4ops.parallel import dcp as _dcp
+from dsv4ops.parallel import tp as _tp
+from dsv4ops.indexer.reference import query_values
 from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm, serving_cache
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_output, rms_norm
@@ -84,20 +88,28 @@ class V41Indexer(nn.Module):
 
 class DeepseekV41Attention(nn.Module):
     """The weights of one V4.1 attention layer (which exist depends on its role, `config.role(i)`)
-    and its serving forward over a step (run by DeepseekV41AttentionStack)."""
+    and its serving forward over a step (run by DeepseekV41AttentionStack).
 
-    def __init__(self, config: DSV41AttentionConfig, layer_idx: int):
+    `process_group`: tensor parallelism as DeepseekV4Attention's (this rank's `heads` and `groups`;
+    dsv4ops.parallel.tp); forward then returns this rank's share of the output, which the stack sums
+    over the ranks."""
+
+    def __init__(self, config: DSV41AttentionConfig, layer_idx: int, process_group=None):
         super().__init__()
         cfg = config
         self.config, self.layer_idx, self.role = cfg, layer_idx, cfg.role(layer_idx)
-        h, d = cfg.num_heads, cfg.head_dim
+        self.tp_group = Group.of(process_group)
+        _tp.check_divides(self.tp_group, cfg.num_heads, cfg.o_groups, f"DeepseekV41Attention(layer {layer_idx})")
+        ranks = 1 if self.tp_group is None else self.tp_group.size
+        self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
+        h, d = self.heads, cfg.head_dim
         self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank)
         self.q_b_proj = _linear(cfg.q_lora_rank, h * d)
         self.kv_proj = _linear(cfg.hidden_size, d)
         self.kv_norm = RMSNorm(d)
-        self.o_a_proj = GroupedLinear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = _linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
+        self.o_b_proj = _linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(h))
         self.compressor = V41Compressor(cfg, self.role.ratio) if self.role.owns_compressor else None
         self.indexer = V41Indexer(cfg, self.role.owns_index_keys) if self.role.indexer else None
@@ -108,6 +120,16 @@ class DeepseekV41Attention(nn.Module):
         published top-k rows and candidate pool (written by sources, read by later layers)."""
         return _attend(self, x, step, cache, shared)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Loading cuts the full tensors of the split parameters to this rank's share (dsv4ops.parallel.tp)."""
+        _shard_layer(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _shard_layer(layer: DeepseekV41Attention, state_dict: dict, prefix: str, cut: bool = True) -> None:
+    _tp.shard_(state_dict, prefix, layer.tp_group, _tp.full_shapes(layer.config, {}),
+               f"DeepseekV41Attention(layer {layer.layer_idx})", cut)
+
 
 def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
     """The ops of one layer, called directly (the step planner checked every value; the public
@@ -117,7 +139,7 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     eps, t, i = cfg.rms_norm_eps, x.shape[0], layer.layer_idx
     fmt = cache.fmt
     qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
-    q = F.linear(qr, layer.q_b_proj.weight).view(t, cfg.num_heads, cfg.head_dim)
+    q = F.linear(qr, layer.q_b_proj.weight).view(t, layer.heads, cfg.head_dim)
     kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
     window = getattr(cache, f"window_{i}")
@@ -137,14 +159,22 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
             raise RuntimeError(f"layer {i} reads the top-k of index source {role.index_source}, which has not run in "
                                f"this step: run the layers of a step in order (a stale top-k would be read)")
         comp_idx = shared["topk", role.index_source]
-        # The selection lists its entries first: the first min(visible, k) columns hold them all.
-        comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
-    o = torch.empty_like(q_rot)
-    ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
-                    cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
+        if cache.dcp is None:
+            # The selection lists its entries first: the first min(visible, k) columns hold them all.
+            comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
+        else:  # the selection's entries in this rank's blocks, as its pool slots
+            comp_idx, comp_lens = _dcp.front(_dcp.local_slots(comp_idx, req, step.block_table(role.ratio),
+                                                              cache.cfg.block_size, cache.dcp))
+    if cache.dcp is None or role.sliding:
+        o = torch.empty_like(q_rot)
+        ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
+                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
+    else:  # context parallel: this rank's share, merged over the ranks with the sink
+        o = _dcp.attend(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
+                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt, cache.dcp)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
-    return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, cfg.o_groups)
+    return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, layer.groups)
 
 
 def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
@@ -187,12 +217,14 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
         q_out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if kfmt == "fp8_132" else q.dtype, device=x.device)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
     torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, kfmt)
-    cand = cand_out = None
-    if role.uses_candidates:
-        if "pool" not in shared:
-            raise RuntimeError(f"layer {role.layer} scores inside the candidate pool of layer "
-                               f"{cfg.candidate_source_layer}, which has not run in this step: run the layers in order")
-        cand = shared["pool"]
+    if role.uses_candidates and "pool" not in shared:
+        raise RuntimeError(f"layer {role.layer} scores inside the candidate pool of layer "
+                           f"{cfg.candidate_source_layer}, which has not run in this step: run the layers in order")
+    if cache.dcp is not None:
+        _select_dcp(layer, q_out, w_out, step, pos, req, cache, shared)
+        return
+    cand = shared["pool"] if role.uses_candidates else None
+    cand_out = None
     if role.candidate_source:
         cand_out = torch.empty(t, cfg.candidate_topk_blocks, dtype=torch.int32, device=x.device)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
@@ -204,6 +236,41 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
         shared["pool"] = cand_out
 
 
+def _select_dcp(layer: DeepseekV41Attention, q_out: Tensor, w_out: Tensor, step: V41StepMeta, pos: Tensor,
+                req: Tensor, cache: V41StackCache, shared: dict) -> None:
+    """Context parallel (dsv4ops.parallel.dcp): this rank's top-k (inside its share of the candidate
+    pool, for a reindex layer) merged over the group ("exact") or kept ("union"), published as
+    entries of the tokens' requests; the candidate source's pool likewise, as global candidate
+    blocks (exact: each rank proposes one block more than the pool holds, since a rank forces its
+    own newest block)."""
+    cfg, role, t, g = layer.config, layer.role, q_out.shape[0], cache.dcp
+    src, m, cb, bs = role.kv_source, role.ratio, cfg.candidate_block_size, cache.cfg.block_size
+    kfmt, keys, table = cache.fmt[f"keys_{src}"], getattr(cache, f"keys_{src}"), step.block_table(m)
+    exact = cache.dcp_topk == "exact"
+    n = torch.where(req >= 0, (pos + 1) // m, 0)
+    n_local = _dcp.owned_count(n, bs, g)
+    cand = _dcp.local_blocks(shared["pool"], cb, bs, g) if role.uses_candidates else None
+    cand_out = None
+    if role.candidate_source:
+        cand_out = torch.empty(t, cfg.candidate_topk_blocks + exact, dtype=torch.int32, device=q_out.device)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=q_out.device)
+    torch.ops.dsv4.indexer_topk(q_out, w_out, n_local - 1, req, keys, table, cand, idx, cand_out, cache.topk_workspace,
+                                1, cb, kfmt)
+    entries = _dcp.slot_entries(idx, getattr(cache, f"block_index_{m}"), bs)
+    q_values = query_values(q_out) if exact else None
+    if exact:
+        entries = _dcp.merge_best(entries, _dcp.entry_scores(q_values, w_out, keys, idx, kfmt), cfg.index_topk, g)
+    shared["topk", role.layer] = entries
+    if cand_out is not None:
+        blocks = _dcp.global_blocks(cand_out, cb, bs, g)
+        if exact:
+            score = _dcp.block_scores(cand_out, n_local, q_values, w_out, keys, req, table, cb, bs, kfmt)
+            newest = ((n - 1) // cb)[:, None]
+            score = torch.where((blocks == newest) & (n >= 1)[:, None], float("inf"), score)
+            blocks = _dcp.merge_best(blocks, score, cfg.candidate_topk_blocks, g)
+        shared["pool"] = blocks
+
+
 class DeepseekV41AttentionStack(nn.Module):
     """Every backbone attention layer of a V4.1 model and, once attached, their shared cache.
 
@@ -213,12 +280,18 @@ class DeepseekV41AttentionStack(nn.Module):
     - with a step (from the attached V41CacheManager): xs [num_layers, T, hidden], the step's flat
       batch per layer (padded to its bucket) -> [num_layers, T, hidden], reading and writing the
       attached cache.
-    `numerics` gives the caches' formats (QAT formats by default; V41Numerics.exact() for none)."""
+    `numerics` gives the caches' formats (QAT formats by default; V41Numerics.exact() for none).
 
-    def __init__(self, config: DSV41AttentionConfig, numerics: V41Numerics = V41Numerics()):
+    `process_group`: tensor parallelism over its ranks (every layer holds this rank's query heads and
+    output groups, dsv4ops.parallel.tp); the layers' outputs are summed over the ranks by one all-reduce
+    of the stacked [num_layers, T, hidden] (the layers' inputs are given, so no layer waits for
+    another's sum). Every rank runs the same forward on the same inputs."""
+
+    def __init__(self, config: DSV41AttentionConfig, numerics: V41Numerics = V41Numerics(), process_group=None):
         super().__init__()
         self.config, self.numerics = config, numerics
-        self.layers = nn.ModuleList(DeepseekV41Attention(config, i) for i in range(config.num_layers))
+        self.tp_group = Group.of(process_group)
+        self.layers = nn.ModuleList(DeepseekV41Attention(config, i, process_group) for i in range(config.num_layers))
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` keeps in fp32 what transformers keeps in fp32 (sinks, norm weights; the ratio-2
@@ -246,7 +319,11 @@ class DeepseekV41AttentionStack(nn.Module):
         device = self.layers[0].sinks.device
         if manager.device != device:
             raise ValueError(f"manager: plans steps on {manager.device}, the stack is on {device}")
-        cache = V41StackCache(self.config, manager.cfg, self.numerics, device=device)
+        if manager.dcp is not None and self.tp_group is not None:
+            raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel stack (both process "
+                                      "groups at once) is not supported; use one or the other")
+        cache = V41StackCache(self.config, manager.cfg, self.numerics, device=device, dcp=manager.dcp,
+                              dcp_topk=manager.dcp_topk)
         manager.attach(cache)
         self.cache = cache
         self.cache_manager = manager
@@ -255,6 +332,8 @@ class DeepseekV41AttentionStack(nn.Module):
         """`published`, if given, receives the step's top-k rows {("topk", L): [T, k] global slots},
         candidate pool {"pool": [T, blocks] entry blocks} and the step itself {"step": V41StepMeta}
         (its block tables map slots back to entries): tie-aware comparisons need the selections.
+        With a context-parallel cache the top-k rows are entries of the tokens' requests (the
+        merged selection; "union": this rank's own).
 
         With a step, the contract of DeepseekV4Attention.forward holds: in eager mode a step that is
         not the attached manager's open step raises before anything is written; compiled, a token
@@ -299,14 +378,11 @@ class DeepseekV41AttentionStack(nn.Module):
         shared: dict = {} if published is None else published
         shared.clear()  # a step reads only what its own sources published
         ys = torch.stack([layer(xs[i], step, cache, shared) for i, layer in enumerate(self.layers)])
+        if self.tp_group is not None:
+            ys = all_reduce(ys, self.tp_group)
         if published is not None:
             published["step"] = step
         return ys
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before
-        anything is copied, so a failed load leaves the stack as it was."""
-        return checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
 
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V41_BLOCK):
         """Load DeepSeek's checkpoint names (DEEPSEEK_NAMES under `layers.{i}.`; other keys, e.g. the
@@ -328,4 +404,12 @@ class DeepseekV41AttentionStack(nn.Module):
             if int(layer) < self.config.num_layers:
                 mapped[f"layers.{layer}.{DEEPSEEK_NAMES[name]}"] = value
         return self.load_state_dict(mapped, strict=strict)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module.load_state_dict, all or nothing: every layer's split parameters (cut to this rank's
+        share as each layer loads, dsv4ops.parallel.tp), then every key, shape and dtype rule, are
+        checked before anything is copied, so a failed load leaves the stack as it was."""
+        for i, layer in enumerate(self.layers):
+            _shard_layer(layer, state_dict, f"layers.{i}.", cut=False)
+        return checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
 

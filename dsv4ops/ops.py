@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
+from dsv4ops.attn_merge import checks as _attn_merge_checks
+from dsv4ops.attn_merge import reference as _attn_merge
 from dsv4ops.compressor import checks as _compressor_checks
 from dsv4ops.compressor import reference as _compressor
 from dsv4ops.fp8_linear import checks as _fp8_linear_checks
@@ -179,17 +181,31 @@ def visible_entries(block_table: Tensor, positions: Tensor, req_slots: Tensor, o
 
 
 # ---- sparse_attn -------------------------------------------------------------------------------
-@custom_op("dsv4::sparse_attn", mutates_args=("out",))
+@custom_op("dsv4::sparse_attn", mutates_args=("out", "lse"))
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
-                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str,
+                lse: Tensor | None = None) -> None:
     """MQA with sink over each query's window (the `window` positions of its request's ring ending at
-    window_ends[t]; None: at its own position) and the compressed entries comp_idx[t, :comp_lens[t]]
-    (-1 = none); K = V; padding tokens get zeros. The pools' formats are window_fmt and comp_fmt."""
+    window_ends[t]; None: at its own position; a negative end: no window) and the compressed entries
+    comp_idx[t, :comp_lens[t]] (-1 = none); K = V; padding tokens get zeros. The pools' formats are
+    window_fmt and comp_fmt. With lse [T, H] fp32: a context-parallel shard's partial, out normalized
+    over these keys without the sink and lse = ln sum_j e^(scaled logit j) (-inf and a zero row for
+    no key); dsv4::attn_merge applies the sink."""
     _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens,
-                                    window_ends, sinks, out, window, ring_size, window_fmt, comp_fmt)
+                                    window_ends, sinks, out, window, ring_size, window_fmt, comp_fmt, lse)
     _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
-                             sinks, out, scale, window, ring_size, window_fmt, comp_fmt)
+                             sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
+
+
+@custom_op("dsv4::attn_merge", mutates_args=("out",))
+def attn_merge(partials: Tensor, lse: Tensor, sinks: Tensor, out: Tensor) -> None:
+    """The sink attention of a query from R shards of its keys: out = sum_r e^(lse_r - M) partials_r
+    / (sum_r e^(lse_r - M) + e^(sink - M)), M = max(lse_r, sink); partials [R, T, H, D] each shard's
+    output without the sink (sparse_attn with lse), lse [R, T, H] fp32 (-inf: a shard without keys,
+    its row not read), sinks [H] fp32, out [T, H, D]."""
+    _attn_merge_checks.attn_merge(partials, lse, sinks, out)
+    _attn_merge.attn_merge(partials, lse, sinks, out)
 
 
 # ---- output ------------------------------------------------------------------------------------

@@ -26,14 +26,17 @@ def _pool(fmt: str, dim: int, blocks: int, cache_cfg: CacheConfig, device) -> to
 
 
 def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype: torch.dtype = torch.bfloat16,
-           fp8_block: int | None = None, fp8_scale: torch.dtype = torch.float8_e8m0fnu) -> int:
+           fp8_block: int | None = None, fp8_scale: torch.dtype = torch.float8_e8m0fnu, tp: int = 1,
+           dcp: int = 1) -> int:
     """Run every attention op of every layer kind of `model_cfg` once per batch bucket of
     `cache_cfg` on `device` with activations of `dtype`; returns the number of op calls. On a
     CUDA device this compiles the kernels and binds the router's CUDA kernels (a failed build
     raises); on CPU (reference kernels) there is nothing to compile. `fp8_block`: the layers were
     loaded with keep_fp8=True (tiles of that size, scales of dtype `fp8_scale`): fp8_linear runs
     too, at every FP8 projection's shape, and fp8_linear_w8a8 where BlockFP8Linear's "auto" picks it
-    for the bucket (dsv4ops/fp8_linear/rule.py)."""
+    for the bucket (dsv4ops/fp8_linear/rule.py). `tp`: the layers hold 1 / tp of the heads (tensor
+    parallel: the kernels of that head count); `dcp`: the cache is shared by that many ranks
+    (context parallel: sparse_attn's partial with lse and attn_merge run too)."""
     device = torch.device(device)
     ops = torch.ops.dsv4
     first = {}  # one layer of each kind (its RoPE table)
@@ -44,7 +47,7 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
     main_fmt, comp_fmt, index_fmt = cache_cfg.formats()
     rotates = indexer_rotates(numerics)
     bs, ring = cache_cfg.block_size, cache_cfg.ring_size(model_cfg.window)
-    h, d = model_cfg.num_heads, model_cfg.head_dim
+    h, d = model_cfg.num_heads // tp, model_cfg.head_dim
     hi, di = model_cfg.index_n_heads, model_cfg.index_head_dim
     eps = model_cfg.rms_norm_eps
     inv_freq = {k: model_cfg.inv_freq(i).to(device) for k, i in first.items()}
@@ -87,7 +90,8 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                     wi_out = torch.empty(t, hi, dtype=torch.float32, device=device)
                     ops.indexer_q_prep(qi, wi, pos, freq, qi_out, wi_out, index_fmt, rotates)
                     idx = torch.empty(t, model_cfg.index_topk, dtype=torch.int32, device=device)
-                    ws = torch.empty(topk_workspace_words(model_cfg, cache_cfg), dtype=torch.int32, device=device)
+                    ws = torch.empty(topk_workspace_words(model_cfg, cache_cfg, dcp), dtype=torch.int32,
+                                     device=device)
                     ops.indexer_topk(qi_out, wi_out, pos, req, streams[1][1], table, None, idx, None, ws, ratio, 0,
                                      index_fmt)
                     calls += 2
@@ -100,7 +104,14 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                             main_fmt, main_fmt if kind == SLIDING else comp_fmt)
             ops.inv_rope(o, pos, freq, o_rot)
             calls += 3
-        for n, k in _fp8_projections(model_cfg, kinds) if fp8_block else ():
+            if dcp > 1 and kind != SLIDING:  # a shard's partial, and the merge of the ranks' partials
+                lse = torch.empty(t, h, dtype=torch.float32, device=device)
+                ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, pos, sinks, o, d**-0.5, model_cfg.window,
+                                ring, main_fmt, main_fmt, lse)
+                ops.attn_merge(o[None].expand(dcp, -1, -1, -1), lse[None].expand(dcp, -1, -1).contiguous(), sinks,
+                               o_rot)
+                calls += 2
+        for n, k in _fp8_projections(model_cfg, kinds, tp) if fp8_block else ():
             weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)
             scale = torch.ones(-(-n // fp8_block), -(-k // fp8_block), dtype=fp8_scale, device=device)
             x, out = torch.zeros(t, k, dtype=dtype, device=device), torch.empty(t, n, dtype=dtype, device=device)
@@ -125,10 +136,11 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
 
 
 
-def _fp8_projections(cfg: DSV4AttentionConfig, kinds: set) -> set:
-    """(out, in) of the projections a keep_fp8 layer computes with fp8_linear (layers.FP8_PROJECTIONS)."""
-    shapes = {(cfg.q_lora_rank, cfg.hidden_size), (cfg.num_heads * cfg.head_dim, cfg.q_lora_rank),
-              (cfg.head_dim, cfg.hidden_size), (cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank)}
+def _fp8_projections(cfg: DSV4AttentionConfig, kinds: set, tp: int = 1) -> set:
+    """(out, in) of the projections a keep_fp8 layer computes with fp8_linear (layers.FP8_PROJECTIONS;
+    q_b_proj's rows and o_b_proj's columns a rank's share under tensor parallelism)."""
+    shapes = {(cfg.q_lora_rank, cfg.hidden_size), (cfg.num_heads // tp * cfg.head_dim, cfg.q_lora_rank),
+              (cfg.head_dim, cfg.hidden_size), (cfg.hidden_size, cfg.o_groups // tp * cfg.o_lora_rank)}
     if CSA in kinds:
         shapes.add((cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
     return shapes

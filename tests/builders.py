@@ -269,6 +269,18 @@ def sparse_attn_args(dtype=torch.float32, fmt=None, heads=2, dim=16, runs=DEFAUL
                 comp_fmt=format_name(comp_fmt, dim))
 
 
+def attn_merge_args(dtype=torch.float32, shards=2, tokens=3, heads=2, dim=16, noncontig=False) -> dict:
+    """R shards' partials and log-sum-exps: with 3 tokens or more, token 1's shard 0 has no key (lse
+    -inf, a zero row) and the last token no key in any shard (a padding token's row)."""
+    lse = torch.randn(shards, tokens, heads) * 3
+    if tokens > 2:
+        lse[0, 1] = float("-inf")
+        lse[:, -1] = float("-inf")
+    partials = _rows((shards, tokens, heads, dim), dtype, noncontig)
+    partials[lse == float("-inf")] = 0
+    return dict(partials=partials, lse=lse, sinks=torch.randn(heads), out=torch.empty(tokens, heads, dim, dtype=dtype))
+
+
 def sparse_attn_gpu_case(heads: int, prefill: bool, entries: int = 512, pool=FP8, padding: bool = False,
                          seed: int = 0, block_size: int = 64, ring: int = 256):
     """(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks) on CUDA, V4
@@ -370,6 +382,7 @@ _PUBLIC = {
                                                   a["req_slots"], a["comp_idx"], a["sinks"], a["scale"], a["window"],
                                                   a["ring_size"], a["window_fmt"], a["comp_fmt"],
                                                   comp_lens=a["comp_lens"], window_ends=a["window_ends"]),
+    "attn_merge": lambda api, a: api.attn_merge(a["partials"], a["lse"], a["sinks"]),
     "visible_entries": lambda api, a: api.visible_entries(a["block_table"], a["positions"], a["req_slots"], a["ratio"],
                                                           a["block_size"], a["block_table"].numel()),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
@@ -378,7 +391,8 @@ _PUBLIC = {
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",
            "indexer_q_prep": "indexer", "indexer_k_prep": "indexer", "indexer_topk": "indexer",
-           "visible_entries": "visible_entries", "sparse_attn": "sparse_attn", "inv_rope": "inv_rope",
+           "visible_entries": "visible_entries", "sparse_attn": "sparse_attn", "attn_merge": "attn_merge",
+           "inv_rope": "inv_rope",
            "fp8_linear": "fp8_linear", "fp8_linear_w8a8": "fp8_linear"}
 
 

@@ -12,6 +12,13 @@ from builders import FP8
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
+def sparse_attn_lse_args(*args, **kw) -> dict:
+    """sparse_attn's arguments with lse (a context-parallel shard's partial output)."""
+    a = builders.sparse_attn_args(*args, **kw)
+    a["lse"] = torch.empty(a["q"].shape[:2])
+    return a
+
+
 # Each factory builds fresh arguments (the ops mutate them). Cases cover fp32 and bf16 activations,
 # float and FP8 (uint8) pools, size-1 dims (one token, one head) and a q / o view whose head stride
 # has a gap (allowed: only the last dim must be contiguous).
@@ -82,6 +89,13 @@ SAMPLES = {
         partial(builders.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
         partial(builders.sparse_attn_args, BF16, FP8, comp_fmt="fp4_288"),  # V4's kv_cache="fp4"
         partial(builders.sparse_attn_args, FP32, blocks=True),
+        partial(sparse_attn_lse_args, BF16, FP8),
+        partial(sparse_attn_lse_args, FP32, "fp8_528", comp_fmt="fp4_288", blocks=True),
+    ],
+    "attn_merge": [
+        partial(builders.attn_merge_args, FP32),
+        partial(builders.attn_merge_args, BF16, shards=1, tokens=1, heads=1),
+        partial(builders.attn_merge_args, FP32, shards=3, noncontig=True),
     ],
     "visible_entries": [
         partial(builders.visible_entries_args),

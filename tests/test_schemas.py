@@ -7,8 +7,8 @@ from expecttest import assert_expected_inline
 
 
 PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
-          "indexer_q_prep", "indexer_k_prep", "indexer_topk", "visible_entries", "sparse_attn", "inv_rope",
-          "fp8_linear", "fp8_linear_w8a8"}
+          "indexer_q_prep", "indexer_k_prep", "indexer_topk", "visible_entries", "sparse_attn", "attn_merge",
+          "inv_rope", "fp8_linear", "fp8_linear_w8a8"}
 
 
 def _schema(name: str) -> str:
@@ -64,7 +64,11 @@ def test_visible_entries():
 
 
 def test_sparse_attn():
-    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor? window_ends, Tensor sinks, Tensor(a9!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt) -> ()""")
+    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor? window_ends, Tensor sinks, Tensor(a9!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt, Tensor(a15!)? lse=None) -> ()""")
+
+
+def test_attn_merge():
+    assert_expected_inline(_schema("attn_merge"), """dsv4::attn_merge(Tensor partials, Tensor lse, Tensor sinks, Tensor(a3!) out) -> ()""")
 
 
 def test_fp8_linear():

@@ -22,6 +22,7 @@ import torch
 
 import dsv4ops
 from dsv4ops import _arch, testing
+from dsv4ops.attn_merge import reference as attn_merge_ref
 from dsv4ops.compressor import reference as compressor_ref
 from dsv4ops.fp8_linear import reference as fp8_linear_ref
 from dsv4ops.indexer import reference as indexer_ref
@@ -39,6 +40,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from dsv4ops import triton_helpers as th  # noqa: E402
+from dsv4ops.attn_merge import triton as attn_merge_tt  # noqa: E402
 from dsv4ops.compressor import triton as compressor_tt  # noqa: E402
 from dsv4ops.fp8_linear import triton as fp8_linear_tt  # noqa: E402
 from dsv4ops.indexer import triton as indexer_tt  # noqa: E402
@@ -705,6 +707,61 @@ def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
                                 run(sparse_attn_ref.sparse_attn, torch.bfloat16), what="attention output")
 
 
+@pytest.mark.parametrize("n_split", [1, 2], ids=["1-split", "2-splits"])
+@pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), ("fp8_528", "fp4_288")], ids=["fp8", "v41"])
+def test_sparse_attn_lse(w_pool, c_pool, n_split, monkeypatch):
+    """A context-parallel shard's partial: out without the sink and lse (natural log) against the
+    reference; token 1 (window end -1: no window, and no listed entry) and token 3 (padding) get
+    exact zero rows and lse -inf; with two splits the combine merges them without the sink."""
+    hb = sparse_attn_tt.config(2, torch.bfloat16)[0]
+    monkeypatch.setattr(sparse_attn_tt, "config", lambda *args: (hb, 16, 4, 1))
+    monkeypatch.setattr(sparse_attn_tt, "splits", lambda *args: n_split)
+    t, h, window, ring = 5, 2, 8, 12
+    pos, req = _i32(3, 4, 20, 9, 0), _i32(0, 0, 1, -1, 1)
+    ends = _i32(3, -1, 20, 9, -1)  # tokens 1 and 4: no window
+    wc, cc = _pool(w_pool, 512, 2 * ring // BS), _pool(c_pool, 512, 4)
+    w_fmt, c_fmt = builders.format_name(w_pool, 512), builders.format_name(c_pool, 512)
+    for p, r in ((3, 0), (20, 1)):
+        held = torch.arange(max(0, p - window + 1), p + 1)
+        quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc, w_fmt)
+    quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc, c_fmt)
+    idx = torch.randint(0, 16, (t, 40), dtype=torch.int32)
+    lens = _i32(40, 0, 37, 40, 5)
+    q, sinks = torch.randn(t, h, 512), torch.randn(h)
+
+    def run(fn, dtype):
+        as_dtype = (lambda c: c if c.dtype == torch.uint8 else c.to(dtype)) if dtype == torch.float64 else (lambda c: c)
+        out = torch.full((t, h, 512), float("nan"), dtype=dtype)
+        lse = torch.full((t, h), float("nan"))
+        fn(q.to(dtype), as_dtype(wc), as_dtype(cc), pos, req, idx, lens, ends, sinks, out, 512**-0.5, window, ring,
+           w_fmt, c_fmt, lse)
+        return out, lse
+
+    got, lse = run(sparse_attn_tt.sparse_attn, torch.bfloat16)
+    ref, ref_lse = run(sparse_attn_ref.sparse_attn, torch.float64)
+    low, low_lse = run(sparse_attn_ref.sparse_attn, torch.bfloat16)
+    assert (got[[1, 3]] == 0).all() and (lse[[1, 3]] == float("-inf")).all()
+    live = [0, 2, 4]
+    testing.assert_close_to_ref(got, ref, low, what="partial output")
+    testing.assert_close_to_ref(lse[live], ref_lse[live], low_lse[live], what="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attn_merge(dtype):
+    """3 shards over 5 heads x 512 (two head blocks, four column blocks), an empty shard (poisoned:
+    not read) and a token without keys; strided partials."""
+    args = builders.attn_merge_args(dtype, shards=3, tokens=4, heads=5, dim=512, noncontig=True)
+    args["partials"][args["lse"] == float("-inf")] = float("nan")
+    got = torch.full_like(args["out"], float("nan"))
+    attn_merge_tt.attn_merge(args["partials"], args["lse"], args["sinks"], got)
+    want = torch.empty(got.shape, dtype=torch.float64)
+    attn_merge_ref.attn_merge(args["partials"].double(), args["lse"], args["sinks"], want)
+    low = torch.empty_like(got)
+    attn_merge_ref.attn_merge(args["partials"], args["lse"], args["sinks"], low)
+    assert not got.isnan().any() and (got[-1] == 0).all()
+    testing.assert_close_to_ref(got, want, low, what=f"attn_merge {dtype}")
+
+
 def test_sparse_attn_fp32():
     # fp32 activations and pools: the fp32 (IEEE) dot path, close to fp64.
     t, h, window, ring = 2, 3, 8, 8
@@ -948,8 +1005,9 @@ def test_launchers_reject_the_combinations_they_do_not_implement():
 
 
 # ---- warmup ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("parallel", [(1, 1), (2, 2)], ids=["one-gpu", "tp2-dcp2"])
 @pytest.mark.parametrize("mode", ["fp8", "bf16", "fp4"])
-def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
+def test_warmup_calls_every_op_of_every_layer_kind(mode, parallel, monkeypatch):
     # On CPU the ops run their reference kernels: this checks that every warmup call is a valid op
     # call (the CUDA run compiles through the same calls), and that it covers every op and bucket.
     from dsv4ops.cache import CacheConfig
@@ -969,11 +1027,14 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, monkeypatch):
         mode, dict(kv_cache=mode, indexer_cache=mode))
     cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, **modes)
     fp8_block = 128 if mode == "fp8" else None  # layers loaded with keep_fp8=True: fp8_linear too
-    calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block)
+    tp, dcp = parallel  # a rank's heads under tensor parallelism; the partial and merge of context parallelism
+    calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block, tp=tp, dcp=dcp)
     assert calls == len(seen)
-    # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations).
-    # fp8_linear_w8a8 only where rule.pick chooses it: never without a GPU (test_warmup_runs_w8a8_...).
-    skipped = {"indexer_k_prep", "fp8_linear_w8a8"} | (set() if fp8_block else {"fp8_linear"})
+    # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations), attn_merge
+    # only for a context-parallel cache, and fp8_linear_w8a8 only where rule.pick chooses it: never
+    # without a GPU (test_warmup_runs_w8a8_...).
+    skipped = ({"indexer_k_prep", "fp8_linear_w8a8"} | (set() if fp8_block else {"fp8_linear"})
+               | ({"attn_merge"} if dcp == 1 else set()))
     assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS) - skipped
     assert {t for _, t in seen} == set(cache_cfg.buckets)
 
@@ -1121,6 +1182,10 @@ def record_launches():
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32)
             sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, None, torch.zeros(64), q,
                                        0.04, 8, 8, f512, f512)
+            # A context-parallel shard's partial (lse; split like the call above), and the merge.
+            sparse_attn_tt.sparse_attn(q, window, _pool(pool, 512, 2), pos, req, idx, lens, None, torch.zeros(64), q,
+                                       0.04, 8, 8, f512, f512, torch.zeros(t, 64))
+            attn_merge_tt.attn_merge(torch.zeros(2, t, 64, 512, dtype=dtype), torch.zeros(2, t, 64), torch.zeros(64), q)
             inv_rope_tt.inv_rope(q, pos, INV_FREQ, q)
             for blocks in (8, 128):  # V4-Flash's HCA key lists at 64K and 1M context: 512 and 8192 entries
                 visible_entries_tt.visible_entries(torch.zeros(1, blocks, dtype=torch.int32), pos, req,
@@ -1253,8 +1318,8 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
     expected = {"_qkv_prep_kernel", "_compress_kernel", "_pool_split_kernel", "_finish_kernel", "_save_kernel",
                 "_q_prep_kernel", "_k_prep_kernel", "_score_kernel",
                 "_block_keys_kernel", "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel",
-                "_visible_entries_kernel", "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel", "_fp8_linear_kernel",
-                "_reduce_kernel", "_act_quant_kernel"}
+                "_attn_merge_kernel", "_visible_entries_kernel", "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel",
+                "_fp8_linear_kernel", "_reduce_kernel", "_act_quant_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

@@ -4,14 +4,12 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
-#include <optional>
-
 namespace dsv4::sparse_attn {
 
 void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const at::Tensor& comp_cache,
                       const at::Tensor& window_ends, const at::Tensor& req_slots, const at::Tensor& comp_idx,
                       const at::Tensor& comp_lens, const at::Tensor& sinks, at::Tensor& out, at::Tensor& partial,
-                      at::Tensor& lse, const std::optional<at::Tensor>& lse_out, double scale, int64_t window,
+                      at::Tensor& lse, double scale, int64_t window,
                       int64_t ring_size, int64_t window_fmt, int64_t comp_fmt, int64_t window_block, int64_t comp_block,
                       int64_t window_page_bytes, int64_t comp_page_bytes, int64_t window_keys, int64_t split_keys,
                       int64_t splits);

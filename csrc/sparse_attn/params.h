@@ -38,15 +38,13 @@ struct Params {
   const float* sinks;        // [heads]
   void* out;                 // [tokens, heads, 512] bf16, last dim contiguous
   int64_t out_stride_token, out_stride_head;
-  float* partial;  // [tokens * splits * heads, 512] fp32 (!direct)
-  float* lse;      // [tokens * splits * heads] log2 of each split's softmax sum (!direct)
-  float* lse_out;  // [tokens, heads] fp32 or null: a shard's partial, no sink (combine_kernel)
+  float* partial;  // [tokens * splits * heads, 512] fp32 (splits > 1)
+  float* lse;      // [tokens * splits * heads] log2 of each split's softmax sum (splits > 1)
   int tokens, heads, n_idx, window;
   FastDiv ring_size;
   int window_keys;  // window rounded up to a whole tile: a tile is all window or all entries
   int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
   int splits;
-  bool direct;       // one split and no lse_out: the main kernel writes `out` (no combine)
   float scale_log2;  // softmax scale x log2(e)
 };
 

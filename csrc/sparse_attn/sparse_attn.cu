@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int tiles = end > begin ? (end - begin + kKeys - 1) / kKeys : 0;
   // A split past the token's real list leaves at once: the combine reads only the live splits, so the
   // cost follows comp_lens, not the list's width (HCA at 1M max_context has 8192 entries a token).
-  if (tiles == 0 && !p.direct) return;
+  if (tiles == 0 && p.splits > 1) return;
 
   if (warp >= kConsumers / 32) {
     shrink_registers<kProducerRegs>();
@@ -250,12 +250,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   const int group = warp & 3, half = __shfl_sync(0xffffffffu, warp >> 2, 0);
 
   // Rows r = lane / 4 and r + 8 of the warp's 16 heads; the sink opens the online softmax (running
-  // max s_h, running sum e^0 = 1 on one lane of the row's quad, no value) when the CTA writes `out`.
+  // max s_h, running sum e^0 = 1 on one lane of the row's quad, no value) when there is one split.
   float row_max[2], row_sum[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int head = head0 + group * 16 + (lane >> 2) + 8 * h;
-    if (p.direct) {
+    if (p.splits == 1) {
       row_max[h] = head < p.heads ? p.sinks[head] * kLog2e : 0.f;
       row_sum[h] = (lane & 3) == 0 ? 1.f : 0.f;
     } else {
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     if (head >= p.heads) continue;
     const int dim0 = half * 256 + 2 * (lane & 3);
     const float inv = 1.f / (sum > 0.f ? sum : 1.f);
-    if (p.direct) {
+    if (p.splits == 1) {
       // Into the output tile in shared memory (q's buffer: the last S wgmma of both warpgroups has
       // completed, as each warp passed its pair barrier after its own): 16-B chunk c of head row r
       // at r * 1024 + (c ^ (r % 8)) * 16, so the 8 rows of a store hit 32 banks.
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       if (half == 0 && (lane & 3) == 0) p.lse[row] = sum > 0.f ? row_max[h] + log2f(sum) : -INFINITY;
     }
   }
-  if (p.direct) {
+  if (p.splits == 1) {
     // Whole 16-B chunks, a row's 1 KiB contiguous: global stores of 4 B each throttled the LSU.
     bar_sync(kConsumerBar, kConsumers);
     auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
@@ -433,9 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 
 // out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink) over the live splits (those holding keys of the
 // token's list: the window's tiles and its comp_lens entries; split 0 always): one CTA per (token,
-// head), 4 dims a thread. With lse_out (a shard's partial, merged with other shards' by
-// `dsv4::merge_partials`): no sink term, and lse_out = ln(sum_j e^(l_j)) of the token's keys (-inf,
-// and a zero row, where it has none).
+// head), 4 dims a thread.
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
   pdl::wait_prior_grid();  // the splits' partial outputs
@@ -444,29 +442,24 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
   const int dim = threadIdx.x * 4;
   auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + dim;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float lse = -INFINITY;
   if (p.req_slots[token] >= 0) {
-    const bool sink = p.lse_out == nullptr;
+    const float sink = p.sinks[head] * kLog2e;
     const int64_t row0 = token * p.splits * p.heads + head;
     const int keys = p.window_keys + min(p.comp_lens[token], p.n_idx);
     const int live = min(p.splits, (keys + p.split_keys - 1) / p.split_keys);
-    float m = sink ? p.sinks[head] * kLog2e : -INFINITY;
+    float m = sink;
     for (int s = 0; s < live; ++s) m = fmaxf(m, p.lse[row0 + s * p.heads]);
-    if (m != -INFINITY) {  // no sink and no key: the zero row
-      float den = sink ? exp2f(p.sinks[head] * kLog2e - m) : 0.f;
-      for (int s = 0; s < live; ++s) {
-        const int64_t row = row0 + s * p.heads;
-        const float w = exp2f(p.lse[row] - m);
-        const float4 o = *reinterpret_cast<const float4*>(p.partial + row * kDim + dim);
-        den += w;
-        acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
-      }
-      acc.x /= den, acc.y /= den, acc.z /= den, acc.w /= den;
-      lse = (m + log2f(den)) * 0.6931471805599453f;
+    float den = exp2f(sink - m);
+    for (int s = 0; s < live; ++s) {
+      const int64_t row = row0 + s * p.heads;
+      const float w = exp2f(p.lse[row] - m);
+      const float4 o = *reinterpret_cast<const float4*>(p.partial + row * kDim + dim);
+      den += w;
+      acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
     }
+    acc.x /= den, acc.y /= den, acc.z /= den, acc.w /= den;
   }
   *reinterpret_cast<uint2*>(out) = make_uint2(bf16x2(acc.x, acc.y), bf16x2(acc.z, acc.w));
-  if (p.lse_out != nullptr && threadIdx.x == 0) p.lse_out[token * p.heads + head] = lse;
 #else
   __trap();
 #endif
@@ -483,7 +476,7 @@ void launch_formats(const Params& p, cudaStream_t stream) {
   // cudaGetLastError). H100, V4-Flash, with / without: sliding 1 x 4K 9.2 / 10.1 us, CSA 1 x 4K
   // 11.5 / 12.5, CSA 32 x 4K 24.3 / 25.4, V4-Pro CSA 128 x 4K 128.1 / 130.0.
   pdl::launch_pdl(sparse_attn_kernel<WF, CF>, grid, dim3(kThreads), sizeof(Smem), stream, p);
-  if (!p.direct) pdl::launch_pdl(combine_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
+  if (p.splits > 1) pdl::launch_pdl(combine_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
 }
 
 }  // namespace

@@ -12,7 +12,6 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
-#include <optional>
 
 #include "../common/checks.h"
 #include "params.h"
@@ -47,7 +46,7 @@ void check_int_vector(const at::Tensor& x, int64_t n, const char* name) {
 void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const at::Tensor& comp_cache,
                       const at::Tensor& window_ends, const at::Tensor& req_slots, const at::Tensor& comp_idx,
                       const at::Tensor& comp_lens, const at::Tensor& sinks, at::Tensor& out, at::Tensor& partial,
-                      at::Tensor& lse, const std::optional<at::Tensor>& lse_out, double scale, int64_t window,
+                      at::Tensor& lse, double scale, int64_t window,
                       int64_t ring_size, int64_t window_fmt, int64_t comp_fmt, int64_t window_block, int64_t comp_block,
                       int64_t window_page_bytes, int64_t comp_page_bytes, int64_t window_keys, int64_t split_keys,
                       int64_t splits) {
@@ -75,15 +74,7 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   DSV4_CHECK(ring_size > 0 && ring_size < (int64_t{1} << 31) && window_block > 0 && comp_block > 0 &&
                  window_block < (int64_t{1} << 31) && comp_block < (int64_t{1} << 31),
              "ring_size / window_block / comp_block: expected positive 32-bit sizes");
-  const bool direct = splits == 1 && !lse_out.has_value();
-  if (lse_out.has_value()) {
-    DSV4_CHECK_DTYPE(*lse_out, at::kFloat);
-    DSV4_CHECK(lse_out->is_contiguous() && lse_out->dim() == 2 && lse_out->size(0) == tokens &&
-                   lse_out->size(1) == heads,
-               "lse_out: expected a contiguous [tokens, heads] fp32 tensor, got shape ", lse_out->sizes());
-    DSV4_CHECK_SAME_DEVICE(*lse_out, q);
-  }
-  if (!direct) {
+  if (splits > 1) {
     DSV4_CHECK_DTYPE(partial, at::kFloat);
     DSV4_CHECK_DTYPE(lse, at::kFloat);
     DSV4_CHECK(partial.is_contiguous() && partial.numel() == tokens * splits * heads * kDim && lse.is_contiguous() &&
@@ -118,9 +109,8 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.out = out.mutable_data_ptr();
   p.out_stride_token = out.stride(0);
   p.out_stride_head = out.stride(1);
-  p.partial = direct ? nullptr : partial.mutable_data_ptr<float>();
-  p.lse = direct ? nullptr : lse.mutable_data_ptr<float>();
-  p.lse_out = lse_out.has_value() ? lse_out->mutable_data_ptr<float>() : nullptr;
+  p.partial = splits > 1 ? partial.mutable_data_ptr<float>() : nullptr;
+  p.lse = splits > 1 ? lse.mutable_data_ptr<float>() : nullptr;
   p.tokens = static_cast<int>(tokens);
   p.heads = static_cast<int>(heads);
   p.n_idx = static_cast<int>(comp_idx.size(1));
@@ -129,7 +119,6 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.window_keys = static_cast<int>(window_keys);
   p.split_keys = static_cast<int>(split_keys);
   p.splits = static_cast<int>(splits);
-  p.direct = direct;
   p.scale_log2 = static_cast<float>(scale * M_LOG2E);
   launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections, W8A16 and W8A8, at "
                          "1 .. 4096 tokens beside bf16 F.linear, and the rule table they give), fp4_cache (the V4 "
                          "stack's decode step, FP8 cache and FP4 cache option, at 64K and 1M context or the --case "
-                         "shapes), memory")
+                         "shapes), memory, parallel (TP2 / DCP2 against one GPU: torchrun --nproc-per-node 2 -m dsv4ops bench "
+                         "--only parallel; not in the default set)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
@@ -110,6 +111,8 @@ def main(argv=None):
     if "memory" in parts:
         out["memory"] = memory.rows()
         print(memory.markdown(out["memory"]))
+    if "parallel" in parts:
+        return _parallel(args, out)
     if parts & {"attention", "flashmla", "v41", "router", "fp8_linear", "fp4_cache"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
@@ -200,6 +203,36 @@ def sweep_report(out: dict) -> str:
                  f"(ours / FlashMLA, target <= {sweep.TARGET}):")
     parts.append(table(s["summary"], sweep.SUMMARY_COLUMNS))
     return "\n".join(parts)
+
+
+def _parallel(args, out: dict) -> dict:
+    """`--only parallel` under torchrun: every process one GPU of the group (NCCL); rank 0 prints."""
+    import os
+
+    import torch.distributed as dist
+
+    from dsv4ops.bench import parallel
+
+    if "WORLD_SIZE" not in os.environ:
+        raise SystemExit("bench --only parallel: run under torchrun (torchrun --nproc-per-node 2 -m dsv4ops bench "
+                         "--only parallel)")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench --only parallel: needs one CUDA GPU per process")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    first = dist.get_rank() == 0
+    quick = dict(tp_cases=parallel.TP_CASES[-1:], dcp_cases=parallel.DCP_CASES[-1:],
+                 indexer_cases=parallel.INDEXER_CASES[2:3]) if args.quick else {}
+    out["parallel"] = parallel.run(model=MODELS[args.model](), progress=(lambda r: print("row", json.dumps(r),
+                                                                                        flush=True)) if first else None,
+                                   **quick)
+    if first:
+        print(table(out["parallel"], parallel.COLUMNS))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+    dist.destroy_process_group()
+    return out
 
 
 def _plot(args, out: dict) -> None:

@@ -5,11 +5,17 @@ of the requests that finished their prompt plus prefill chunks of the others up 
 budget, compiled (CUDA graphs on a GPU). Then the summary: the backend that ran, tokens/s, cache
 memory, and each request's deviation from the float64 oracle run on its whole sequence in the
 cache's numerics, against the error budget of the oracle's own low-precision run, and from the float64
-oracle without cache rounding and in DeepSeek's reference numerics (what the cache's formats cost)."""
+oracle without cache rounding and in DeepSeek's reference numerics (what the cache's formats cost).
+
+Under torchrun (`torchrun --nproc-per-node 2 -m dsv4ops --parallel tp`) every process serves the
+same requests over a process group (NCCL on GPUs, one per process; gloo on CPU): `--parallel tp`
+splits each layer's heads over the ranks (dsv4ops.parallel.tp), `--parallel dcp` the cache's
+compressed entries (dsv4ops.parallel.dcp, exact top-k merge); rank 0 prints."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -36,12 +42,14 @@ ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "
 
 
 class Stack(nn.Module):
-    """The first `n` attention layers of a preset with a residual between them: h += layer(h)."""
+    """The first `n` attention layers of a preset with a residual between them: h += layer(h).
+    With a process group the layers are tensor parallel (load a full stack's state dict)."""
 
-    def __init__(self, cfg: DSV4AttentionConfig, n: int, seed: int, numerics: Numerics):
+    def __init__(self, cfg: DSV4AttentionConfig, n: int, seed: int, numerics: Numerics, process_group=None):
         super().__init__()
         self.numerics = numerics
-        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(cfg, i, numerics=numerics), seed=seed + i)
+        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(cfg, i, numerics=numerics,
+                                                                           process_group=process_group), seed=seed + i)
                                     for i in range(n))
 
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
@@ -176,7 +184,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads of torch's ops while the demo runs (default: 1 on a CPU, torch's own with a GPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parallel", choices=("none", "tp", "dcp"), default="none",
+                    help="under torchrun: tp = the layers' heads split over the processes (one GPU each); dcp = the "
+                         "cache's compressed entries split over them (decode context parallelism)")
     args = ap.parse_args(argv)
+    if args.parallel != "none" and "WORLD_SIZE" not in os.environ:
+        ap.error(f"--parallel {args.parallel}: run under torchrun (torchrun --nproc-per-node N -m dsv4ops ...)")
     if args.requests < 1 or args.layers < 1 or args.context < 2 or args.step_tokens < args.requests:
         ap.error("expected --requests >= 1, --layers >= 1, --context >= 2 and --step-tokens >= --requests")
     if args.threads is not None and args.threads < 1:
@@ -189,8 +202,25 @@ def main(argv=None):
         torch.set_num_threads(threads)
 
 
-def run(args) -> dict:
+def _process_group(args) -> tuple:
+    """(group or None, device, whether this process prints): under torchrun, the default group of
+    every process (NCCL with one GPU a process, gloo on CPU)."""
     device = torch.device(args.device)
+    if getattr(args, "parallel", "none") == "none":
+        return None, device, True
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.group.WORLD, device, dist.get_rank() == 0
+
+
+def run(args) -> dict:
+    group, device, shown = _process_group(args)
+    out = sys.stdout if shown else open(os.devnull, "w")
     cfg = PRESETS[args.preset]()
     if args.layers > cfg.num_layers:
         raise SystemExit(f"--layers: the {args.preset} preset has {cfg.num_layers} layers, got {args.layers}")
@@ -199,7 +229,11 @@ def run(args) -> dict:
     indexer_cache = args.indexer_cache or DEFAULT_INDEXER[kv_cache]
     numerics = Numerics(kv=kv_cache, indexer=indexer_cache)
     torch.manual_seed(args.seed)
-    stack = Stack(cfg, args.layers, args.seed, numerics).to(device, dtype)
+    full = Stack(cfg, args.layers, args.seed, numerics).to(device, dtype)  # the oracle's weights
+    stack = full
+    if args.parallel == "tp":
+        stack = Stack(cfg, args.layers, args.seed, numerics, process_group=group).to(device, dtype)
+        stack.load_state_dict(full.state_dict())  # each rank keeps its heads' share
     n = args.requests
     lengths = [max(2, args.context - r * args.context // (2 * n)) for r in range(n)]
     prompts = [max(1, L - max(1, min(16, L // 4))) for L in lengths]
@@ -208,22 +242,23 @@ def run(args) -> dict:
     cache_cfg = CacheConfig.for_numerics(numerics, dtype, max_requests=n, max_context=max(lengths),
                                          max_step_tokens=args.step_tokens, buckets=buckets)
     formats = "/".join(dict.fromkeys(cache_cfg.formats()))
-    manager = KVCacheManager(cfg, cache_cfg, device=device)
+    manager = KVCacheManager(cfg, cache_cfg, device=device, process_group=group if args.parallel == "dcp" else None)
     for layer in stack.layers:
         layer.attach_cache(manager)
     kinds = ", ".join(SHORT[layer.layer_type] for layer in stack.layers)
+    ranks = "" if group is None else f"; {args.parallel} over {torch.distributed.get_world_size(group)} processes"
     print(f"dsv4ops demo: {args.preset} preset, {args.layers} layers ({kinds}), {dtype}, {device}; "
           f"{n} requests of {min(lengths)}..{max(lengths)} tokens ({sum(lengths) - sum(prompts)} decode tokens), "
           f"{len(steps)} steps of <= {args.step_tokens} tokens (buckets {buckets}); paged cache {kv_cache} / "
           f"{indexer_cache} ({formats} rows); "
-          f"compile: {args.compile}")
+          f"compile: {args.compile}{ranks}", file=out)
     step_fn = _compiled(stack, args.compile)
     g = torch.Generator().manual_seed(args.seed + 1)
     inputs = [torch.randn(L, cfg.hidden_size, generator=g).to(device, dtype) for L in lengths]
     outs, done = [[] for _ in range(n)], [0] * n
     for r in range(n):
         manager.admit(r)
-    progress = Progress(len(steps))
+    progress = Progress(len(steps), out)
     calls: dict[int, int] = {}  # bucket -> steps run in it
     warm_time, warm_tokens, t_start = 0.0, 0, time.perf_counter()
     with torch.no_grad():
@@ -257,29 +292,30 @@ def run(args) -> dict:
     mem = memory(cfg.replace(num_layers=args.layers, compress_ratios=cfg.compress_ratios[:args.layers]), cache_cfg)
     pools = sum(b.numel() * b.element_size() for layer in stack.layers for b in layer.cache.buffers())
     tokens = sum(lengths)
-    print(f"backend: {backend_name(device)}")
+    print(f"backend: {backend_name(device)}", file=out)
     steady = (f"{warm_tokens / warm_time:.0f} tokens/s over the steps after each bucket's first two"
               if warm_time else "no step ran after its bucket's first two (compile, record)")
     print(f"throughput: {tokens} tokens in {total:.1f} s = {tokens / total:.0f} tokens/s including compilation; "
-          f"{steady}")
+          f"{steady}", file=out)
     print(f"cache: {pools / 2**20:.1f} MiB of pools for {n} requests x {max(lengths)} positions "
           f"({mem['bytes_per_token']:.0f} B per context token over {args.layers} layers, "
-          f"{mem['fixed_bytes_per_request'] / 2**20:.2f} MiB fixed per request: window rings and compressor states)")
+          f"{mem['fixed_bytes_per_request'] / 2**20:.2f} MiB fixed per request: window rings and compressor states)",
+          file=out)
     print(f"deviation from the float64 oracle in the cache's numerics ({numerics}) on each request's whole "
           f"sequence; budget = 2 x the larger of the oracle's own {str(dtype)[6:]} run and its rounding twins (every "
           f"value within 2^-17 of a bf16 / FP8 / FP4 rounding boundary moved across it); then from the float64 "
           f"oracle without cache rounding and in DeepSeek's reference numerics ({BASELINES['V4 reference']}): "
-          f"what the cache's formats cost (rms, and in % of the rms of the layers' part of the output):")
+          f"what the cache's formats cost (rms, and in % of the rms of the layers' part of the output):", file=out)
     results = []
     for r in range(n):
-        res = oracle_check(stack, inputs[r], torch.cat(outs[r]))
+        res = oracle_check(full, inputs[r], torch.cat(outs[r]))
         results.append(res)
         verdict = "within budget" if res["beyond"] == 0 else f"{res['beyond']} of {res['tokens']} tokens past it"
         print(f"  request {r}: {res['tokens']:5d} tokens | max |out - oracle| {res['err']:.1e} "
               f"(|oracle| <= {res['scale']:.1f}) | {str(dtype)[6:]} run {res['lowp']:.1e}, twins {res['twins']:.1e} "
-              f"-> budget {res['bound']:.1e}: {verdict}")
+              f"-> budget {res['bound']:.1e}: {verdict}", file=out)
         print("      " + " | ".join(f"vs {name}: rms {v['rms']:.1e} ({100 * v['rel_rms']:.2f}%), max {v['max']:.1e}"
-                                    for name, v in res["vs"].items()))
+                                    for name, v in res["vs"].items()), file=out)
     return {"results": results, "tokens": tokens, "seconds": total, "numerics": numerics}
 
 

@@ -167,9 +167,13 @@ def blocks_per_request(cfg: CacheConfig, ratio: int) -> int:
     return -(-entries // cfg.block_size)
 
 
-def pool_blocks(cfg: CacheConfig, ratio: int) -> int:
-    """Blocks of a compressed pool: every request's partial last block plus the total context."""
-    return -(-cfg.total_tokens // ratio // cfg.block_size) + cfg.max_requests
+def pool_blocks(cfg: CacheConfig, ratio: int, shards: int = 1) -> int:
+    """Blocks of a compressed pool: every request's partial last block plus the total context.
+    Over `shards` context-parallel ranks (the blocks of a request owned in turn): a rank holds at
+    most ceil(n / shards) of a request's n blocks, so its share of that count plus one block per
+    request."""
+    blocks = -(-cfg.total_tokens // ratio // cfg.block_size) + cfg.max_requests
+    return blocks if shards == 1 else -(-blocks // shards) + cfg.max_requests
 
 
 def paged_pool(name: str, cfg: CacheConfig, fmt: str, dim: int, blocks: int) -> PoolSpec:
@@ -178,9 +182,10 @@ def paged_pool(name: str, cfg: CacheConfig, fmt: str, dim: int, blocks: int) -> 
     return PoolSpec(name, formats.pool_shape(fmt, blocks, cfg.block_size, dim), dtype, fmt)
 
 
-def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) -> list[PoolSpec]:
+def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, shards: int = 1) -> list[PoolSpec]:
     """The buffers of one layer: sliding = window ring; CSA = ring + compressed pool (m=4) + indexer
-    pool + both compressor states; HCA = ring + compressed pool (m=128) + state."""
+    pool + both compressor states; HCA = ring + compressed pool (m=128) + state. `shards`: the
+    compressed pools of one context-parallel rank (pool_blocks)."""
     kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
     d, di = model.head_dim, model.index_head_dim
     window, comp, index = cfg.formats()
@@ -189,19 +194,20 @@ def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig) ->
     if kind == SLIDING:
         return pools
     coff = 2 if kind == CSA else 1
-    pools.append(paged_pool("comp", cfg, comp, d, pool_blocks(cfg, ratio)))
+    pools.append(paged_pool("comp", cfg, comp, d, pool_blocks(cfg, ratio, shards)))
     pools.append(PoolSpec("state", (cfg.max_requests, cfg.state_rows(coff * ratio), 2 * coff * d), torch.float32))
     if kind == CSA:
-        pools.append(paged_pool("index", cfg, index, di, pool_blocks(cfg, ratio)))
+        pools.append(paged_pool("index", cfg, index, di, pool_blocks(cfg, ratio, shards)))
         pools.append(PoolSpec("index_state", (cfg.max_requests, cfg.state_rows(2 * ratio), 4 * di), torch.float32))
     return pools
 
 
-def topk_workspace_words(model: DSV4AttentionConfig, cfg: CacheConfig) -> int:
-    """int32 words of the indexer top-k workspace all CSA layers share (0 without CSA layers)."""
+def topk_workspace_words(model: DSV4AttentionConfig, cfg: CacheConfig, shards: int = 1) -> int:
+    """int32 words of the indexer top-k workspace all CSA layers share (0 without CSA layers); a
+    context-parallel rank scores its share of a request's blocks (`shards`)."""
     if CSA not in {model.layer_type(i) for i in range(model.num_layers)}:
         return 0
-    n_entries = blocks_per_request(cfg, model.csa_ratio) * cfg.block_size
+    n_entries = -(-blocks_per_request(cfg, model.csa_ratio) // shards) * cfg.block_size
     return workspace_words(cfg.topk_launch_tokens, n_entries, model.index_topk)
 
 

@@ -15,6 +15,8 @@ import torch
 from dsv4ops.cache.config import CacheConfig, blocks_per_request, layer_pools, pool_blocks, topk_workspace_words
 from dsv4ops.cache.step import PlannedRequest, StepMeta, StepOrigin
 from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
+from dsv4ops.parallel import Group
+from dsv4ops.parallel import dcp as _dcp
 
 # Process-wide counters: manager ids, and generations, so that no two (slot, generation) pairs of
 # any two managers are equal and a step of one manager never passes another's device check.
@@ -34,14 +36,26 @@ class CacheFullError(RuntimeError):
 class BlockAllocator:
     """A free list of block ids (lowest first, so runs are reproducible) and each block's reference
     count: every block-table entry that lists a block holds one reference (a fork shares its
-    parent's complete blocks); a block goes back to the free list when its last holder drops it."""
+    parent's complete blocks); a block goes back to the free list when its last holder drops it.
 
-    def __init__(self, num_blocks: int):
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.refs = [0] * num_blocks
+    `shards` (context parallelism): `num_blocks` blocks on each of `shards` ranks; block id
+    = local block x shards + rank, and a block is taken from the pool of the rank that owns it."""
 
-    def take(self, n: int) -> list[int]:
-        taken = [self.free.pop() for _ in range(n)]
+    def __init__(self, num_blocks: int, shards: int = 1):
+        self.shards = shards
+        self._free = [list(range((num_blocks - 1) * shards + s, -1, -shards)) for s in range(shards)]
+        self.refs = [0] * (num_blocks * shards)
+
+    @property
+    def free(self) -> list[int]:
+        """The free block ids, highest first."""
+        return self._free[0] if self.shards == 1 else sorted((b for f in self._free for b in f), reverse=True)
+
+    def free_count(self, shard: int = 0) -> int:
+        return len(self._free[shard])
+
+    def take(self, n: int, shard: int = 0) -> list[int]:
+        taken = [self._free[shard].pop() for _ in range(n)]
         for b in taken:
             self.refs[b] = 1
         return taken
@@ -51,14 +65,14 @@ class BlockAllocator:
             self.refs[b] += 1
 
     def drop(self, blocks: list[int]):
-        freed = []
+        freed = set()
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                freed.append(b)
-        if freed:
-            self.free.extend(freed)
-            self.free.sort(reverse=True)
+                self._free[b % self.shards].append(b)
+                freed.add(b % self.shards)
+        for shard in freed:
+            self._free[shard].sort(reverse=True)
 
 
 class _OpenStep:
@@ -102,19 +116,41 @@ class KVCacheManager:
     length)` admits a request that continues from the first `length` tokens of another: complete
     compressed blocks are shared by reference count and copied on write, the partial block, the
     window ring and the compressor states are copied. `usage()` reports blocks, shared blocks and
-    bytes."""
+    bytes.
+
+    Decode context parallelism (`process_group`; dsv4ops.parallel.dcp): the ranks of the group share
+    each request's compressed entries (and indexer keys) by block: block b of a request lives on
+    rank b % ranks, and each rank's pools hold only its own blocks (about 1 / ranks of the context);
+    the window rings and compressor states are replicated. Every rank builds the same manager and
+    plans the same steps with the same arguments (prepare_step checks that the ranks agree and
+    raises on every rank, before anything changes, when they do not); the allocation is the same
+    on every rank (each takes a block from its owner's free list), each rank's device tables list
+    its own blocks only (`device_tables` [requests, blocks per request / ranks]: column j = block
+    j x ranks + rank), and a step's entry slots name the entries this rank stores (-1 elsewhere).
+    `topk` ("exact" or "union") is how the layers merge the indexer's selection over the ranks
+    (dsv4ops.parallel.dcp)."""
 
     model_type = DSV4AttentionConfig  # the model config this manager plans for
 
-    def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None):
+    def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None, process_group=None,
+                 topk: str = "exact"):
         self._check_args(model, cfg)
+        if topk not in _dcp.TOPK_MODES:
+            raise ValueError(f"topk: expected one of {_dcp.TOPK_MODES}, got {topk!r}")
         self.model, self.cfg, self.device = model, cfg, torch.device(device or "cpu")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device: name it
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.id = next(_MANAGER_IDS)
+        self.dcp = Group.of(process_group)
+        self.dcp_topk = topk
+        self.shards = 1 if self.dcp is None else self.dcp.size
+        self._agreement = None if self.dcp is None else _dcp.Agreement(process_group)
         self.ratios, kinds = self._compressed_pools(model)
+        if self.dcp is not None:
+            _dcp.check_layout(model, cfg, self.ratios, kinds)
         self.widths = {k: (blocks_per_request(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
-        self.allocators = {k: BlockAllocator(pool_blocks(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
+        self.allocators = {k: BlockAllocator(pool_blocks(cfg, r, self.shards) if k in kinds else 0, self.shards)
+                           for k, r in self.ratios.items()}
         # The block tables: the planner's on the host (`tables`, written only through _set_blocks) and
         # the copies the steps read (`device_tables`, on `device`; a CPU manager's are separate CPU
         # tensors). The device tables are allocated once and every step carries them (CUDA graphs
@@ -122,8 +158,19 @@ class KVCacheManager:
         # (`_dirty`): a decode step moves a few rows, not [max_requests, max_context / ratio /
         # block_size] (128 requests at 1M, CSA: 2 MiB a step).
         self.tables = {k: torch.full((cfg.max_requests, w), -1, dtype=torch.int32) for k, w in self.widths.items()}
-        self.device_tables = {k: torch.full_like(t, -1, device=self.device) for k, t in self.tables.items()}
+        self.device_tables = {k: torch.full((cfg.max_requests, -(-w // self.shards)), -1, dtype=torch.int32,
+                                            device=self.device) for k, w in self.widths.items()}
         self._dirty: dict[object, set[int]] = {k: set() for k in self.tables}
+        # Context parallel: each of this rank's blocks' index in its request's block table (the
+        # block holds entries index x block_size ..), on the host and the device, so the layers map
+        # a pool slot back to its entry (dsv4ops.parallel.dcp); the caches get the device tensors.
+        self.block_index = {}
+        if self.dcp is not None:
+            self.block_index = {k: torch.full((len(a.refs) // self.shards,), -1, dtype=torch.int32)
+                                for k, a in self.allocators.items()}
+            self.device_block_index = {k: torch.full_like(t, -1, device=self.device)
+                                       for k, t in self.block_index.items()}
+            self._dirty_index: dict[object, set[int]] = {k: set() for k in self.block_index}
         self.free_slots = list(range(cfg.max_requests - 1, -1, -1))
         self.slot_of: dict[object, int] = {}
         self.length: dict[object, int] = {}
@@ -182,6 +229,24 @@ class KVCacheManager:
         the device table at the next prepare_step. Every table write goes through here."""
         self.tables[kind][slot, at] = blocks
         self._dirty[kind].add(slot)
+        if self.dcp is not None:  # this rank's blocks among them: their index in the table row
+            cols = torch.arange(self.widths[kind])[at].reshape(-1)
+            ids = self.tables[kind][slot, cols].long()
+            mine = (ids >= 0) & (ids % self.shards == self.dcp.rank)
+            local = ids[mine] // self.shards
+            self.block_index[kind][local] = cols[mine].int()
+            self._dirty_index[kind].update(local.tolist())
+
+    def _device_rows(self, kind, slots: torch.Tensor) -> torch.Tensor:
+        """Rows `slots` of the host table as the device table holds them: as they are, or under
+        context parallelism this rank's blocks (column j = block j x ranks + rank) as local ids."""
+        rows = self.tables[kind][slots.long()]
+        if self.dcp is None:
+            return rows
+        mine = rows[:, self.dcp.rank::self.shards]
+        mine = torch.where(mine >= 0, mine // self.shards, -1)
+        pad = self.device_tables[kind].shape[1] - mine.shape[1]
+        return torch.cat([mine, mine.new_full((mine.shape[0], pad), -1)], 1)
 
     def _sync_tables(self) -> None:
         """Copy the host rows written since the last sync into the device tables: per group one
@@ -191,17 +256,23 @@ class KVCacheManager:
             if not dirty:
                 continue
             slots = torch.tensor(sorted(dirty), dtype=torch.int32)
-            packed = torch.cat([slots[:, None], self.tables[kind][slots.long()]], 1).to(self.device, non_blocking=True)
+            packed = torch.cat([slots[:, None], self._device_rows(kind, slots)], 1).to(self.device, non_blocking=True)
             self.device_tables[kind].index_copy_(0, packed[:, 0].long(), packed[:, 1:])
             dirty.clear()
+        for kind, dirty in (self._dirty_index.items() if self.dcp is not None else ()):
+            if dirty:
+                at = torch.tensor(sorted(dirty), dtype=torch.long)
+                packed = torch.stack([at.int(), self.block_index[kind][at]], 1).to(self.device, non_blocking=True)
+                self.device_block_index[kind].index_copy_(0, packed[:, 0].long(), packed[:, 1])
+                dirty.clear()
 
     def topk_workspace(self, device) -> torch.Tensor:
         """The indexer top-k scratch every CSA layer attached to this manager shares on `device`
         (layers run one after another; allocated once, so CUDA graphs keep its address)."""
         device = torch.device(device)
         if device not in self._topk_workspace:
-            self._topk_workspace[device] = torch.empty(topk_workspace_words(self.model, self.cfg), dtype=torch.int32,
-                                                       device=device)
+            self._topk_workspace[device] = torch.empty(topk_workspace_words(self.model, self.cfg, self.shards),
+                                                       dtype=torch.int32, device=device)
         return self._topk_workspace[device]
 
     # ---- layers ---------------------------------------------------------------------------------
@@ -219,6 +290,8 @@ class KVCacheManager:
                                f"before the first step, or release those requests first")
         self._caches.add(cache)
         cache.generations.copy_(torch.tensor(self.generation, dtype=torch.int32))
+        for kind, t in (self.device_block_index.items() if self.dcp is not None else ()):
+            cache.register_buffer(f"block_index_{kind}", t, persistent=False)
 
     def _publish_generations(self):
         host = torch.tensor(self.generation, dtype=torch.int32)
@@ -369,8 +442,11 @@ class KVCacheManager:
         bs = self.cfg.block_size
         partial = {k: bool((length // r) % bs) and self.widths[k] > 0 for k, r in self.ratios.items()}
         for kind, copy in partial.items():
-            if copy and not self.allocators[kind].free:
-                raise CacheFullError(f"fork: the {kind} pool needs 1 more block (the partial last block), 0 are free")
+            owner = (length // self.ratios[kind]) // bs % self.shards
+            if copy and not self.allocators[kind].free_count(owner):
+                where = f" (rank {owner}'s)" if self.shards > 1 else ""
+                raise CacheFullError(f"fork: the {kind} pool{where} needs 1 more block (the partial last block), 0 are "
+                                     f"free")
         # Every check passed.
         slot = self.free_slots.pop()
         self.slot_of[child], self.length[child], self.high[child] = slot, length, self.high[parent]
@@ -383,7 +459,7 @@ class KVCacheManager:
                 self.allocators[kind].share(src[:full].tolist())
                 self._set_blocks(kind, slot, slice(0, full), src[:full])
             if partial[kind]:
-                block = self.allocators[kind].take(1)[0]
+                block = self.allocators[kind].take(1, full % self.shards)[0]
                 for cache in list(self._caches):
                     cache.copy_blocks(kind, [int(src[full])], [block])
                 self._set_blocks(kind, slot, full, block)
@@ -397,7 +473,8 @@ class KVCacheManager:
         in use (`blocks`, each counted once), the block-table entries listing them (`block_refs`)
         and the blocks listed by more than one request (`shared_blocks`); `bytes`: the blocks in use
         over every layer's pools plus each admitted request's slot (window rings, compressor states);
-        `bytes_without_sharing`: the same requests with a block of their own for every reference."""
+        `bytes_without_sharing`: the same requests with a block of their own for every reference.
+        Context parallel: every rank's blocks (each rank's pools hold its own)."""
         block_bytes, slot_bytes = self._pool_bytes()
         out = {"blocks": {}, "block_refs": {}, "shared_blocks": {}}
         used = unshared = len(self.slot_of) * slot_bytes
@@ -439,8 +516,18 @@ class KVCacheManager:
         a position would pass max_context, the step passes its capacity, or blocks run out. A step
         that writes entries into a block its request shares with a fork first gives the request a
         private copy of it (copy on write). The step stays open until `commit(step)` or
-        `abort(step)`."""
+        `abort(step)`.
+
+        Context parallel: first of all the ranks compare a digest of their call and state (the
+        arguments, the open step, every request's slot, length and furthest position, the free
+        blocks of every rank's pools: dsv4ops.parallel.dcp.Agreement, one all-gather of 8 bytes on a
+        CPU group); ranks that disagree all raise, with nothing changed."""
         cfg = self.cfg
+        if self._agreement is not None:
+            self._agreement.check("prepare_step", (
+                _dcp.describe(new_tokens), _dcp.describe(blocks), self._open is not None, list(self.slot_of.items()),
+                list(self.length.items()), list(self.high.items()),
+                {k: [a.free_count(s) for s in range(self.shards)] for k, a in self.allocators.items()}))
         if self._open is not None:
             o = self._open.step.origin
             raise RuntimeError(f"prepare_step: step {o.step_id} is still open (requests "
@@ -493,10 +580,15 @@ class KVCacheManager:
                     if self.allocators[kind].refs[int(row[b])] > 1:
                         cow[kind].append((p.slot, b))
         for kind in need:
-            want, free = len(need[kind]) + len(cow[kind]), len(self.allocators[kind].free)
-            if want > free:
-                shared = f" ({len(cow[kind])} of them copies of shared blocks)" if cow[kind] else ""
-                raise CacheFullError(f"prepare_step: the {kind} pool needs {want} more blocks{shared}, {free} are free")
+            for shard in range(self.shards):  # every block comes from its owner's pool
+                n_cow = sum(b % self.shards == shard for _, b in cow[kind])
+                want = sum(b % self.shards == shard for _, b in need[kind]) + n_cow
+                free = self.allocators[kind].free_count(shard)
+                if want > free:
+                    shared = f" ({n_cow} of them copies of shared blocks)" if n_cow else ""
+                    where = f" (rank {shard}'s)" if self.shards > 1 else ""
+                    raise CacheFullError(f"prepare_step: the {kind} pool{where} needs {want} more blocks{shared}, "
+                                         f"{free} are free")
         # Every check passed: back up the state rows the step may overwrite, copy shared blocks it
         # writes, allocate, open the step.
         backups = self._back_up_states(plan)
@@ -505,7 +597,7 @@ class KVCacheManager:
             if not at:
                 continue
             shared = [int(self.tables[kind][slot, b]) for slot, b in at]
-            private = self.allocators[kind].take(len(at))
+            private = [self.allocators[kind].take(1, b % self.shards)[0] for _, b in at]
             for cache in list(self._caches):
                 cache.copy_blocks(kind, shared, private)
             for (slot, b), old, new in zip(at, shared, private):
@@ -514,7 +606,8 @@ class KVCacheManager:
             self.allocators[kind].drop(shared)
         taken = {k: [] for k in self.tables}
         for kind, blocks_ in need.items():
-            for (slot, b), block in zip(blocks_, self.allocators[kind].take(len(blocks_))):
+            for (slot, b), block in zip(blocks_, [self.allocators[kind].take(1, b % self.shards)[0]
+                                                  for _, b in blocks_]):
                 self._set_blocks(kind, slot, b, block)
                 taken[kind].append((slot, b, block))
         bucket = min(b for b in cfg.buckets if b >= total)
@@ -565,13 +658,18 @@ class KVCacheManager:
         return out
 
     def _entry_slots(self, kind: str, pos: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+        """The pool slot of the entry each token closes (-1: none); context parallel: this rank's
+        pool slot of the entries it owns, -1 for the others'."""
         r, bs = self.ratios[kind], self.cfg.block_size
         closes = (req >= 0) & ((pos + 1) % r == 0)
         if self.widths[kind] == 0 or not bool(closes.any()):
             return torch.full_like(pos, -1)
         w = (pos // r).long()
-        blocks = self.tables[kind][req.clamp(min=0).long(), (w // bs).clamp(max=self.widths[kind] - 1)]
-        return torch.where(closes, blocks * bs + (w % bs).int(), -1).to(torch.int32)
+        blocks = self.tables[kind][req.clamp(min=0).long(), (w // bs).clamp(max=self.widths[kind] - 1)].long()
+        if self.dcp is not None:
+            closes &= (w // bs) % self.shards == self.dcp.rank
+            blocks = blocks // self.shards
+        return torch.where(closes, blocks * bs + w % bs, -1).to(torch.int32)
 
     def _back_up_states(self, plan) -> list:
         """Copies of the compressor-state rows of every request whose chunk wraps its state ring far
@@ -693,7 +791,7 @@ class KVCacheManager:
             if step.block_table(kind) is not table:
                 raise ValueError(f"step: its {kind} block table is not the manager's (replaced by hand?); plan steps "
                                  f"with the manager")
-            edited = (table != self.tables[kind]).any(1)
+            edited = (table != self._device_rows(kind, torch.arange(table.shape[0]))).any(1)
             edited[sorted(self._dirty[kind])] = False
             if edited.any():
                 self._dirty[kind].update(edited.nonzero().flatten().tolist())  # the next step restores them

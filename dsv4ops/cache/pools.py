@@ -6,6 +6,7 @@ from torch import nn
 
 from dsv4ops.cache.config import CacheConfig, layer_pools, topk_workspace_words
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
+from dsv4ops.parallel import Group
 
 
 class PoolCache(nn.Module):
@@ -14,10 +15,14 @@ class PoolCache(nn.Module):
     rings: ring_size / block_size pages; compressor states: 1 row of [requests, rows, width]);
     `block_pools` {buffer: its pool group} (compressed entries and index keys, paged by the
     manager's block table of that group). Copies are in place on the buffers' device, issued
-    between steps (the buffers keep their addresses: CUDA graphs stay valid)."""
+    between steps (the buffers keep their addresses: CUDA graphs stay valid).
+
+    `dcp` (a dsv4ops.parallel.Group, or None): the context-parallel group whose rank this cache is; its
+    block pools hold that rank's blocks only (block id = local block x ranks + rank)."""
 
     slot_pools: dict
     block_pools: dict
+    dcp: Group | None = None
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Request slot dst's window rings and compressor states become slot src's."""
@@ -26,7 +31,12 @@ class PoolCache(nn.Module):
             buf[dst * n:(dst + 1) * n] = buf[src * n:(src + 1) * n]
 
     def copy_blocks(self, group, src: list[int], dst: list[int]) -> None:
-        """Blocks dst[i] of the group's pools become copies of blocks src[i]."""
+        """Blocks dst[i] of the group's pools become copies of blocks src[i] (context parallel: the
+        pairs this rank holds; a copy stays on the rank of its block's index, so src[i] and dst[i]
+        have the same owner)."""
+        if self.dcp is not None:
+            n, mine = self.dcp.size, [(a, b) for a, b in zip(src, dst) if a % self.dcp.size == self.dcp.rank]
+            src, dst = [a // n for a, _ in mine], [b // n for _, b in mine]
         if not src:
             return
         for name, g in self.block_pools.items():
@@ -42,15 +52,17 @@ class LayerCache(PoolCache):
     `topk_workspace` (the indexer's scratch, one tensor shared by every CSA layer of a manager);
     `generations` (int32 [max_requests]): each request slot's current generation, kept by the
     manager the cache is attached to (a token whose step carries another generation reads and
-    writes nothing)."""
+    writes nothing). Context parallel (`dcp`, the manager's group; `dcp_topk`, its top-k merge):
+    the compressed pools hold this rank's blocks, and the manager adds `block_index_{CSA,HCA}`
+    (each local block's index in its request's table)."""
 
     def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None,
-                 topk_workspace: torch.Tensor | None = None):
+                 topk_workspace: torch.Tensor | None = None, dcp: Group | None = None, dcp_topk: str = "exact"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.dcp, self.dcp_topk = cfg, dcp, dcp_topk
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}  # pool name -> its row format (the ops take it explicitly)
-        for spec in layer_pools(model, layer_idx, cfg):
+        for spec in layer_pools(model, layer_idx, cfg, 1 if dcp is None else dcp.size):
             self.fmt[spec.name] = spec.fmt
             # Poisoned at birth: FP8 pools with 0xFF (e4m3 NaN), float pools and states with NaN, so
             # any read of an entry that was never written shows up in the output.
@@ -59,7 +71,8 @@ class LayerCache(PoolCache):
                                  persistent=False)
         if model.layer_type(layer_idx) == CSA:
             if topk_workspace is None:
-                topk_workspace = torch.empty(topk_workspace_words(model, cfg), dtype=torch.int32, device=device)
+                topk_workspace = torch.empty(topk_workspace_words(model, cfg, 1 if dcp is None else dcp.size),
+                                             dtype=torch.int32, device=device)
             self.register_buffer("topk_workspace", topk_workspace, persistent=False)
         # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
         self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),

@@ -23,6 +23,7 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import PoolCache
 from dsv4ops.cache.step import StepOrigin
 from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.parallel import Group
 from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.reference.v41 import V41Numerics
 
@@ -69,21 +70,22 @@ class V41StepMeta:
 pytree.register_dataclass(V41StepMeta)
 
 
-def stack_pools(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics) -> list[PoolSpec]:
+def stack_pools(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, shards: int = 1) -> list[PoolSpec]:
     """Every buffer of a stack's cache: `window_{L}` per backbone layer; per KV source S `comp_{S}`,
     `state_{S}` (fp32 compressor ring [requests, rows, 2 d]: ratio 2, the pending rows of an open
     group, cfg.state_rows(2) rows so a rewind keeps them; a ratio-1 source's single row is rewritten
-    by every token and never read back) and, for an index source, `keys_{S}`."""
+    by every token and never read back) and, for an index source, `keys_{S}`. `shards`: the shared
+    pools of one context-parallel rank (pool_blocks)."""
     d, di = model.head_dim, model.index_head_dim
     ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
     pools = [paged_pool(f"window_{i}", cfg, numerics.window, d, ring_blocks) for i in range(model.num_layers)]
     for role in model.roles:
         if role.owns_compressor:
             m = role.ratio
-            pools.append(paged_pool(f"comp_{role.layer}", cfg, numerics.comp, d, pool_blocks(cfg, m)))
+            pools.append(paged_pool(f"comp_{role.layer}", cfg, numerics.comp, d, pool_blocks(cfg, m, shards)))
             pools.append(PoolSpec(f"state_{role.layer}", (cfg.max_requests, state_rows(cfg, m), 2 * d), torch.float32))
             if role.owns_index_keys:
-                pools.append(paged_pool(f"keys_{role.layer}", cfg, numerics.index, di, pool_blocks(cfg, m)))
+                pools.append(paged_pool(f"keys_{role.layer}", cfg, numerics.index, di, pool_blocks(cfg, m, shards)))
     return pools
 
 
@@ -96,14 +98,18 @@ def state_rows(cfg: CacheConfig, ratio: int) -> int:
 class V41StackCache(PoolCache):
     """The stack's pools as non-persistent buffers (allocated once, never reassigned: CUDA graphs keep
     their addresses), poisoned at birth (byte pools 0xFF, float pools NaN) so a read of an entry that
-    was never written shows up in the output. `fmt[name]` is each pool's format."""
+    was never written shows up in the output. `fmt[name]` is each pool's format. Context parallel
+    (`dcp`, the manager's group; `dcp_topk`, its top-k merge): the shared pools hold this rank's
+    blocks, and the manager adds `block_index_{ratio}`."""
 
-    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, device=None):
+    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, device=None,
+                 dcp: Group | None = None, dcp_topk: str = "exact"):
         super().__init__()
-        self.cfg, self.numerics = cfg, numerics
+        self.cfg, self.numerics, self.dcp, self.dcp_topk = cfg, numerics, dcp, dcp_topk
+        shards = 1 if dcp is None else dcp.size
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}
-        for spec in stack_pools(model, cfg, numerics):
+        for spec in stack_pools(model, cfg, numerics, shards):
             self.fmt[spec.name] = spec.fmt
             fill = 255 if spec.dtype == torch.uint8 else float("nan")
             self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
@@ -126,21 +132,22 @@ class V41StackCache(PoolCache):
                 if r.owns_index_keys:
                     self.block_pools[f"keys_{r.layer}"] = r.ratio
         # The indexer's top-k scratch, shared by every index source (they run one after another).
-        self.register_buffer("topk_workspace", torch.empty(topk_workspace_words(model, cfg), dtype=torch.int32,
+        self.register_buffer("topk_workspace", torch.empty(topk_workspace_words(model, cfg, shards), dtype=torch.int32,
                                                            device=device), persistent=False)
 
 
-def topk_workspace_words(model: DSV41AttentionConfig, cfg: CacheConfig) -> int:
+def topk_workspace_words(model: DSV41AttentionConfig, cfg: CacheConfig, shards: int = 1) -> int:
     """int32 words of the top-k workspace the stack's index sources share: the largest row among
     them (a source over its ratio's entries; the candidate source adds its block selection; a
-    reindex layer scores the pool's columns)."""
+    reindex layer scores the pool's columns). A context-parallel rank scores its share of a
+    request's blocks, and its candidate source proposes one block more (dsv4ops.parallel.dcp)."""
     rows = [0]
     for r in model.roles:
         if not r.indexer:
             continue
-        n_entries = blocks_per_request(cfg, r.ratio) * cfg.block_size
+        n_entries = -(-blocks_per_request(cfg, r.ratio) // shards) * cfg.block_size
         cols = model.candidate_topk_blocks * model.candidate_block_size if r.uses_candidates else 0
-        keep = model.candidate_topk_blocks if r.candidate_source else 0
+        keep = model.candidate_topk_blocks + (shards > 1) if r.candidate_source else 0
         rows.append(workspace_words(cfg.topk_launch_tokens, n_entries, model.index_topk, cols, keep,
                                     model.candidate_block_size))
     return max(rows)
@@ -150,18 +157,20 @@ class V41CacheManager(KVCacheManager):
     """KVCacheManager for a V4.1 stack: one pool group per compress ratio of the KV sources; steps
     carry V41StepMeta. `numerics` gives the pools' formats (checked against the stack at attach);
     the CacheConfig gives capacity, block size, buckets and the dtype of exact pools (its V4 modes
-    kv_cache / indexer_cache are not read)."""
+    kv_cache / indexer_cache are not read). `process_group`, `topk`: context parallelism, as
+    KVCacheManager's (the compressed entries and index keys of a ratio's sources by block; a block
+    holds whole candidate blocks)."""
 
     model_type = DSV41AttentionConfig
 
     def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
-                 device=None):
+                 device=None, process_group=None, topk: str = "exact"):
         self._check_args(model, cfg)
         if not isinstance(numerics, V41Numerics):
             raise TypeError(f"numerics: expected a V41Numerics, got {type(numerics).__name__}")
         stack_pools(model, cfg, numerics)  # a block size the formats cannot page raises here, before any state
         self.numerics = numerics
-        super().__init__(model, cfg, device)
+        super().__init__(model, cfg, device, process_group, topk)
 
     def _compressed_pools(self, model: DSV41AttentionConfig) -> tuple[dict, set]:
         ratios = sorted({r.ratio for r in model.roles if r.owns_compressor}, reverse=True)
@@ -172,7 +181,7 @@ class V41CacheManager(KVCacheManager):
 
     def _pool_bytes(self) -> tuple[dict, int]:
         block, slot = {m: 0 for m in self.ratios}, 0
-        for spec in stack_pools(self.model, self.cfg, self.numerics):
+        for spec in stack_pools(self.model, self.cfg, self.numerics, self.shards):
             kind, layer = spec.name.rsplit("_", 1)
             if kind in ("comp", "keys"):
                 block[self.model.role(int(layer)).ratio] += spec.nbytes // spec.shape[0]

@@ -62,27 +62,35 @@ def default_cache_config(config) -> CacheConfig:
 
 
 def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, routers: bool = False,
-                compile: bool | dict = False) -> nn.Module:
+                compile: bool | dict = False, process_group=None, parallel: str = "tp") -> nn.Module:
     """Swap the attention of a transformers `DeepseekV4ForCausalLM` / `DeepseekV4Model` for
     dsv4ops' (in place; returns `model`). Move and cast the model first: the pools are allocated on
     its device, the layers take its dtype (FP8 caches: the compressor projection weights fp32, as
     DeepSeek's reference keeps them). `cache_config` sizes the paged cache and picks its formats
     (default: `default_cache_config`); `routers=True` swaps the MoE routers too; `compile=True` (or
     a dict of `torch.compile` options) compiles each layer's serving step (fullgraph; one graph per
-    layer and batch bucket)."""
+    layer and batch bucket). `process_group` (torch.distributed; every rank runs the same calls, the
+    rest of the model replicated): `parallel="tp"`, each attention layer keeps this rank's heads and
+    output groups of the model's weights and sums its output over the ranks (dsv4ops.parallel.tp);
+    `parallel="dcp"`, the ranks share the cache's compressed entries by block and merge their
+    attention (decode context parallelism, dsv4ops.parallel.dcp)."""
     inner = _decoder(model)
     if hasattr(inner, "_dsv4ops_patch"):
         raise ValueError("model: already patched by dsv4ops")
     if cache_config is not None and not isinstance(cache_config, CacheConfig):
         raise TypeError(f"cache_config: expected a dsv4ops CacheConfig or None, got {type(cache_config).__name__}")
+    if parallel not in ("tp", "dcp"):
+        raise ValueError(f"parallel: expected 'tp' or 'dcp', got {parallel!r}")
     cfg = DSV4AttentionConfig.from_hf(inner.config)
     cache_config = cache_config or default_cache_config(inner.config)
     embed = inner.embed_tokens.weight
-    manager = KVCacheManager(cfg, cache_config, device=embed.device)
+    dcp = process_group if parallel == "dcp" else None
+    manager = KVCacheManager(cfg, cache_config, device=embed.device, process_group=dcp)
     patch = _Patch(manager, _compile_options(compile))
     block = _fp8_block(inner.config)
     for decoder_layer in inner.layers:
-        attn = TransformersAttention(decoder_layer.self_attn, cfg, patch, embed.dtype, block)
+        attn = TransformersAttention(decoder_layer.self_attn, cfg, patch, embed.dtype, block,
+                                     process_group if parallel == "tp" else None)
         attn.attach_cache(manager)
         decoder_layer.self_attn = attn
         if routers:
@@ -217,11 +225,13 @@ class TransformersAttention(DeepseekV4Attention):
     model planned (its step, or the stateless row groups); the other arguments are transformers'
     and are not read. Parameter names and state dict are transformers'."""
 
-    def __init__(self, hf_attn: nn.Module, cfg: DSV4AttentionConfig, patch: _Patch, dtype: torch.dtype, block: int):
+    def __init__(self, hf_attn: nn.Module, cfg: DSV4AttentionConfig, patch: _Patch, dtype: torch.dtype, block: int,
+                 process_group=None):
         numerics = patch.manager.cfg.numerics()
         with torch.device("meta"):  # the weights come from hf_attn: no second allocation
-            super().__init__(cfg, hf_attn.layer_idx, numerics)
-        # transformers' FP8Linear modules hold e4m3 weights and tile scales: dequantized to `dtype`.
+            super().__init__(cfg, hf_attn.layer_idx, numerics, process_group)
+        # transformers' FP8Linear modules hold e4m3 weights and tile scales: dequantized to `dtype`
+        # (under tensor parallelism, this rank's share of them: load_state_dict cuts it).
         state = checkpoint.dequantize_state_dict(hf_attn.state_dict(), block, dtype)
         self.load_state_dict(state, strict=True, assign=True)
         device = hf_attn.q_a_proj.weight.device

@@ -16,8 +16,14 @@ _sparse_attn = torch.ops.dsv4.sparse_attn.default
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, sinks: Tensor, scale: float, window: int, ring_size: int, window_fmt: str,
-                comp_fmt: str, comp_lens: Tensor | None = None, window_ends: Tensor | None = None) -> Tensor:
+                comp_fmt: str, comp_lens: Tensor | None = None, window_ends: Tensor | None = None,
+                return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """MQA with an attention sink -> out [T, H, D] contiguous, q's dtype.
+
+    return_lse=True -> (out, lse): one shard of a context-parallel step (dsv4ops.parallel.dcp): out is
+    normalized over these keys WITHOUT the sink and lse [T, H] fp32 is the natural log of the sum
+    of e^(l_j) over them (-inf, with a zero row, for a query without a key); dsv4ops.attn_merge.api
+    .attn_merge applies the sink to the shards' (out, lse).
 
     q [T, H, D] (float, contiguous last dim); window_cache, comp_cache: paged pools of D-wide rows
     in formats window_fmt and comp_fmt (see dsv4ops.quant.api); positions [T] int32 (>= 0); req_slots
@@ -38,12 +44,13 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
     token would overwrite a window row an earlier one reads). ring_size >= window and the shapes are
     checked by the op."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     if comp_lens is None:
         comp_lens = torch.full((q.shape[0],), comp_idx.shape[-1], dtype=torch.int32, device=q.device)
     if _values.has_data(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens,
                         *([] if window_ends is None else [window_ends])):
         checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks,
-                           out, window, ring_size, window_fmt, comp_fmt)
+                           out, window, ring_size, window_fmt, comp_fmt, lse)
         requests = pool_slots(window_cache, window_fmt) // ring_size
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, requests,
@@ -57,5 +64,5 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
         if window_ends is not None:
             _values.window_ends(positions, req_slots, window_ends)
     _sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                 scale, window, ring_size, window_fmt, comp_fmt)
-    return out
+                 scale, window, ring_size, window_fmt, comp_fmt, lse)
+    return (out, lse) if return_lse else out

@@ -65,10 +65,12 @@ ROW_FORMATS = {"fp8_584": 0, "fp8_528": 1, "fp4_288": 2}  # csrc/sparse_attn/row
 FORMAT_PAIRS = {("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288"), ("fp8_528", "fp8_528")}
 
 
-def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str) -> bool:
-    """Whether the C++ kernel serves these arguments (the Triton kernel serves the rest)."""
+def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str, lse=None) -> bool:
+    """Whether the C++ kernel serves these arguments (the Triton kernel serves the rest, a
+    context-parallel shard's partial with `lse` included)."""
     return ((window_fmt, comp_fmt) in FORMAT_PAIRS and q.dtype == torch.bfloat16 and q.shape[-1] == 512
-            and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous())
+            and comp_idx.dtype == torch.int32 and window_cache.is_contiguous() and comp_cache.is_contiguous()
+            and lse is None)
 
 
 # The split rule's costs, measured on the H100 (V4.1 pools, forced split counts 1 / 2 / 4 / 8 at batch
@@ -100,11 +102,11 @@ def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA) -> i
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
-    if not serves(q, window_cache, comp_cache, comp_idx, window_fmt, comp_fmt):
+    if not serves(q, window_cache, comp_cache, comp_idx, window_fmt, comp_fmt, lse):
         _triton.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
-                            sinks, out, scale, window, ring_size, window_fmt, comp_fmt)
+                            sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
         return
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                         window, ring_size, window_fmt, comp_fmt)
@@ -121,11 +123,11 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     n_split = -(-keys // split_keys)
     if n_split > 1:
         partial = torch.empty(t * n_split * h, q.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
+        split_lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
     else:
-        partial = lse = out  # unused
+        partial = split_lse = out  # unused
     wb, cb = formats.block_size(window_cache.shape, window_fmt), formats.block_size(comp_cache.shape, comp_fmt)
     torch.ops.dsv4_csrc.sparse_attn(q, window_cache, comp_cache, ends, req_slots, comp_idx.contiguous(), comp_lens,
-                                    sinks, out, partial, lse, None, scale, window, ring_size, ROW_FORMATS[window_fmt],
+                                    sinks, out, partial, split_lse, scale, window, ring_size, ROW_FORMATS[window_fmt],
                                     ROW_FORMATS[comp_fmt], wb, cb, formats.get(window_fmt).page_bytes(wb),
                                     formats.get(comp_fmt).page_bytes(cb), window_keys, split_keys, n_split)

@@ -5,14 +5,19 @@ with the per-head sink in the denominator (spec 3.5); only the first comp_lens[t
 are listed. A window end past the query's position lets the tokens of a draft block see each other
 both ways (DSpark, V4.1 spec 6.6). Padding tokens (request -1, or a slot past the pool) get a zero
 row. Keys are read back in their pool's format (V4: fp8_584 or exact; V4.1: fp8_528 window rows and
-fp4_288 compressed rows)."""
+fp4_288 compressed rows).
+
+With `lse` (a shard of a context-parallel step, dsv4ops.parallel.dcp): out is normalized over this
+call's keys WITHOUT the sink, o = sum_j e^(l_j - L) k_j with L = ln sum_j e^(l_j) written to lse
+[T, H] (fp32, natural log of the sum of e^(scaled logit)); a query with no key gets a zero row and
+lse = -inf. dsv4::attn_merge then applies the sink once over every shard's (o, L)."""
 
 import torch
 from torch import Tensor
 
 from dsv4ops.qkv_prep.reference import window_slots
 from dsv4ops.quant.reference import unpack_kv, valid_slots
-from dsv4ops.reference.functional import sink_attention
+from dsv4ops.reference.functional import acc_dtype, sink_attention
 
 # Elements of one chunk's gathered keys [queries, window + listed entries, d]: 2^22 fp32 = 16 MiB.
 # Only the columns some query lists (the first max(comp_lens) of comp_idx) are read, so memory and
@@ -23,7 +28,8 @@ _CHUNK_ELEMENTS = 1 << 22
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
-                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str,
+                lse: Tensor | None = None) -> None:
     t, h, d = q.shape
     ends = positions if window_ends is None else window_ends
     lens = comp_lens.long().clamp(0, comp_idx.shape[1])
@@ -47,5 +53,25 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
         ckeys = torch.empty(c * n, d, dtype=q.dtype, device=q.device)
         unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys, comp_fmt)
         keys = torch.cat([wkeys.view(c, window, d), ckeys.view(c, n, d)], 1)
-        o = sink_attention(qs, keys, torch.cat([wvalid, cvalid], 1), sinks, scale)
+        valid = torch.cat([wvalid, cvalid], 1)
+        if lse is None:
+            o = sink_attention(qs, keys, valid, sinks, scale)
+        else:
+            o, l_sum = partial_attention(qs, keys, valid, scale)
+            lse[s:s + step] = l_sum.where(live[:, None], float("-inf"))
         out[s:s + step] = o.where(live[:, None, None], 0).to(out.dtype)
+
+
+def partial_attention(q: Tensor, keys: Tensor, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(o [T, H, D], lse [T, H] fp32): softmax attention over the valid keys without a sink, and the
+    natural log of its denominator, sum_j e^(l_j), l_j = scale x q . k_j; a row without a valid key
+    gives o = 0, lse = -inf. The rounding points of sink_attention: QK and PV in q's dtype, P cast
+    to it, the softmax in fp32."""
+    acc = acc_dtype(q.dtype)
+    kv = keys.to(q.dtype)
+    logits = torch.einsum("thd,tjd->thj", q, kv).to(acc) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    l_sum = torch.logsumexp(logits, dim=-1)  # -inf for a row of -inf
+    probs = torch.exp(logits - l_sum.where(l_sum > float("-inf"), 0.0)[..., None])
+    probs = torch.where(valid[:, None, :], probs, 0.0)
+    return torch.einsum("thj,tjd->thd", probs.to(q.dtype), kv), l_sum.float()

@@ -24,6 +24,9 @@ split of that list: every key is read once for all HB heads. Grid (tokens, head 
   call from static sizes only (tokens, heads, splits), so the op stays CUDA-graph safe.
 - Tiles with no valid key are skipped; tiles past comp_lens are never visited, so the cost follows
   each token's real key count, not the width of comp_idx. Padding tokens (request -1) write zeros.
+- With `lse` (a context-parallel shard, SINK False): no sink anywhere; the output is normalized by
+  the keys' own sum and lse gets its natural log (-inf, zero row: no key), after the combine when
+  the list is split.
 """
 
 import math
@@ -153,10 +156,11 @@ def _attend_tile(q_a, q_b, k_a, k_b, valid, m_i, l_i, acc_a, acc_b, qk_scale, SO
 
 @triton.jit(do_not_specialize=["n_heads", "n_idx"])
 def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, part_ptr,
-                        lse_ptr, sq_t, sq_h, si_t, so_t, so_h, n_heads, n_idx, qk_scale, window, ring_size, w_bs,
-                        c_bs, D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+                        lse_ptr, lse_out_ptr, sq_t, sq_h, si_t, so_t, so_h, n_heads, n_idx, qk_scale, window,
+                        ring_size, w_bs, c_bs, D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
                         SPLIT_KEYS: tl.constexpr, SPLITS: tl.constexpr, WIN: tl.constexpr, STAGES: tl.constexpr,
-                        W_FMT: tl.constexpr, C_FMT: tl.constexpr, EVEN_ODD: tl.constexpr, SOFT: tl.constexpr):
+                        W_FMT: tl.constexpr, C_FMT: tl.constexpr, EVEN_ODD: tl.constexpr, SINK: tl.constexpr,
+                        SOFT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     split = tl.program_id(2)
@@ -177,7 +181,7 @@ def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_pt
     # This split's share of the key list [window (WIN slots) | entries (n_len)].
     k_lo = split * SPLIT_KEYS
     k_hi = k_lo + SPLIT_KEYS
-    if SPLITS == 1:
+    if SPLITS == 1 and SINK:
         # The sink opens the online softmax: running max s_h, running sum e^0 = 1, no value. A
         # padding token keeps acc = 0, so its row is written as zeros.
         m_i = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
@@ -229,6 +233,11 @@ def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_pt
     if SPLITS == 1:
         dst = out_ptr + t * so_t + h64[:, None] * so_h
         odt: tl.constexpr = out_ptr.dtype.element_ty
+        if not SINK:  # the keys' own sum (1 where there was no key: the row stays 0) and its ln
+            tl.store(lse_out_ptr + t * n_heads + h64,
+                     tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
+                              float("-inf")), mask=hm)
+            l_i = tl.where(l_i > 0.0, l_i, 1.0)
         if EVEN_ODD:
             o = tl.reshape(tl.join(acc_a, acc_b), [HB, D]) / l_i[:, None]
             tl.store(dst + cols[None, :], round_to(o, odt, SOFT), mask=hm[:, None])
@@ -251,23 +260,32 @@ def _sparse_attn_kernel(q_ptr, wc_ptr, cc_ptr, pos_ptr, req_ptr, idx_ptr, len_pt
 
 
 @triton.jit(do_not_specialize=["n_heads"])
-def _combine_kernel(part_ptr, lse_ptr, req_ptr, sink_ptr, out_ptr, so_t, so_h, n_heads, D: tl.constexpr,
-                    HB: tl.constexpr, DB: tl.constexpr, SPLITS: tl.constexpr, SOFT: tl.constexpr):
+def _combine_kernel(part_ptr, lse_ptr, req_ptr, sink_ptr, out_ptr, lse_out_ptr, so_t, so_h, n_heads, D: tl.constexpr,
+                    HB: tl.constexpr, DB: tl.constexpr, SPLITS: tl.constexpr, SINK: tl.constexpr,
+                    SOFT: tl.constexpr):
     """out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink): the splits' partials and the sink, for HB
-    heads x DB columns of a token."""
+    heads x DB columns of a token. Without SINK: out = sum_s 2^lse_s o_s / sum_s 2^lse_s and
+    lse_out = ln sum_s 2^lse_s (-inf and a zero row where no split had a key)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     hm = heads < n_heads
     h64 = heads.to(tl.int64)
     cols = tl.program_id(2) * DB + tl.arange(0, DB)
     out = out_ptr + t * so_t + h64[:, None] * so_h + cols[None, :]
+    lse_at = lse_out_ptr + t * n_heads + h64
     if tl.load(req_ptr + t) < 0:
         tl.store(out, tl.zeros([HB, DB], out_ptr.dtype.element_ty), mask=hm[:, None])
+        if not SINK:
+            tl.store(lse_at, tl.full([HB], float("-inf"), tl.float32), mask=hm & (tl.program_id(2) == 0))
     else:
-        sink = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
+        if SINK:
+            sink = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
+        else:
+            sink = tl.full([HB], float("-inf"), tl.float32)
         m = sink
         for s in tl.static_range(SPLITS):
             m = tl.maximum(m, tl.load(lse_ptr + (t * SPLITS + s) * n_heads + h64, mask=hm, other=float("-inf")))
+        m = tl.where(m == float("-inf"), 0.0, m)  # no sink and no key in any split
         den = tl.exp2(sink - m)
         acc = tl.zeros([HB, DB], tl.float32)
         for s in tl.static_range(SPLITS):
@@ -275,6 +293,10 @@ def _combine_kernel(part_ptr, lse_ptr, req_ptr, sink_ptr, out_ptr, so_t, so_h, n
             w = tl.exp2(tl.load(lse_ptr + row, mask=hm, other=float("-inf")) - m)
             den += w
             acc += w[:, None] * tl.load(part_ptr + row[:, None] * D + cols[None, :], mask=hm[:, None], other=0.0)
+        if not SINK:
+            tl.store(lse_at, tl.where(den > 0.0, (m + tl.log2(tl.where(den > 0.0, den, 1.0))) * 0.6931471805599453,
+                                      float("-inf")), mask=hm & (tl.program_id(2) == 0))
+            den = tl.where(den > 0.0, den, 1.0)
         tl.store(out, round_to(acc / den[:, None], out_ptr.dtype.element_ty, SOFT), mask=hm[:, None])
 
 
@@ -330,10 +352,10 @@ def split_rule(programs: int, keys: int, bk: int, sms: int = _SMS) -> int:
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str) -> None:
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                        window, ring_size, window_fmt, comp_fmt)
+                        window, ring_size, window_fmt, comp_fmt, lse)
     # The kernel reads a token's position only where its window ends: window_ends, when given.
     positions = positions if window_ends is None else window_ends
     w_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt, allowed=(EXACT, "fp8_584", "fp8_528"))
@@ -349,6 +371,8 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     require(d == MAIN_DIM, "sparse_attn", "q", f"head_dim {MAIN_DIM} (V4 layout)", d)
     if t == 0 or h == 0:
         return
+    sink = lse is None
+    lse_out = out if sink else lse  # unused with the sink
     hb, bk, warps, stages = config(h, q.dtype, (window_cache.dtype, comp_cache.dtype), comp_fmt == "fp4_288")
     n_idx = comp_idx.shape[1]
     win = triton.cdiv(window, bk) * bk
@@ -357,20 +381,20 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     n_split = triton.cdiv(win + n_idx, split_keys)
     if n_split > 1:
         part = torch.empty(t * n_split * h, d, dtype=torch.float32, device=q.device)
-        lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
+        split_lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
     else:
-        part = lse = out  # unused
+        part = split_lse = out  # unused
     grid = (t, triton.cdiv(h, hb), n_split)
     launch(_sparse_attn_kernel, grid,
-           (q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, part, lse,
-            q.stride(0), q.stride(1), comp_idx.stride(0), out.stride(0), out.stride(1), h, n_idx,
+           (q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, sinks, out, part, split_lse,
+            lse_out, q.stride(0), q.stride(1), comp_idx.stride(0), out.stride(0), out.stride(1), h, n_idx,
             scale * math.log2(math.e), window, ring_size, block_size(window_cache, window_fmt),
             block_size(comp_cache, comp_fmt)),
            dict(D=d, R=MAIN_ROPE, HB=hb, BK=bk, SPLIT_KEYS=split_keys, SPLITS=n_split, WIN=win, STAGES=stages,
-                W_FMT=w_fmt, C_FMT=c_fmt, EVEN_ODD=even_odd, SOFT=INTERPRET), num_warps=warps)
+                W_FMT=w_fmt, C_FMT=c_fmt, EVEN_ODD=even_odd, SINK=sink, SOFT=INTERPRET), num_warps=warps)
     if n_split > 1:
         chb, cdb = COMBINE_TILE
         launch(_combine_kernel, (t, triton.cdiv(h, chb), d // cdb),
-               (part, lse, req_slots, sinks, out, out.stride(0), out.stride(1), h),
-               dict(D=d, HB=chb, DB=cdb, SPLITS=n_split, SOFT=INTERPRET), num_warps=4)
+               (part, split_lse, req_slots, sinks, out, lse_out, out.stride(0), out.stride(1), h),
+               dict(D=d, HB=chb, DB=cdb, SPLITS=n_split, SINK=sink, SOFT=INTERPRET), num_warps=4)
 

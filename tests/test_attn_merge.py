@@ -1,0 +1,173 @@
+"""dsv4::attn_merge and sparse_attn's partial output (lse): a query's keys split into shards, each
+shard's sparse_attn(..., lse) output (normalized without the sink, with its natural-log sum), merged
+with the sink once, equal one sparse_attn over all the keys; shards without keys return exact zeros
+and lse -inf and are not read; bad inputs. Issue 31."""
+
+from functools import partial
+
+import builders
+import pytest
+import torch
+
+from dsv4ops import testing as T
+from dsv4ops.attn_merge import reference
+from dsv4ops.attn_merge.api import attn_merge
+from dsv4ops.sparse_attn import reference as sparse_attn_ref
+from dsv4ops.quant.reference import pack_kv
+from dsv4ops.sparse_attn.api import sparse_attn
+
+BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
+
+
+def _dense(q: torch.Tensor, keys: list[torch.Tensor], sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Independent of both kernels: per head, softmax over [every shard's logits, sink] with the
+    sink's share dropped, times the keys (K = V). q [H, D], keys: [J_r, D] per shard."""
+    k = torch.cat(keys)
+    logits = (q @ k.T) * scale
+    full = torch.cat([logits, sinks.to(q.dtype)[:, None]], 1)
+    p = torch.softmax(full, 1)[:, :-1]
+    return p @ k
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_merge_of_dense_partials_equals_attention_over_all_keys(dtype):
+    """Shards of 5, 0 and 7 keys per query (an empty shard), partials written out here; the fp64
+    merge is the reference kernel's."""
+    g = torch.Generator().manual_seed(0)
+    t, h, d, scale = 3, 4, 32, 32**-0.5
+    q = torch.randn(t, h, d, generator=g)
+    keys = [torch.randn(t, n, d, generator=g) for n in (5, 0, 7)]
+    sinks = torch.randn(h, generator=g)
+
+    def partials(dt):
+        acc = torch.float64 if dt == torch.float64 else torch.float32
+        parts, lses = [], []
+        for k in keys:
+            logits = torch.einsum("thd,tjd->thj", q.to(dt), k.to(dt)).to(acc) * scale
+            lse = torch.logsumexp(logits, -1)
+            p = torch.exp(logits - lse.nan_to_num(neginf=0)[..., None])
+            parts.append(torch.einsum("thj,tjd->thd", p.to(dt), k.to(dt)))
+            lses.append(lse if dt == torch.float64 else lse.float())
+        return torch.stack(parts), torch.stack(lses)
+
+    got = attn_merge(*partials(dtype), sinks)
+    ref64 = torch.empty(t, h, d, dtype=torch.float64)
+    reference.attn_merge(*partials(torch.float64), sinks, ref64)
+    dense = torch.stack([_dense(q[i].double(), [k[i].double() for k in keys], sinks.double(), scale) for i in range(t)])
+    torch.testing.assert_close(ref64, dense)  # the reference kernel is the formula (fp64 defaults)
+    low = torch.stack([_dense(q[i].to(dtype).float(), [k[i].to(dtype).float() for k in keys], sinks, scale)
+                       for i in range(t)]).to(dtype)
+    T.assert_close_to_ref(got, dense, low, what=f"attn_merge {dtype}")
+
+
+def test_empty_shards_are_not_read_and_no_key_gives_zero():
+    args = builders.attn_merge_args(FP32, shards=3, tokens=4)
+    args["partials"][args["lse"] == float("-inf")] = float("nan")  # poison: never read
+    out = attn_merge(args["partials"], args["lse"], args["sinks"])
+    assert not out.isnan().any()
+    assert (out[-1] == 0).all()  # no shard has a key for the last token
+    ref = torch.empty_like(out)
+    builders.call_op("attn_merge", dict(args, out=ref))
+    assert builders.bytes_equal(out, ref)
+
+
+WINDOW, RING, BS = 4, 8, 4
+
+
+def _pools(dtype, fmt, comp_fmt):
+    """Window rows of request 0 at positions 0..11 and of request 1 at 0..1, 8 compressed entries."""
+    dim = 16 if isinstance(fmt, torch.dtype) else 512
+    wf, cf = builders.format_name(fmt, dim), builders.format_name(comp_fmt, dim)
+    wc, cc = builders.page_pool(4, BS, dim, fmt), builders.page_pool(2, BS, dim, comp_fmt)
+    for r, n in ((0, 12), (1, 2)):
+        ps = torch.arange(max(0, n - RING), n)
+        pack_kv(torch.randn(len(ps), dim), (r * RING + ps % RING).to(I32), wc, wf)
+    pack_kv(torch.randn(8, dim), torch.arange(8, dtype=I32), cc, cf)
+    return dim, wc, cc, wf, cf
+
+
+@pytest.mark.parametrize("dtype,fmt,comp_fmt", [(FP32, FP32, FP32), (BF16, builders.FP8, builders.FP8), (BF16, "fp8_528", "fp4_288")],
+                         ids=["fp32", "bf16-fp8", "v41"])
+def test_sparse_attn_shards_merged_equal_one_call(dtype, fmt, comp_fmt):
+    """A token's entries split between two calls (the first also takes the window, the second
+    passes window end -1: no window), each with lse; attn_merge of the two equals one sparse_attn
+    over everything: |merged - fp64| within 2x |one call - fp64| (the fp64 run: the reference
+    kernel on the same pools). Token 1 has no entry in shard 1 and token 3 is padding: lse -inf,
+    exact zero rows."""
+    torch.manual_seed(1)
+    dim, wc, cc, wf, cf = _pools(dtype, fmt, comp_fmt)
+    pos, req = torch.tensor([9, 10, 1, 0], dtype=I32), torch.tensor([0, 0, 1, -1], dtype=I32)
+    idx = torch.tensor([[0, 3, 5, 7], [1, 2, -1, 6], [4, 6, 0, -1], [1, 2, 3, 4]], dtype=I32)
+    lens = torch.tensor([4, 2, 3, 4], dtype=I32)
+    q, sinks = torch.randn(4, 3, dim, dtype=dtype), torch.randn(3)
+    scale = dim**-0.5
+    call = partial(sparse_attn, window_cache=wc, comp_cache=cc, positions=pos, req_slots=req, sinks=sinks,
+                   scale=scale, window=WINDOW, ring_size=RING, window_fmt=wf, comp_fmt=cf)
+    whole = call(q, comp_idx=idx, comp_lens=lens)
+    shard0 = torch.tensor([[0, 3], [1, 2], [4, -1], [1, 2]], dtype=I32)
+    shard1 = torch.tensor([[5, 7], [-1, 6], [6, 0], [3, 4]], dtype=I32)
+    o0, l0 = call(q, comp_idx=shard0, comp_lens=torch.full((4,), 2, dtype=I32), return_lse=True)
+    # Shard 1 through the op: no window (end -1; the public function checks ends), token 1 lists
+    # nothing (its entry 6 lies past comp_lens).
+    o1, l1 = torch.full_like(q, float("nan")), torch.full((4, 3), float("nan"))
+    torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, shard1, torch.tensor([2, 1, 2, 2], dtype=I32),
+                               torch.full((4,), -1, dtype=I32), sinks, o1, scale, WINDOW, RING, wf, cf, l1)
+    assert (o1[1] == 0).all() and (l1[1] == float("-inf")).all()  # no key: exact zeros, -inf
+    assert (o0[3] == 0).all() and (o1[3] == 0).all() and (l0[3] == float("-inf")).all()  # padding
+    assert torch.isfinite(l0[:3]).all() and torch.isfinite(l1[[0, 2]]).all()
+    got = attn_merge(torch.stack([o0, o1]), torch.stack([l0, l1]), sinks)
+    as64 = (lambda c: c if c.dtype == torch.uint8 else c.double())
+    ref64 = torch.empty(q.shape, dtype=torch.float64)
+    sparse_attn_ref.sparse_attn(q.double(), as64(wc), as64(cc), pos, req, idx, lens, None, sinks, ref64, scale, WINDOW,
+                                RING, wf, cf)
+    T.assert_close_to_ref(got, ref64, whole, what="merged shards vs one call")
+
+
+# ---- bad inputs: one per rule ------------------------------------------------------------------
+wa = builders.with_arg
+BAD_MERGE = [
+    ("partials-ndim", wa("partials", lambda a: a["partials"][0]), r"partials: expected 4-D \[shards, tokens, heads, "
+                                                                  r"head_dim\]"),
+    ("partials-dtype", wa("partials", lambda a: a["partials"].double()), r"partials: expected dtype in"),
+    ("partials-last-dim", wa("partials", lambda a: a["partials"].transpose(2, 3).contiguous().transpose(2, 3)),
+     r"partials: expected a contiguous last dim"),
+    ("lse-shape", wa("lse", lambda a: a["lse"][:, :2]), r"lse: expected shape \(2, 3, 2\) \(shards, tokens, heads of "
+                                                         r"partials\), got \(2, 2, 2\)"),
+    ("lse-dtype", wa("lse", lambda a: a["lse"].double()), r"lse: expected dtype in \[torch.float32\]"),
+    ("lse-strides", wa("lse", lambda a: a["lse"].transpose(1, 2).contiguous().transpose(1, 2)),
+     r"lse: expected a contiguous tensor"),
+    ("lse-device", wa("lse", lambda a: a["lse"].to("meta")), r"lse: expected device cpu \(as partials\), got meta"),
+    ("sinks-size", wa("sinks", lambda a: a["sinks"][:1]), r"sinks: expected size 2 \(heads of partials\) at dim 0"),
+    ("sinks-dtype", wa("sinks", lambda a: a["sinks"].bfloat16()), r"sinks: expected dtype in \[torch.float32\]"),
+    ("out-shape", wa("out", lambda a: a["out"][:2]), r"out: expected shape \(3, 2, 16\) \(tokens, heads, head_dim of "
+                                                     r"partials\), got \(2, 2, 16\)", ("op",)),
+    ("out-dtype", wa("out", lambda a: a["out"].bfloat16()), r"out: expected dtype in \[torch.float32\]", ("op",)),
+]
+
+
+@pytest.mark.parametrize("case", BAD_MERGE, ids=[b[0] for b in BAD_MERGE])
+def test_attn_merge_bad_input_is_rejected_and_writes_nothing(case):
+    _, mutate, match, *via = case
+    builders.assert_bad_case("attn_merge", builders.attn_merge_args(), mutate, match, via)
+
+
+def _with_lse(make):
+    def mutate(args):
+        args["lse"] = make(args)
+
+    return mutate
+
+
+BAD_LSE = [
+    ("lse-ndim", _with_lse(lambda a: torch.empty(6)), r"lse: expected 2-D \[tokens, heads\]"),
+    ("lse-shape", _with_lse(lambda a: torch.empty(6, 3)), r"lse: expected shape \(6, 2\) \(tokens, heads of q\), got "
+                                                           r"\(6, 3\)"),
+    ("lse-dtype", _with_lse(lambda a: torch.empty(6, 2, dtype=BF16)), r"lse: expected dtype in \[torch.float32\]"),
+    ("lse-strides", _with_lse(lambda a: torch.empty(2, 6).t()), r"lse: expected a contiguous tensor"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_LSE, ids=[b[0] for b in BAD_LSE])
+def test_sparse_attn_bad_lse_is_rejected_and_writes_nothing(case):
+    _, mutate, match = case
+    builders.assert_bad_case("sparse_attn", builders.sparse_attn_args(FP32), mutate, match, [("op",)])
