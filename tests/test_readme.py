@@ -1,5 +1,6 @@
 """README.md's Python blocks run as written, each in a fresh interpreter: a block fenced ```python
-in the CPU suite, a block fenced ```python gpu in the GPU tier (-m gpu, on a CUDA machine). An
+in the CPU suite, a block fenced ```python gpu in the GPU tier (-m gpu, on a CUDA machine); a block
+fenced ```python torchrun runs under torchrun on 2 processes (tests/test_readme_dist.py). An
 example that drifts from the API fails here. Every fence of the README must be one of the known
 kinds, so a block cannot drop out of the suite by a typo in its info string."""
 
@@ -12,7 +13,7 @@ import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^```(.*)$")
-KINDS = {"python": "cpu", "python gpu": "gpu", "bash": None, "": None}
+KINDS = {"python": "cpu", "python gpu": "gpu", "python torchrun": "torchrun", "bash": None, "": None}
 
 
 def _blocks() -> list[tuple[str, str, str]]:

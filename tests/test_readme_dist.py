@@ -1,6 +1,5 @@
-"""README blocks marked `<!-- readme-test: torchrun --nproc-per-node 2 ... -->` (the tensor- and
-context-parallel examples) run as written on 2 gloo processes under torchrun (the single-process
-README extractor skips them). Issue 31."""
+"""README blocks fenced ```python torchrun (the tensor- and context-parallel examples) run as
+written on 2 gloo processes under torchrun (test_readme.py runs the single-process kinds). Issue 31."""
 
 import os
 import pathlib
@@ -11,15 +10,11 @@ import sys
 import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-MARKER = "<!-- readme-test: torchrun --nproc-per-node 2"
+FENCE = re.compile(r"^```python torchrun\n(.*?)^```$", flags=re.S | re.M)
 
 
 def _blocks() -> list[str]:
-    text = README.read_text()
-    out = []
-    for m in re.finditer(re.escape(MARKER) + r".*?-->\n```python\n(.*?)\n```", text, flags=re.S):
-        out.append(m.group(1))
-    return out
+    return FENCE.findall(README.read_text())
 
 
 def test_the_readme_has_torchrun_blocks():

@@ -71,8 +71,9 @@ def shard_(state_dict: dict, prefix: str, group: Group | None, full: dict[str, t
             raise ValueError(f"state_dict: {key} has shape {list(got)}, 1/{k} of the full {list(want)} along dim {dim}; "
                              f"{who} (rank {group.rank} of {size}) cuts its share out of the full tensor: load the "
                              f"full checkpoint on every rank")
-        raise ValueError(f"state_dict: {key} has shape {list(got)}, expected the full {list(want)}"
-                         f"{'' if size == 1 else f' (every rank cuts its share, 1/{size} along dim {dim})'}")
+        if size > 1:  # without a group, torch's own "size mismatch" names the key among the load's errors
+            raise ValueError(f"state_dict: {key} has shape {list(got)}, expected the full {list(want)} (every "
+                             f"rank cuts its share, 1/{size} along dim {dim})")
 
 
 def scale_shape(shape: tuple[int, ...], block: int) -> tuple[int, ...]:
