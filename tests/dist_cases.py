@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import torch
 
+import drivers
+from dsv4ops.testing_v41 import slots_to_entries
+
 # Steps {request: (tokens, kept)} (the tokens past `kept` are rejected drafts, rewound after the
 # step) and forks (parent, child, length). Request a is forked at 100 while it stands at 104
 # (behind by 4: max_draft_tokens >= 4); c then writes entries into the block it shares with a.
@@ -61,30 +64,7 @@ def serve(fn, manager, rows: dict, plan=PLAN, seed: int = 1, on_step=None) -> di
             manager.fork(parent, child, at)
             done[child] = at
             continue
-        spec = op[1]
-        for r in spec:
-            if r not in manager.slot_of:
-                manager.admit(r)
-        new = {r: n for r, (n, _) in spec.items()}
-        with manager.step(new) as step:
-            parts = []
-            for r, (n, kept) in spec.items():
-                x = rows[r]
-                parts.append(x[..., done[r]:done[r] + kept, :])
-                parts.append(torch.randn(*x.shape[:-2], n - kept, x.shape[-1], generator=garbage).to(x))
-            x = torch.cat(parts, -2)
-            pad = step.positions.shape[0] - x.shape[-2]
-            x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], -2)
-            y = fn(x, step)
-            if on_step is not None:
-                on_step(step, spec)
-        i = 0
-        for r, (n, kept) in spec.items():
-            outs[r].append(y[..., i:i + kept, :])
-            done[r] += kept
-            i += n
-        for r, (n, kept) in spec.items():
-            manager.rewind(r, n - kept)
+        drivers.serve_step(fn, manager, rows, op[1], done, outs, garbage, on_step)
     return {r: torch.cat(v, -2) for r, v in outs.items()}
 
 
@@ -95,3 +75,32 @@ def kept_rows(t: torch.Tensor, spec: dict) -> dict:
         out[r] = t[i:i + kept]
         i += n
     return out
+
+
+def serve_v41(stack, manager, block: int):
+    """Attach `manager` to the V4.1 stack and run the scenario: (rows, outputs, {request: {layer:
+    selected entry ids of its kept tokens}}, {request: candidate pool rows}). A context-parallel
+    manager publishes entry ids; one that holds every entry publishes pool slots (mapped here)."""
+    cfg = stack.config
+    stack.attach_cache(manager)
+    rows = inputs(cfg.hidden_size, seed=3, layers=cfg.num_layers)
+    topk, pools, published = {r: {} for r in rows}, {r: [] for r in rows}, {}
+
+    def fn(x, step):
+        return stack(x, step, published)
+
+    def record(step, spec):
+        for key, idx in published.items():
+            if isinstance(key, tuple):
+                table = step.block_table(cfg.role(key[1]).ratio)
+                for r, s in kept_rows(idx, spec).items():
+                    if manager.dcp is None:
+                        s = slots_to_entries(s, table[manager.slot_of[r]].cpu(), block)
+                    topk[r].setdefault(key[1], []).append(s.long())
+        for r, s in kept_rows(published["pool"], spec).items():
+            pools[r].append(s.long())
+
+    with torch.no_grad():
+        outs = serve(fn, manager, rows, on_step=record)
+    return rows, outs, {r: {k: torch.cat(v) for k, v in d.items()} for r, d in topk.items()}, \
+        {r: torch.cat(v) for r, v in pools.items()}

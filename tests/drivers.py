@@ -46,6 +46,17 @@ def serve_schedule(layer, manager, inputs: dict, schedule: list[dict], garbage: 
     return {rid: torch.cat(v) for rid, v in outs.items()}
 
 
+def decode_after(lengths: dict, prefill: int) -> list[dict]:
+    """A schedule (steps of {request: tokens}) that prefills min(prefill, length) tokens of every
+    request in one step, then decodes the rest one token a step."""
+    steps = [{rid: min(prefill, n) for rid, n in lengths.items()}]
+    left = {rid: n - min(prefill, n) for rid, n in lengths.items()}
+    while any(left.values()):
+        steps.append({rid: 1 for rid in lengths if left[rid]})
+        left = {rid: max(0, v - 1) for rid, v in left.items()}
+    return steps
+
+
 def speculative_schedule(lengths: dict, max_draft: int, seed: int, prefill: dict | None = None) -> list[dict]:
     """A random speculative-decoding schedule: steps of {request: (tokens, kept)}. A request first
     brings its `prefill` chunk (if any), then each step either a verify of 1 + k tokens (k in
@@ -84,25 +95,35 @@ def serve_speculative(fn, manager, inputs: dict, schedule: list[dict], garbage: 
     done = {r: 0 for r in inputs}
     outs = {r: [] for r in inputs}
     for spec in schedule:
-        for r in spec:
-            if r not in manager.slot_of:
-                manager.admit(r)
-        new = {r: n for r, (n, _) in spec.items()}
-        with manager.step(new) as step:
-            rows = []
-            for r, (n, kept) in spec.items():
-                x = inputs[r]
-                rows.append(x[..., done[r]:done[r] + kept, :])
-                rows.append(torch.randn(*x.shape[:-2], n - kept, x.shape[-1], generator=garbage).to(x))
-            x = torch.cat(rows, -2)
-            pad = step.positions.shape[0] - x.shape[-2]
-            x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], -2)
-            y = fn(x, step)
-        i = 0
-        for r, (n, kept) in spec.items():
-            outs[r].append(y[..., i:i + kept, :])
-            done[r] += kept
-            i += n
-        for r, (n, kept) in spec.items():
-            manager.rewind(r, n - kept)
+        serve_step(fn, manager, inputs, spec, done, outs, garbage)
     return {r: torch.cat(v, -2) for r, v in outs.items() if v}
+
+
+def serve_step(fn, manager, inputs: dict, spec: dict, done: dict, outs: dict, garbage: torch.Generator,
+               on_step=None) -> None:
+    """One step of serve_speculative: admit the step's new requests, run fn on the kept rows (from
+    done[request] on) and random drafts padded to the bucket, on_step(step, spec) after the forward
+    if given, then append each request's kept outputs to outs, advance done and rewind the drafts."""
+    for r in spec:
+        if r not in manager.slot_of:
+            manager.admit(r)
+    new = {r: n for r, (n, _) in spec.items()}
+    with manager.step(new) as step:
+        rows = []
+        for r, (n, kept) in spec.items():
+            x = inputs[r]
+            rows.append(x[..., done[r]:done[r] + kept, :])
+            rows.append(torch.randn(*x.shape[:-2], n - kept, x.shape[-1], generator=garbage).to(x))
+        x = torch.cat(rows, -2)
+        pad = step.positions.shape[0] - x.shape[-2]
+        x = torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], -2)
+        y = fn(x, step)
+        if on_step is not None:
+            on_step(step, spec)
+    i = 0
+    for r, (n, kept) in spec.items():
+        outs[r].append(y[..., i:i + kept, :])
+        done[r] += kept
+        i += n
+    for r, (n, kept) in spec.items():
+        manager.rewind(r, n - kept)

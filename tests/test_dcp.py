@@ -19,7 +19,7 @@ from dsv4ops.cache.config import pool_blocks
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics, stack_attention
-from dsv4ops.testing_v41 import check_pool, check_selection, slots_to_entries
+from dsv4ops.testing_v41 import check_pool, check_selection
 
 # HCA ratio 16: the scenario's requests close up to 8 HCA entries; index_topk 8 < the 34 CSA entries
 # of the longest request (a real selection). Blocks of 4 entries: both ranks own blocks of every
@@ -134,42 +134,15 @@ CFG41 = DSV41AttentionConfig.tiny()
 BLOCK41 = {"exact": 4, "qat": 52}
 
 
-def _v41_serve(stack, manager, mode):
-    stack.attach_cache(manager)
-    rows = dist_cases.inputs(CFG41.hidden_size, seed=3, layers=CFG41.num_layers)
-    topk, pools = {r: {} for r in rows}, {r: [] for r in rows}
-    published = {}
-    bs = BLOCK41[mode]
-
-    def fn(x, step):
-        return stack(x, step, published)
-
-    def record(step, spec):
-        for key, idx in published.items():
-            if isinstance(key, tuple):
-                table = step.block_table(CFG41.role(key[1]).ratio)
-                for r, s in dist_cases.kept_rows(idx, spec).items():
-                    if manager.dcp is None:
-                        s = slots_to_entries(s, table[manager.slot_of[r]].cpu(), bs)
-                    topk[r].setdefault(key[1], []).append(s.long())
-        for r, s in dist_cases.kept_rows(published["pool"], spec).items():
-            pools[r].append(s.long())
-
-    with torch.no_grad():
-        outs = dist_cases.serve(fn, manager, rows, on_step=record)
-    return rows, outs, {r: {k: torch.cat(v) for k, v in d.items()} for r, d in topk.items()}, \
-        {r: torch.cat(v) for r, v in pools.items()}
-
-
 def _v41_body(rank, group, mode):
     numerics = V41Numerics.exact() if mode == "exact" else V41Numerics()
     full = testing.randomize_(DeepseekV41AttentionStack(CFG41, numerics), seed=5)
     sharded = copy.deepcopy(full)
     cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41[mode],
                         exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT)
-    rows, single, topk1, pools1 = _v41_serve(full, V41CacheManager(CFG41, cache, numerics), mode)
+    rows, single, topk1, pools1 = dist_cases.serve_v41(full, V41CacheManager(CFG41, cache, numerics), BLOCK41[mode])
     manager = V41CacheManager(CFG41, cache, numerics, process_group=group)
-    _, got, topk2, pools2 = _v41_serve(sharded, manager, mode)
+    _, got, topk2, pools2 = dist_cases.serve_v41(sharded, manager, BLOCK41[mode])
     assert sharded.cache.comp_5.shape[0] == pool_blocks(cache, 1, 2) < full.cache.comp_5.shape[0]
     p32 = dict(full.named_parameters())
     p64 = {k: v.double() for k, v in p32.items()}
@@ -382,7 +355,7 @@ def _v41_union_body(rank, group):
     cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41["exact"],
                         exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT)
     manager = V41CacheManager(CFG41, cache, numerics, process_group=group, topk="union")
-    rows, got, topk, _ = _v41_serve(stack, manager, "exact")
+    rows, got, topk, _ = dist_cases.serve_v41(stack, manager, BLOCK41["exact"])
     p32 = dict(stack.named_parameters())
     p64 = {k: v.double() for k, v in p32.items()}
     fork = next(op for op in dist_cases.PLAN if op[0] == "fork")

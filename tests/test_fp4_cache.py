@@ -112,21 +112,12 @@ def check_against_oracle(layer, inputs: dict, outs: dict):
         testing.assert_close_to_ref(outs[rid], ref64, [lowp, *twins], what=f"request {rid}")
 
 
-def _decode_after(prefill: int):
-    steps = [{rid: min(prefill, n) for rid, n in LENGTHS.items()}]
-    left = {rid: n - min(prefill, n) for rid, n in LENGTHS.items()}
-    while any(left.values()):
-        steps.append({rid: 1 for rid in LENGTHS if left[rid]})
-        left = {rid: max(0, v - 1) for rid, v in left.items()}
-    return steps
-
-
 # Chunks that end mid-block, cross t = 127 and 255, interleave the requests; decode tokens (every 4th
 # closes a CSA entry).
 SCHEDULES = {
     "one_shot": lambda: [dict(LENGTHS)],
     "chunked": lambda: [{"a": 5, "b": 129}, {"a": 150, "c": 3}, {"b": 2, "c": 6, "a": 1}, {"a": 104}],
-    "decode": lambda: _decode_after(200),  # through t = 255
+    "decode": lambda: drivers.decode_after(LENGTHS, 200),  # through t = 255
 }
 
 

@@ -56,15 +56,6 @@ def _one_shot():
     return [dict(LENGTHS)]
 
 
-def _decode_after(prefill: int):
-    steps = [{rid: min(prefill, n) for rid, n in LENGTHS.items()}]
-    left = {rid: n - min(prefill, n) for rid, n in LENGTHS.items()}
-    while any(left.values()):
-        steps.append({rid: 1 for rid in LENGTHS if left[rid]})
-        left = {rid: max(0, v - 1) for rid, v in left.items()}
-    return steps
-
-
 def _random_chunks(seed: int):
     """Interleaved chunks of 1..150 tokens (> 8 and > 128 occur), requests joining in random order."""
     rng = random.Random(seed)
@@ -86,7 +77,7 @@ SCHEDULES = {
     "chunked": lambda: _random_chunks(1),
     # token-by-token decode through t = 127 and 255, after a short prefill (the CSA boundaries
     # t = 3 mod 4 are crossed every 4 steps).
-    "decode": lambda: _decode_after(100),
+    "decode": lambda: drivers.decode_after(LENGTHS, 100),
 }
 
 

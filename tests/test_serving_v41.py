@@ -12,6 +12,7 @@ computations that differ by a rounding upstream)."""
 import random
 
 import builders
+import drivers
 import pytest
 import torch
 from drivers_v41 import serve_schedule
@@ -68,15 +69,6 @@ def _one_shot():
     return [dict(LENGTHS)]
 
 
-def _decode_after(prefill: int):
-    steps = [{rid: min(prefill, n) for rid, n in LENGTHS.items()}]
-    left = {rid: n - min(prefill, n) for rid, n in LENGTHS.items()}
-    while any(left.values()):
-        steps.append({rid: 1 for rid in LENGTHS if left[rid]})
-        left = {rid: max(0, v - 1) for rid, v in left.items()}
-    return steps
-
-
 def _random_chunks(seed: int):
     """Interleaved chunks of 1..40 tokens (odd and even ends of ratio-2 groups), requests joining in
     random order: steps mix prefill chunks and decode tokens."""
@@ -94,7 +86,7 @@ def _random_chunks(seed: int):
     return steps
 
 
-SCHEDULES = {"one_shot": _one_shot, "chunked": lambda: _random_chunks(1), "decode": lambda: _decode_after(70)}
+SCHEDULES = {"one_shot": _one_shot, "chunked": lambda: _random_chunks(1), "decode": lambda: drivers.decode_after(LENGTHS, 70)}
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))

@@ -18,7 +18,7 @@ from dsv4ops.layers import DEEPSEEK_NAMES
 from dsv4ops.layers_v41 import DEEPSEEK_NAMES as DEEPSEEK_NAMES_V41
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics, stack_attention
-from dsv4ops.testing_v41 import check_pool, check_selection, slots_to_entries
+from dsv4ops.testing_v41 import check_pool, check_selection
 
 # HCA ratio 16 so that the scenario's requests (up to 138 tokens) close several HCA entries;
 # index_topk 16 < the 34 CSA entries of the longest request: a real selection.
@@ -146,31 +146,9 @@ def test_tp_compiled_scenario_equals_one_process():
 
 
 def _v41_serve(stack, numerics):
-    manager = V41CacheManager(CFG41, CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41,
-                                                 exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT),
-                              numerics)
-    stack.attach_cache(manager)
-    rows = dist_cases.inputs(CFG41.hidden_size, seed=3, layers=CFG41.num_layers)
-    topk, pools = {r: {} for r in rows}, {r: [] for r in rows}
-    published = {}
-
-    def fn(x, step):
-        return stack(x, step, published)
-
-    def record(step, spec):
-        for key, idx in published.items():
-            if isinstance(key, tuple):
-                table = step.block_table(CFG41.role(key[1]).ratio)
-                for r, s in dist_cases.kept_rows(idx, spec).items():
-                    row = table[manager.slot_of[r]].cpu()
-                    topk[r].setdefault(key[1], []).append(slots_to_entries(s, row, BLOCK41))
-        for r, s in dist_cases.kept_rows(published["pool"], spec).items():
-            pools[r].append(s.long())
-
-    with torch.no_grad():
-        outs = dist_cases.serve(fn, manager, rows, on_step=record)
-    return rows, outs, {r: {k: torch.cat(v) for k, v in d.items()} for r, d in topk.items()}, \
-        {r: torch.cat(v) for r, v in pools.items()}
+    cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41,
+                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT)
+    return dist_cases.serve_v41(stack, V41CacheManager(CFG41, cache, numerics), BLOCK41)
 
 
 def _v41_body(rank, group, mode):

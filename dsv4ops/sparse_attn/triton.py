@@ -47,6 +47,22 @@ _V41 = ("fp8_528", "fp4_288")  # formats read as even / odd column halves
 
 
 @triton.jit
+def _fp8_584_nope(pool_ptr, data_at, scale_at, valid):
+    """The 448 e4m3 dims of fp8_584 rows (byte offsets data_at, scale_at) in bf16 as [BK, 8, 64]:
+    seven 64-dim scale blocks, the eighth (the rope dims' place) zero. Rows with valid False are 0."""
+    blk = tl.arange(0, 8)[None, :, None]
+    c64 = tl.arange(0, 64)[None, None, :]
+    codes = tl.load(pool_ptr + data_at[:, None, None] + blk * 64 + c64, mask=valid[:, None, None] & (blk < 7),
+                    other=0)
+    b8 = tl.arange(0, 8)[None, :]
+    sc = tl.load(pool_ptr + scale_at[:, None] + b8, mask=valid[:, None] & (b8 < 7), other=127)
+    # UE8M0 byte e -> the bf16 2^(e - 127): e in the exponent field, zero mantissa. (Integer and
+    # fp32 bit tricks instead of the e4m3 -> bf16 conversion measured 20% slower on the H100.)
+    scale = (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale[:, :, None]
+
+
+@triton.jit
 def _load_keys(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr, R: tl.constexpr, FMT: tl.constexpr,
                KDT: tl.constexpr, SOFT: tl.constexpr):
     """Key tile of `slots` in KDT as two tensors: k [BK, D] with its trailing R (rope) dims zeroed,
@@ -63,16 +79,7 @@ def _load_keys(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr, R:
         rope_at = slots[:, None] * D + (D - R) + cols
         rope = round_to(to_f32(tl.load(pool_ptr + rope_at, mask=valid[:, None], other=0.0), SOFT), KDT, SOFT)
     if FMT == 1 and KDT == tl.bfloat16 and not SOFT:
-        blk = tl.arange(0, 8)[None, :, None]
-        c64 = tl.arange(0, 64)[None, None, :]
-        codes = tl.load(pool_ptr + data_at[:, None, None] + blk * 64 + c64, mask=valid[:, None, None] & (blk < 7),
-                        other=0)
-        b8 = tl.arange(0, 8)[None, :]
-        sc = tl.load(pool_ptr + scale_at[:, None] + b8, mask=valid[:, None] & (b8 < 7), other=127)
-        # UE8M0 byte e -> the bf16 2^(e - 127): e in the exponent field, zero mantissa. (Integer and
-        # fp32 bit tricks instead of the e4m3 -> bf16 conversion measured 20% slower on the H100.)
-        scale = (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)
-        k = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale[:, :, None], [BK, D])
+        k = tl.reshape(_fp8_584_nope(pool_ptr, data_at, scale_at, valid), [BK, D])
     else:
         rows = load_rows(pool_ptr, slots, valid, bs, BK, D, FMT, SOFT)
         k = round_to(tl.where(tl.arange(0, D)[None, :] < D - R, rows, 0.0), KDT, SOFT)
@@ -117,14 +124,9 @@ def _load_keys_eo(pool_ptr, slots, valid, bs, BK: tl.constexpr, D: tl.constexpr,
     elif FMT == 1 and KDT == tl.bfloat16 and not SOFT:  # V4's 584-B window rows beside fp4_288 entries
         data_at, scale_at = main_offsets(slots, bs)
         data_at = tl.multiple_of(data_at, 16)
+        nope = _fp8_584_nope(pool_ptr, data_at, scale_at, valid)
         blk = tl.arange(0, 8)[None, :, None]
         c64 = tl.arange(0, 64)[None, None, :]
-        codes = tl.load(pool_ptr + data_at[:, None, None] + blk * 64 + c64, mask=valid[:, None, None] & (blk < 7),
-                        other=0)
-        b8 = tl.arange(0, 8)[None, :]
-        sc = tl.load(pool_ptr + scale_at[:, None] + b8, mask=valid[:, None] & (b8 < 7), other=127)
-        scale = (sc.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)  # UE8M0 byte -> bf16 2^(e - 127)
-        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16) * scale[:, :, None]
         rope_ptr = (pool_ptr + data_at + 448).to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(rope_ptr[:, None, None] + c64 + blk * 0, mask=valid[:, None, None] & (blk == 7), other=0.0)
         k_even, k_odd = tl.split(tl.reshape(tl.where(blk < 7, nope, rope), [BK, H, 2]))
