@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 import drivers
-from dsv4ops.testing_v41 import slots_to_entries
+from dsv4ops import testing
+from dsv4ops.reference.v41 import stack_attention
+from dsv4ops.testing_v41 import check_pool, check_selection, slots_to_entries
 
 # Steps {request: (tokens, kept)} (the tokens past `kept` are rejected drafts, rewound after the
 # step) and forks (parent, child, length). Request a is forked at 100 while it stands at 104
@@ -104,3 +106,34 @@ def serve_v41(stack, manager, block: int):
         outs = serve(fn, manager, rows, on_step=record)
     return rows, outs, {r: {k: torch.cat(v) for k, v in d.items()} for r, d in topk.items()}, \
         {r: torch.cat(v) for r, v in pools.items()}
+
+
+def check_v41_oracle(stack, numerics, lowp: torch.dtype, rows: dict, outs: dict, topk: dict, pools: dict,
+                     who: str) -> dict:
+    """Hold each request's outputs of the scenario (serve_v41's) to the float64 oracle of `stack`'s
+    weights on the selections and candidate pools the run made (a fork's prefix: its parent's),
+    within the budget of a `lowp` run of the oracle; check every selection and pool against the
+    oracle's scores. Returns {request: its budget}."""
+    cfg = stack.config
+    p32 = dict(stack.named_parameters())
+    p64 = {k: v.double() for k, v in p32.items()}
+    plow = {k: v if k.endswith(("sinks", "norm.weight")) else v.to(lowp) for k, v in p32.items()}
+    fork = next(op for op in PLAN if op[0] == "fork")
+    budgets = {}
+    for r, x in rows.items():
+        start = fork[3] if r == fork[2] else 0
+        sel = {k: v[None] for k, v in topk[r].items()}
+        pool = {cfg.candidate_source_layer: pools[r][None]}
+        if start:
+            p = fork[1]
+            sel = {k: torch.cat([topk[p][k][None, :start], v], 1) for k, v in sel.items()}
+            pool = {k: torch.cat([pools[p][None, :start], v], 1) for k, v in pool.items()}
+        ref64 = stack_attention(p64, cfg, x[:, None].double(), numerics, sel, pool)
+        low = stack_attention(plow, cfg, x[:, None].to(lowp), numerics, sel, pool)
+        _, budgets[r] = testing.assert_close_to_ref(outs[r], ref64.y[:, 0, start:], low.y[:, 0, start:],
+                                                    what=f"{who} request {r}")
+        for layer, picked in sel.items():
+            check_selection(picked[0], ref64.scores[layer][0], low.scores[layer][0], f"request {r} layer {layer}")
+        for layer, pk in pool.items():
+            check_pool(pk[0], ref64.scores[layer][0], low.scores[layer][0], cfg, f"request {r} pool")
+    return budgets

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops.bench import timing
 from dsv4ops.bench.attention import _fill
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.config import layer_pools
@@ -47,22 +48,15 @@ COLUMNS = ["part", "layer", "batch", "context", "one_gpu_us", "parallel_us", "ra
 
 def _time_us(fn, iters: int = 20) -> float:
     """Median time of fn() (a compiled step: on CUDA a graph replay, timed with events)."""
-    cuda = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        return timing.eager_time_us(fn, iters)
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 
