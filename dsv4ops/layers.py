@@ -18,11 +18,11 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
+from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.indexer.reference import query_values
 from dsv4ops.parallel import Group, all_reduce
 from dsv4ops.parallel import dcp as _dcp
 from dsv4ops.parallel import tp as _tp
-from dsv4ops.fp8_linear.api import BlockFP8Linear
-from dsv4ops.indexer.reference import query_values
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype

@@ -147,7 +147,7 @@ class KVCacheManager:
         self._agreement = None if self.dcp is None else _dcp.Agreement(process_group)
         self.ratios, kinds = self._compressed_pools(model)
         if self.dcp is not None:
-            _dcp.check_layout(model, cfg, self.ratios, kinds)
+            _dcp.check_layout(model, cfg)
         self.widths = {k: (blocks_per_request(cfg, r) if k in kinds else 0) for k, r in self.ratios.items()}
         self.allocators = {k: BlockAllocator(pool_blocks(cfg, r, self.shards) if k in kinds else 0, self.shards)
                            for k, r in self.ratios.items()}

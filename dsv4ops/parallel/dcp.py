@@ -95,7 +95,7 @@ class Agreement:
                                f"release, commit, abort, rewind, fork); nothing was changed")
 
 
-def check_layout(model, cfg, ratios: dict, kinds: set) -> None:
+def check_layout(model, cfg) -> None:
     """A V4.1 candidate block (candidate_block_size entries) must lie in one rank's block."""
     cb = getattr(model, "candidate_block_size", None)
     if cb and cfg.block_size % cb:
