@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsv4ops.parallel import destroy_process_group
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
@@ -31,7 +33,7 @@ def _main(rank: int, world: int, backend: str, store: str, fn, args: tuple, out:
         torch.manual_seed(0)
         torch.save(fn(rank, dist.group.WORLD, *args), f"{out}.{rank}")
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()  # frees the steps' CUDA graphs first: NCCL's destroy waits for them
 
 
 def run(fn, *args, world: int = 2, backend: str = "gloo") -> list:

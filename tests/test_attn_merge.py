@@ -17,6 +17,10 @@ from dsv4ops.quant.reference import pack_kv
 from dsv4ops.sparse_attn.api import sparse_attn
 
 BF16, FP32, I32 = torch.bfloat16, torch.float32, torch.int32
+# On a GPU (-m gpu) the same checks run the CUDA dispatch: the Triton kernels of attn_merge and of
+# sparse_attn's partial (the C++ kernel takes no lse).
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=ON_GPU)]
 
 
 def _dense(q: torch.Tensor, keys: list[torch.Tensor], sinks: torch.Tensor, scale: float) -> torch.Tensor:
@@ -60,15 +64,21 @@ def test_merge_of_dense_partials_equals_attention_over_all_keys(dtype):
     T.assert_close_to_ref(got, dense, low, what=f"attn_merge {dtype}")
 
 
-def test_empty_shards_are_not_read_and_no_key_gives_zero():
-    args = builders.attn_merge_args(FP32, shards=3, tokens=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_shards_are_not_read_and_no_key_gives_zero(device):
+    """V4 heads and dims (64 x 512); every output element poisoned before the kernel writes it."""
+    args = builders.attn_merge_args(FP32, shards=3, tokens=4, heads=64, dim=512)
     args["partials"][args["lse"] == float("-inf")] = float("nan")  # poison: never read
-    out = attn_merge(args["partials"], args["lse"], args["sinks"])
+    args = {k: v.to(device) for k, v in args.items()}
+    out = torch.full_like(args["out"], float("nan"))
+    torch.ops.dsv4.attn_merge(args["partials"], args["lse"], args["sinks"], out)
     assert not out.isnan().any()
     assert (out[-1] == 0).all()  # no shard has a key for the last token
-    ref = torch.empty_like(out)
-    builders.call_op("attn_merge", dict(args, out=ref))
-    assert builders.bytes_equal(out, ref)
+    ref64 = torch.empty(out.shape, dtype=torch.float64)
+    reference.attn_merge(args["partials"].cpu().nan_to_num().double(), args["lse"].cpu(), args["sinks"].cpu(), ref64)
+    low = torch.empty(out.shape)
+    reference.attn_merge(args["partials"].cpu().nan_to_num(), args["lse"].cpu(), args["sinks"].cpu(), low)
+    T.assert_close_to_ref(out.cpu(), ref64, low, what=f"attn_merge on {device}")
 
 
 WINDOW, RING, BS = 4, 8, 4
@@ -86,41 +96,49 @@ def _pools(dtype, fmt, comp_fmt):
     return dim, wc, cc, wf, cf
 
 
-@pytest.mark.parametrize("dtype,fmt,comp_fmt", [(FP32, FP32, FP32), (BF16, builders.FP8, builders.FP8), (BF16, "fp8_528", "fp4_288")],
-                         ids=["fp32", "bf16-fp8", "v41"])
-def test_sparse_attn_shards_merged_equal_one_call(dtype, fmt, comp_fmt):
+SHARD_CASES = [pytest.param(FP32, FP32, FP32, "cpu", id="fp32")]
+for _name, _fmt, _comp_fmt in (("bf16-fp8", builders.FP8, builders.FP8), ("v41", "fp8_528", "fp4_288")):
+    SHARD_CASES += [pytest.param(BF16, _fmt, _comp_fmt, "cpu", id=_name),
+                    pytest.param(BF16, _fmt, _comp_fmt, "cuda", id=f"{_name}-cuda", marks=ON_GPU)]
+
+
+@pytest.mark.parametrize("dtype,fmt,comp_fmt,device", SHARD_CASES)
+def test_sparse_attn_shards_merged_equal_one_call(dtype, fmt, comp_fmt, device):
     """A token's entries split between two calls (the first also takes the window, the second
     passes window end -1: no window), each with lse; attn_merge of the two equals one sparse_attn
     over everything: |merged - fp64| within 2x |one call - fp64| (the fp64 run: the reference
     kernel on the same pools). Token 1 has no entry in shard 1 and token 3 is padding: lse -inf,
-    exact zero rows."""
+    exact zero rows. 16 heads: V4-Flash's shard at TP4 (the CUDA kernels' tiles are sized for
+    heads, the fp32 case's 16-dim rows run on the CPU only)."""
     torch.manual_seed(1)
     dim, wc, cc, wf, cf = _pools(dtype, fmt, comp_fmt)
-    pos, req = torch.tensor([9, 10, 1, 0], dtype=I32), torch.tensor([0, 0, 1, -1], dtype=I32)
-    idx = torch.tensor([[0, 3, 5, 7], [1, 2, -1, 6], [4, 6, 0, -1], [1, 2, 3, 4]], dtype=I32)
-    lens = torch.tensor([4, 2, 3, 4], dtype=I32)
-    q, sinks = torch.randn(4, 3, dim, dtype=dtype), torch.randn(3)
+    wc, cc = wc.to(device), cc.to(device)
+    i32 = partial(torch.tensor, dtype=I32, device=device)
+    pos, req = i32([9, 10, 1, 0]), i32([0, 0, 1, -1])
+    idx = i32([[0, 3, 5, 7], [1, 2, -1, 6], [4, 6, 0, -1], [1, 2, 3, 4]])
+    lens = i32([4, 2, 3, 4])
+    q, sinks = torch.randn(4, 16, dim, dtype=dtype).to(device), torch.randn(16).to(device)
     scale = dim**-0.5
     call = partial(sparse_attn, window_cache=wc, comp_cache=cc, positions=pos, req_slots=req, sinks=sinks,
                    scale=scale, window=WINDOW, ring_size=RING, window_fmt=wf, comp_fmt=cf)
     whole = call(q, comp_idx=idx, comp_lens=lens)
-    shard0 = torch.tensor([[0, 3], [1, 2], [4, -1], [1, 2]], dtype=I32)
-    shard1 = torch.tensor([[5, 7], [-1, 6], [6, 0], [3, 4]], dtype=I32)
-    o0, l0 = call(q, comp_idx=shard0, comp_lens=torch.full((4,), 2, dtype=I32), return_lse=True)
+    shard0 = i32([[0, 3], [1, 2], [4, -1], [1, 2]])
+    shard1 = i32([[5, 7], [-1, 6], [6, 0], [3, 4]])
+    o0, l0 = call(q, comp_idx=shard0, comp_lens=i32([2, 2, 2, 2]), return_lse=True)
     # Shard 1 through the op: no window (end -1; the public function checks ends), token 1 lists
-    # nothing (its entry 6 lies past comp_lens).
-    o1, l1 = torch.full_like(q, float("nan")), torch.full((4, 3), float("nan"))
-    torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, shard1, torch.tensor([2, 1, 2, 2], dtype=I32),
-                               torch.full((4,), -1, dtype=I32), sinks, o1, scale, WINDOW, RING, wf, cf, l1)
+    # nothing (its entry 6 lies past comp_lens). Outputs poisoned.
+    o1, l1 = torch.full_like(q, float("nan")), torch.full((4, 16), float("nan"), device=device)
+    torch.ops.dsv4.sparse_attn(q, wc, cc, pos, req, shard1, i32([2, 1, 2, 2]), i32([-1, -1, -1, -1]), sinks, o1, scale,
+                               WINDOW, RING, wf, cf, l1)
     assert (o1[1] == 0).all() and (l1[1] == float("-inf")).all()  # no key: exact zeros, -inf
     assert (o0[3] == 0).all() and (o1[3] == 0).all() and (l0[3] == float("-inf")).all()  # padding
     assert torch.isfinite(l0[:3]).all() and torch.isfinite(l1[[0, 2]]).all()
     got = attn_merge(torch.stack([o0, o1]), torch.stack([l0, l1]), sinks)
-    as64 = (lambda c: c if c.dtype == torch.uint8 else c.double())
+    as64 = (lambda c: c.cpu() if c.dtype == torch.uint8 else c.cpu().double())
     ref64 = torch.empty(q.shape, dtype=torch.float64)
-    sparse_attn_ref.sparse_attn(q.double(), as64(wc), as64(cc), pos, req, idx, lens, None, sinks, ref64, scale, WINDOW,
-                                RING, wf, cf)
-    T.assert_close_to_ref(got, ref64, whole, what="merged shards vs one call")
+    sparse_attn_ref.sparse_attn(q.cpu().double(), as64(wc), as64(cc), pos.cpu(), req.cpu(), idx.cpu(), lens.cpu(), None,
+                                sinks.cpu(), ref64, scale, WINDOW, RING, wf, cf)
+    T.assert_close_to_ref(got.cpu(), ref64, whole.cpu(), what="merged shards vs one call")
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------

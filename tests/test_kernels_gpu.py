@@ -502,6 +502,9 @@ def _op_args(name: str, fp8: bool = True) -> tuple:
         weight, scale = builders.block_fp8_weight(512, 4096, 128)
         return (torch.randn(t, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.float().to(DEV),
                 torch.empty(t, 512, device=DEV, dtype=torch.bfloat16), 128)
+    if name == "attn_merge":
+        args = builders.attn_merge_args(shards=2, tokens=t, heads=h, dim=512)
+        return tuple(args[k].to(DEV) for k in ("partials", "lse", "sinks", "out"))
     raise KeyError(name)
 
 

@@ -212,6 +212,7 @@ def _parallel(args, out: dict) -> dict:
     import torch.distributed as dist
 
     from dsv4ops.bench import parallel
+    from dsv4ops.parallel import destroy_process_group
 
     if "WORLD_SIZE" not in os.environ:
         raise SystemExit("bench --only parallel: run under torchrun (torchrun --nproc-per-node 2 -m dsv4ops bench "
@@ -231,7 +232,7 @@ def _parallel(args, out: dict) -> dict:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1, default=str)
-    dist.destroy_process_group()
+    destroy_process_group()
     return out
 
 

@@ -200,6 +200,10 @@ def main(argv=None):
         return run(args)
     finally:
         torch.set_num_threads(threads)
+        if args.parallel != "none":  # the group _process_group joined (torchrun's), its CUDA graphs freed first
+            from dsv4ops.parallel import destroy_process_group
+
+            destroy_process_group()
 
 
 def _process_group(args) -> tuple:

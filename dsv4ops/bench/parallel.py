@@ -1,7 +1,7 @@
 """`torchrun --nproc-per-node 2 -m dsv4ops bench --only parallel`: tensor and decode context
-parallelism on 2 GPUs (NCCL), V4-Flash layers, each step compiled with mode="reduce-overhead" and
-timed as a CUDA-graph replay (CUDA events, median of the replays; both ranks run the same steps, rank
-0 reports):
+parallelism on 2 GPUs (NCCL), V4-Flash layers, each step compiled with its collectives (Inductor) and
+timed in a CUDA graph of 10 steps (CUDA events, median of the replays; both ranks run the same steps,
+rank 0 reports):
 
 - TP2 against one GPU, decode at batch 1 / 32 / 128 x 4K (CSA and HCA layers): the whole layer's
   step, and the share of it one all-reduce of the layer output [batch, hidden] bf16 takes (timed
@@ -41,15 +41,20 @@ FP8 = Numerics(kv="fp8", indexer="fp8")
 TP_CASES = ((1, 4096), (32, 4096), (128, 4096))
 DCP_CASES = ((1, 256 * 1024), (1, 1024 * 1024))
 INDEXER_CASES = ((1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536))
+GRAPH_REPS = 10  # calls in a timed graph: its replay's own launch (~8 us) spread over them
 COLUMNS = ["part", "layer", "batch", "context", "one_gpu_us", "parallel_us", "ratio", "collective_us",
            "collective_share", "kv_bytes_one_gpu", "kv_bytes_per_rank", "kv_ratio", "max_context_one_gpu",
            "max_context_per_rank", "replicated_us", "split_us", "faster", "note"]
 
 
 def _time_us(fn, iters: int = 20) -> float:
-    """Median time of fn() (a compiled step: on CUDA a graph replay, timed with events)."""
+    """Median time of one fn() (a compiled step). CUDA: fn captured GRAPH_REPS times in one CUDA graph
+    with its collectives (timing.graph_time_us), the GPU's time as a serving engine's step graph runs
+    it. Timing a Python call of a mode="reduce-overhead" function instead measured the host: 300-500 us
+    a layer step and 100-230 us an all-reduce on 2 x H200 (2026-11-27), where NCCL's all-reduce of
+    [128, 4096] bf16 takes ~17 us in a graph (issue 31)."""
     if torch.cuda.is_available():
-        return timing.eager_time_us(fn, iters)
+        return timing.graph_time_us(fn, iters, GRAPH_REPS)
     for _ in range(3):
         fn()
     times = []
@@ -61,19 +66,12 @@ def _time_us(fn, iters: int = 20) -> float:
 
 
 def _compiled(fn):
-    """fn compiled whole (CUDA: with CUDA graphs); every case compiles anew (Dynamo's caches reset:
-    the cases' layers share one forward, whose recompile limit would otherwise be reached)."""
+    """fn compiled whole with its collectives (Inductor on CUDA, its CUDA graph made by _time_us);
+    every case compiles anew (Dynamo's caches reset: the cases' layers share one forward, whose
+    recompile limit would otherwise be reached)."""
     torch._dynamo.reset()
     cuda = torch.cuda.is_available()
-    c = torch.compile(fn, mode="reduce-overhead" if cuda else None, fullgraph=True,
-                      backend="inductor" if cuda else "aot_eager")
-
-    def call(*args):
-        if cuda:
-            torch.compiler.cudagraph_mark_step_begin()
-        return c(*args)
-
-    return call
+    return torch.compile(fn, fullgraph=True, backend="inductor" if cuda else "aot_eager")
 
 
 def _book(manager: KVCacheManager, rid, length: int) -> None:

@@ -55,3 +55,23 @@ def all_gather(x: Tensor, group: Group) -> Tensor:
     """[group.size, *x.shape]: every rank's x, by rank."""
     out = _C10D.wait_tensor(_C10D.all_gather_into_tensor(x.contiguous(), group.size, group.name))
     return out.view(group.size, *x.shape)
+
+
+def destroy_process_group(group=None) -> None:
+    """torch.distributed.destroy_process_group(group), after freeing the CUDA graphs that
+    torch.compile(mode="reduce-overhead") recorded. NCCL's communicator destroy waits until every CUDA
+    graph that captured one of its collectives is freed (pytorch/pytorch#115388): a process that ran a
+    parallel step in CUDA graphs otherwise hangs in this call, or at exit. Resets Dynamo: functions
+    compiled before recompile on their next call."""
+    import gc
+
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        torch.cuda.synchronize()
+        reset_cudagraph_trees()  # torch 2.13's Dynamo reset does it too; 2.11's may not
+    gc.collect()  # graphs held by reference cycles (compiled modules' closures)
+    dist.destroy_process_group(group)
