@@ -364,11 +364,12 @@ def test_rule_suggestion_is_the_start_of_the_last_winning_run():
     assert suggest_from({1: (5.0, 9.0), 128: (8.0, 8.0)}) is None  # a tie is no win
 
 
-def test_rule_table_covers_every_v4_flash_projection():
+def test_rule_table_covers_every_v4_flash_and_pro_projection():
     from dsv4ops.bench.fp8_linear import projections
     from dsv4ops.fp8_linear import rule
 
-    assert set(projections(DSV4AttentionConfig.flash()).values()) == set(rule.W8A8_FROM)
+    shapes = {*projections(DSV4AttentionConfig.flash()).values(), *projections(DSV4AttentionConfig.pro()).values()}
+    assert shapes == set(rule.W8A8_FROM)
 
 
 def test_module_auto_runs_w8a8_where_the_rule_picks_it(monkeypatch):

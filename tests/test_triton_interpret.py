@@ -955,10 +955,11 @@ def test_w8a8_probe_uses_the_launchers_layouts_and_turns_auto_off_where_torch_re
     assert rule.serving_capability(cuda) == (10, 0)  # pick's own reason applies there
 
 
-def test_fp8_linear_launch_config_fills_the_h100_at_decode():
+def test_fp8_linear_launch_config_fills_the_h100():
     # The V4-Flash projections (q_a, q_b, kv, o_b) at decode batch 1 and 128: at least a wave of
     # programs on the 132 SMs, every weight byte read by one row block, split-K partials within 2x
-    # the weight bytes; a prefill runs 128 x 128 tiles without a split.
+    # the weight bytes; a prefill runs 128 x 128 tiles, split where they leave SMs idle (q_a at 256
+    # rows: 16 tiles, 60 us unsplit on an H200) as far as partials within 2x the weight bytes allow.
     f = dsv4ops.DSV4AttentionConfig.flash()
     shapes = [(f.q_lora_rank, f.hidden_size), (f.num_heads * f.head_dim, f.q_lora_rank), (f.head_dim, f.hidden_size),
               (f.hidden_size, f.o_groups * f.o_lora_rank)]
@@ -971,6 +972,12 @@ def test_fp8_linear_launch_config_fills_the_h100_at_decode():
             assert (c["SPLITS"] - 1) * c["K_SPLIT"] < k <= c["SPLITS"] * c["K_SPLIT"]
         c = fp8_linear_tt.config(4096, n, k, 128, interpret=False)
         assert (c["BM"], c["BN"], c["SPLITS"]) == (128, 128, 1)
+        for m in (256, 512, 1024):
+            c = fp8_linear_tt.config(m, n, k, 128, interpret=False)
+            tiles = triton.cdiv(n, 128) * triton.cdiv(m, 128)
+            assert (c["BM"], c["BN"]) == (128, 128), (n, k, m, c)
+            assert c["SPLITS"] == 1 or 4 * c["SPLITS"] * m * n <= 2 * n * k, (n, k, m, c)
+            assert tiles * c["SPLITS"] >= 128 or c["SPLITS"] == min(8, k // (2 * m)), (n, k, m, c)
 
 
 # ---- layout rejection --------------------------------------------------------------------------

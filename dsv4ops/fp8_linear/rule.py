@@ -21,24 +21,28 @@ from dsv4ops.fp8_linear.checks import W8A8_BLOCK
 
 ACTIVATIONS = ("exact", "fp8", "auto")
 
-# (N, K) -> the smallest M from which "fp8" beat "exact" at every swept M at or above it; None:
-# "exact" at every swept M. Shapes not listed: DEFAULT_W8A8_FROM.
-# PLACEHOLDERS, not a sweep of this rule: issue 30 measured at M = 128 only (cuBLASLt GEMM alone, H100,
-# torch 2.11): q_b 17.5 us, indexer q_b 6.7, o_b 25.2 against the Triton kernel's 128-token times
-# (triton.config's docstring: indexer q_b 11.2, o_b 36.8; q_b slower than bf16's 31.5, issue 30):
-# "fp8" from 128; q_a 13.6 and kv 13.9 against 10.2 and 8.0: "exact" at 128, "fp8" assumed from 512
-# (prefill-sized M, where the FP8 rate, 2x bf16, should win). The activation quantization (about
-# 2 us at 128 x 4096, not measured) is not in those numbers. Replace every entry, and the default,
-# with the table `python -m dsv4ops bench --only fp8_linear --model flash` (and `--model pro`)
-# prints (both paths timed at M = 1 .. 4096), and drop the "placeholder" marks.
+# (N, K) -> the smallest M from which "fp8" beat "exact" at every swept M at or above it (M = 1, 16,
+# 64, 128, 256, 512, 1024, 4096); None: "exact" at every swept M. From `python -m dsv4ops bench --only
+# fp8_linear --model flash` and `--model pro` (their printed tables), graph-timed on an NVIDIA H200,
+# torch 2.11.0+cu130, 2026-11-27 (no H100 was free that session; the H200's 1.4x HBM bandwidth favours
+# the bandwidth-bound W8A16 kernel at small M, so on an H100 these starts are late, not early). Times
+# behind each start, exact / fp8 us: V4-Flash q_a at 128: 9.9 / 16.5, at 256: 60.2 / 16.7 (the W8A16
+# prefill tiles of that run: 16 programs; triton.config now splits K there, not re-measured); q_b at
+# 16: 16.6 / 17.1, at 64: 26.0 / 17.9; o_b at 1: 22.0 / 21.9 (a tie), at 64: 35.3 / 28.8; V4-Pro q_b at 128:
+# 114.7 / 39.3, o_b at 1: 77.4 / 45.2. The activation quantization is inside the fp8 times.
 W8A8_FROM: dict[tuple[int, int], int | None] = {
-    (1024, 4096): 512,  # V4-Flash q_a_proj (placeholder)
-    (32768, 1024): 128,  # V4-Flash q_b_proj (placeholder)
-    (512, 4096): 512,  # V4-Flash kv_proj (placeholder)
-    (4096, 8192): 128,  # V4-Flash o_b_proj (placeholder)
-    (8192, 1024): 128,  # V4-Flash indexer q_b_proj (placeholder)
+    (1024, 4096): 256,  # V4-Flash q_a_proj
+    (32768, 1024): 64,  # V4-Flash q_b_proj
+    (512, 4096): 256,  # V4-Flash kv_proj
+    (4096, 8192): 1,  # V4-Flash o_b_proj
+    (8192, 1024): 64,  # V4-Flash indexer q_b_proj
+    (1536, 7168): 256,  # V4-Pro q_a_proj
+    (65536, 1536): 64,  # V4-Pro q_b_proj
+    (512, 7168): 256,  # V4-Pro kv_proj
+    (7168, 16384): 1,  # V4-Pro o_b_proj
+    (8192, 1536): 64,  # V4-Pro indexer q_b_proj
 }
-DEFAULT_W8A8_FROM = 512  # placeholder: prefill-sized steps only, until measured
+DEFAULT_W8A8_FROM = 256  # "fp8" was faster from 256 tokens on every measured shape
 
 
 def w8a8_refuses(n: int, k: int, block: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:

@@ -13,7 +13,7 @@ quantization of `dsv4::fp8_linear_w8a8` (its GEMM is cuBLASLt's: fp8_linear/w8a8
   a workspace and `_reduce_kernel` sums the splits in a fixed order (deterministic, no atomics) and
   rounds to x's dtype. The workspace is allocated per call from static sizes only (tokens, N,
   splits), so the op stays CUDA-graph safe.
-- Prefill (M > 128): 128 x 128 output tiles, no split.
+- Prefill (M > 128): 128 x 128 output tiles, split-K where the tiles alone leave SMs idle.
 
 Against cuBLAS F.linear on the dequantized bf16 weight (H100, 2026-11-23, V4-Flash projections;
 README Benchmarks): 1.27-1.60x at one token (half the bytes would allow 2x: the small projections
@@ -110,12 +110,16 @@ def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> d
     splits up to two programs per SM, 4 stages) took up to 1.9x as long (indexer q_b at m = 128:
     20.9 us). Not the best at one swept shape: o_b at m = 1 gets BN 32 x 2 splits, 22.0 us, where
     BN 64 x 8 measured 18.6.
-    Prefill (m > 128): 128 x 128 tiles, 8 warps, no split. BK = 128 (V4 tiles), or the tile size
-    when it is smaller (V4.1's 32: one scale per weight row and K step)."""
+    Prefill (m > 128): 128 x 128 tiles, 8 warps, split-K while the grid holds fewer than two programs
+    per SM, the partials within 2x the weight bytes (4 x splits x m x N <= 2 x N x K). Unsplit, m = 256
+    ran 16 programs on q_a and kv and took 60 us where m = 128 took 9.9 and 8.0 (H200, 2026-11-27);
+    the split rule is not yet measured. BK = 128 (V4 tiles), or the tile size when it is smaller
+    (V4.1's 32: one scale per weight row and K step)."""
     bk = min(block, 128)
     tiles = triton.cdiv(k, bk)
     if m > 128:
-        bm, bn, warps, stages, split = 128, 128, 8, 3, 1
+        bm, bn, warps, stages = 128, 128, 8, 3
+        split = max(1, min(8, tiles, 2 * _SMS // (triton.cdiv(n, bn) * triton.cdiv(m, bm)), k // (2 * m)))
     else:
         bm = max(16, triton.next_power_of_2(m))
         target = 256 if bm == 16 else 128
