@@ -54,7 +54,7 @@ def _check(n, k, m, block, scale_dtype):
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["ue8m0", "fp32"])
-@pytest.mark.parametrize("m", [1, 128, 4096])
+@pytest.mark.parametrize("m", [1, 128, 300, 4096])  # 300: prefill tiles in 3 row blocks, split K (q_a, kv, o_b)
 @pytest.mark.parametrize("proj", sorted(FLASH))
 def test_triton_matches_the_reference_at_flash_shapes(proj, m, scale_dtype):
     _check(*FLASH[proj], m, 128, scale_dtype)

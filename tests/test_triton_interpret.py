@@ -955,6 +955,27 @@ def test_w8a8_probe_uses_the_launchers_layouts_and_turns_auto_off_where_torch_re
     assert rule.serving_capability(cuda) == (10, 0)  # pick's own reason applies there
 
 
+def test_fp8_linear_runs_the_gpus_prefill_config():
+    # What config() gives a GPU at 300 tokens of kv (4096 -> 512), run here: 3 row blocks (the last of
+    # 44 rows) x 6 splits of K (the last 256 wide): the partials of several row blocks and the reduce.
+    n, k, m = 512, 4096, 300
+    cfg = fp8_linear_tt.config(m, n, k, 128, interpret=False)
+    assert (cfg["BM"], cfg["SPLITS"], cfg["K_SPLIT"]) == (128, 6, 768)
+    weight, scale = builders.block_fp8_weight(n, k, 128, torch.float32, seed=1)
+    scale = scale * k**-0.5
+    x = torch.randn(m, k)
+
+    def run(fn, dt, **kw):
+        out = torch.full((m, n), float("nan"), dtype=dt)
+        fn(x.to(dt), weight, scale, out, 128, **kw)
+        return out
+
+    got = run(fp8_linear_tt.fp8_linear, torch.bfloat16, cfg=cfg)
+    assert not got.isnan().any(), "every element written"
+    testing.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear, torch.float64),
+                                run(fp8_linear_ref.fp8_linear, torch.bfloat16))
+
+
 def test_fp8_linear_launch_config_fills_the_h100():
     # The V4-Flash projections (q_a, q_b, kv, o_b) at decode batch 1 and 128: at least a wave of
     # programs on the 132 SMs, every weight byte read by one row block, split-K partials within 2x
