@@ -15,7 +15,9 @@ MX4 scoring at 32 heads (all entries, candidate blocks); sparse_attn with one sp
 split-KV with the combine (decode over a long list) in each format pair of the C++ kernel (V4, V4 with
 fp4 entries, V4.1), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
 through the Triton kernel; pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
-fp8_linear with and without split-K, both scale types; the
+fp8_linear with and without split-K (decode and prefill), both scale types, and W8A8 (act_quant +
+cuBLASLt, sm_90); sparse_attn as a context-parallel shard (with lse) in each format pair, and
+attn_merge of two shards; the
 V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
 router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90, cuBLAS + gate_topk above)."""
 
@@ -30,6 +32,7 @@ from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics
 from dsv4ops.indexer.api import indexer_q_prep, indexer_topk
+from dsv4ops.attn_merge.api import attn_merge
 from dsv4ops.fp8_linear.api import fp8_linear
 from dsv4ops.quant.api import pack_kv, unpack_kv
 from dsv4ops.sparse_attn import triton as sparse_attn_triton
@@ -145,7 +148,8 @@ def topk_mx4():
 
 def attention():
     """128 tokens over their window (one split), then 1 token over its window and 2048 listed
-    entries (split-KV and the combine), in each (window, entry) format pair the C++ kernel reads."""
+    entries (split-KV and the combine), in each (window, entry) format pair the C++ kernel reads; each also as
+    a context-parallel shard (with lse: the Triton kernel) and two such shards merged (attn_merge)."""
     for window_fmt, comp_fmt in (("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288")):
         _attention(window_fmt, comp_fmt)
 
@@ -165,6 +169,11 @@ def _attention(window_fmt: str, comp_fmt: str):
         req = torch.zeros(t, dtype=I32, device=DEV)
         sparse_attn(q, win, comp, pos, req, comp_idx, sinks, 512**-0.5, window, ring, window_fmt, comp_fmt)
         say(f"sparse_attn {window_fmt} / {comp_fmt}, {t} tokens x ({window} window + {entries} entries)")
+        out, lse = sparse_attn(q, win, comp, pos, req, comp_idx, sinks, 512**-0.5, window, ring, window_fmt, comp_fmt,
+                               return_lse=True)
+        say(f"sparse_attn with lse (a context-parallel shard) {window_fmt} / {comp_fmt}, {t} tokens")
+        attn_merge(torch.stack([out, out]), torch.stack([lse, lse]), sinks)
+        say(f"attn_merge of 2 shards, {t} tokens")
         if torch.cuda.get_device_capability()[0] == 9 and comp_fmt == "fp8_584":  # the op ran the C++ kernel
             lens = torch.full((t,), entries, dtype=I32, device=DEV)
             sparse_attn_triton.sparse_attn(q, win, comp, pos, req, comp_idx, lens, None, sinks, torch.empty_like(q),
@@ -188,13 +197,21 @@ def pack_unpack():
 
 
 def projections():
-    """fp8_linear: split-K decode rows (partials + the reduce launch), a prefill block without a
-    split, V4.1's 32 x 32 tiles; ragged N and K, UE8M0 and fp32 scales."""
+    """fp8_linear: split-K decode rows (partials + the reduce launch), prefill rows without a split
+    and with 6 (the last split ragged), V4.1's 32 x 32 tiles; ragged N and K, UE8M0 and fp32 scales."""
     for m, n, k, block, scale_dtype in ((1, 1000, 4100, 128, torch.float8_e8m0fnu), (300, 520, 700, 128, torch.float32),
+                                        (300, 512, 4096, 128, torch.float8_e8m0fnu),
                                         (17, 200, 300, 32, torch.float8_e8m0fnu)):
         weight, scale = builders.block_fp8_weight(n, k, block, scale_dtype)
         fp8_linear(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.to(DEV), block)
         say(f"fp8_linear {m} x {k} -> {n}, {block} x {block} tiles")
+    # W8A8: the Triton act_quant, then cuBLASLt's blockwise-scaled GEMM (sm_90; fp32 scales).
+    if torch.cuda.get_device_capability()[0] == 9:
+        for m in (1, 300):
+            weight, scale = builders.block_fp8_weight(512, 4096, 128, torch.float32)
+            fp8_linear(torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.to(DEV), 128,
+                       activations="fp8")
+            say(f"fp8_linear_w8a8 {m} x 4096 -> 512")
 
 
 def routers():
