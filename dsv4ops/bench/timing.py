@@ -32,7 +32,9 @@ def graph_time_us(fn, iters: int = 20, reps: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local, as Inductor's cudagraph trees capture: another thread's CUDA call (NCCL's
+    # watchdog, in the parallel bench) must not invalidate the capture.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(reps):
             fn()
     return _events(graph.replay, iters) / reps
