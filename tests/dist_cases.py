@@ -137,3 +137,19 @@ def check_v41_oracle(stack, numerics, lowp: torch.dtype, rows: dict, outs: dict,
         for layer, pk in pool.items():
             check_pool(pk[0], ref64.scores[layer][0], low.scores[layer][0], cfg, f"request {r} pool")
     return budgets
+
+
+def torchrun_demo(mode: str) -> str:
+    """stdout of `torchrun --nproc-per-node 2 -m dsv4ops --parallel <mode>` on 2 CPU processes (gloo),
+    small dims; fails with both streams' tails where it exits non-zero."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "dsv4ops", "--parallel", mode, "--requests", "2", "--context", "140", "--step-tokens",
+                          "64", "--layers", "3"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout

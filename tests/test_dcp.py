@@ -276,17 +276,8 @@ def test_dcp_patch_model_generates_like_transformers():
 def test_dcp_demo_under_torchrun():
     """`torchrun --nproc-per-node 2 -m dsv4ops --parallel dcp`: every request within its fp64-oracle
     budget, rank 0 printing."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "dsv4ops", "--parallel", "dcp", "--requests", "2", "--context", "140", "--step-tokens",
-                          "64", "--layers", "3"], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "dcp over 2 processes" in run.stdout and run.stdout.count("within budget") == 2, run.stdout
+    out = dist_cases.torchrun_demo("dcp")
+    assert "dcp over 2 processes" in out and out.count("within budget") == 2, out
 
 
 def test_patch_model_rejects_an_unknown_parallel_mode():

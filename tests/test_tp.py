@@ -297,17 +297,8 @@ def test_tp_patch_model_generates_like_transformers():
 def test_tp_demo_under_torchrun():
     """`torchrun --nproc-per-node 2 -m dsv4ops --parallel tp`: every request within its fp64-oracle
     budget (the oracle on the full weights), rank 0 printing."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "dsv4ops", "--parallel", "tp", "--requests", "2", "--context", "140", "--step-tokens",
-                          "64", "--layers", "3"], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "tp over 2 processes" in run.stdout and run.stdout.count("within budget") == 2, run.stdout
+    out = dist_cases.torchrun_demo("tp")
+    assert "tp over 2 processes" in out and out.count("within budget") == 2, out
 
 
 def test_demo_parallel_needs_torchrun():
