@@ -200,7 +200,9 @@ def main(argv=None):
         return run(args)
     finally:
         torch.set_num_threads(threads)
-        if args.parallel != "none":  # the group _process_group joined (torchrun's), its CUDA graphs freed first
+        # The group _process_group joined (torchrun's), its CUDA graphs freed first; not where the run
+        # failed before joining (the error is the run's).
+        if args.parallel != "none" and torch.distributed.is_initialized():
             from dsv4ops.parallel import destroy_process_group
 
             destroy_process_group()
