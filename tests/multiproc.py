@@ -23,7 +23,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 # Far above a body's run: an nccl body compiles two CUDA-graph buckets of a 3-layer V4-Flash stack
 # (the parallel bench compiled its 15 layer steps in about 3 minutes on 2 x H200); a gloo test took
 # at most 16 s on 2 cores (test_tp / test_dcp, 2026-11-27).
-HANG_S = {"nccl": 480, "gloo": 900}
+HANG_S = {"nccl": 300, "gloo": 900}
 
 
 def _main(rank: int, world: int, backend: str, store: str, fn, args: tuple, out: str) -> None:
