@@ -208,6 +208,9 @@ class DeepseekV4Attention(nn.Module):
             keep = name.endswith(_KEEP_FP32) or name in weights
             if keep and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
+        # Rebuilt, not widened: `.to(bfloat16)` rounded it, and no checkpoint restores a non-persistent
+        # buffer. A bf16 frequency is off by up to 2^-9 relative: 1.2 rad of angle at position 740.
+        self.inv_freq.data = self.config.inv_freq(self.layer_idx).to(self.inv_freq.device)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before

@@ -304,6 +304,8 @@ class DeepseekV41AttentionStack(nn.Module):
                 keep = self.config.role(int(name.split(".")[1])).ratio > 1
             if keep and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
+        for i, layer in enumerate(self.layers):  # rebuilt, not widened: `.to(bfloat16)` rounded them
+            layer.inv_freq.data = self.config.inv_freq(i).to(layer.inv_freq.device)
         return self
 
     def attach_cache(self, manager: V41CacheManager) -> None:

@@ -113,6 +113,8 @@ def test_to_bf16_keeps_sinks_norms_rope_tables_and_the_quantized_modes_compresso
         for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
             keep = name.endswith(("sinks", "position_bias", "norm.weight", "inv_freq")) or name in fp32
             assert t.dtype == (torch.float32 if keep else torch.bfloat16), (mode, li, name)
+        # The values too: a frequency rounded through bf16 turns the angle by up to 1.2 rad at 740.
+        assert torch.equal(layer.inv_freq, CFG.inv_freq(li)), (mode, li)
         with torch.device("meta"), _default_dtype(torch.bfloat16):  # built in bf16: the same dtypes
             built = DeepseekV4Attention(CFG, li, numerics=numerics)
         assert {n: t.dtype for n, t in built.named_parameters()} == {n: t.dtype for n, t in layer.named_parameters()}

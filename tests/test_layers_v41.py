@@ -83,6 +83,8 @@ def test_to_bf16_keeps_sinks_norms_rope_tables_and_the_ratio_2_compressor_in_fp3
     for name, t in [*stack.named_parameters(), *stack.named_buffers()]:
         keep = name.endswith(("sinks", "norm.weight", "inv_freq", "ape")) or name in ratio2
         assert t.dtype == (torch.float32 if keep else torch.bfloat16), name
+    for i, layer in enumerate(stack.layers):  # the values too, not rounded through bf16
+        assert torch.equal(layer.inv_freq, CFG.inv_freq(i)), i
     assert stack.layers[5].compressor.wkv.weight.dtype == torch.bfloat16  # ratio 1: the model dtype
 
 
