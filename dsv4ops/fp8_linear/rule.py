@@ -24,25 +24,27 @@ ACTIVATIONS = ("exact", "fp8", "auto")
 # (N, K) -> the smallest M from which "fp8" beat "exact" at every swept M at or above it (M = 1, 16,
 # 64, 128, 256, 512, 1024, 4096); None: "exact" at every swept M. From `python -m dsv4ops bench --only
 # fp8_linear --model flash` and `--model pro` (their printed tables), graph-timed on an NVIDIA H200,
-# torch 2.11.0+cu130, 2026-11-27 (no H100 was free that session; the H200's 1.4x HBM bandwidth favours
-# the bandwidth-bound W8A16 kernel at small M, so on an H100 these starts are late, not early). Times
-# behind each start, exact / fp8 us: V4-Flash q_a at 128: 9.9 / 16.5, at 256: 60.2 / 16.7 (the W8A16
-# prefill tiles of that run: 16 programs; triton.config now splits K there, not re-measured); q_b at
-# 16: 16.6 / 17.1, at 64: 26.0 / 17.9; o_b at 1: 22.0 / 21.9 (a tie), at 64: 35.3 / 28.8; V4-Pro q_b at 128:
-# 114.7 / 39.3, o_b at 1: 77.4 / 45.2. The activation quantization is inside the fp8 times.
+# torch 2.11.0+cu130, 2026-11-27 (no H100 was lent those sessions; the H200's 1.4x HBM bandwidth
+# favours the bandwidth-bound W8A16 kernel at small M, so on an H100 these starts are late, not
+# early). The second run timed the W8A16 prefill with split K (triton.config): V4-Flash q_a at 256
+# tokens 60.2 -> 15.1 us, which moved three starts up. Times behind each start, exact / fp8 us:
+# V4-Flash q_a at 256: 15.1 / 16.7, at 512: 21.8 / 17.0; kv at 256: 13.2 / 16.4, at 512: 20.2 / 16.8;
+# q_b at 16: 17.2 / 16.5 (a tie), at 64: 26.0 / 17.9; o_b at 1: 20.9 / 22.0 (a tie), at 64: 34.8 /
+# 28.2; V4-Pro kv at 512: 21.8 / 25.7, at 1024 fp8 first; q_b at 64: 72.3 / 44.6; o_b at 1: 66.1 /
+# 46.3. The activation quantization is inside the fp8 times.
 W8A8_FROM: dict[tuple[int, int], int | None] = {
-    (1024, 4096): 256,  # V4-Flash q_a_proj
+    (1024, 4096): 512,  # V4-Flash q_a_proj
     (32768, 1024): 64,  # V4-Flash q_b_proj
-    (512, 4096): 256,  # V4-Flash kv_proj
+    (512, 4096): 512,  # V4-Flash kv_proj
     (4096, 8192): 1,  # V4-Flash o_b_proj
     (8192, 1024): 64,  # V4-Flash indexer q_b_proj
     (1536, 7168): 256,  # V4-Pro q_a_proj
     (65536, 1536): 64,  # V4-Pro q_b_proj
-    (512, 7168): 256,  # V4-Pro kv_proj
+    (512, 7168): 1024,  # V4-Pro kv_proj
     (7168, 16384): 1,  # V4-Pro o_b_proj
     (8192, 1536): 64,  # V4-Pro indexer q_b_proj
 }
-DEFAULT_W8A8_FROM = 256  # "fp8" was faster from 256 tokens on every measured shape
+DEFAULT_W8A8_FROM = 1024  # "fp8" was faster from 1024 tokens on every measured shape
 
 
 def w8a8_refuses(n: int, k: int, block: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
