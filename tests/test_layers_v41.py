@@ -7,7 +7,7 @@ import torch
 
 from dsv4ops import testing
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.layers_v41 import DEEPSEEK_NAMES, STATELESS_BLOCK, DeepseekV41AttentionStack
+from dsv4ops.layers_v41 import DEEPSEEK_NAMES, STATELESS_BLOCK, DeepseekV41Attention, DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import V41Numerics, stack_attention
 from dsv4ops.testing_v41 import slots_to_entries
 
@@ -85,6 +85,7 @@ def test_to_bf16_keeps_sinks_norms_rope_tables_and_the_ratio_2_compressor_in_fp3
         assert t.dtype == (torch.float32 if keep else torch.bfloat16), name
     for i, layer in enumerate(stack.layers):  # the values too, not rounded through bf16
         assert torch.equal(layer.inv_freq, CFG.inv_freq(i)), i
+    assert torch.equal(DeepseekV41Attention(CFG, 2).to(torch.bfloat16).inv_freq, CFG.inv_freq(2))  # a layer alone
     assert stack.layers[5].compressor.wkv.weight.dtype == torch.bfloat16  # ratio 1: the model dtype
 
 
