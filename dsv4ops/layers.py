@@ -28,7 +28,7 @@ from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
 
-_KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "inv_freq", "state")
+_KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "state")  # inv_freq: rebuilt by _keep_fp32
 # The compressor projections a, z compute in fp32 outside exact mode (DeepSeek's reference keeps
 # their weights in fp32, spec 1.3 and 3.3): held in fp32 there, so no step converts them (V4-Flash:
 # 42 MB of fp32 weights per CSA layer, 17 MB per HCA layer). By the mode that rounds each:

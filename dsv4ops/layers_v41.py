@@ -39,7 +39,7 @@ from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_output, rms_norm
 from dsv4ops.reference.v41 import V41Numerics, compressor_dtype, entry_dtype
 
-_KEEP_FP32 = ("sinks", "norm.weight", "inv_freq", "ape")
+_KEEP_FP32 = ("sinks", "norm.weight", "ape")  # inv_freq: rebuilt by DeepseekV41Attention._apply
 # Rows per page of the stateless forward's private cache: a size every format pages (mxfp4_68 pages
 # are padded to 512 B: 128 x 68 B = 17 x 512 B).
 STATELESS_BLOCK = 128

@@ -112,8 +112,8 @@ def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> d
     BN 64 x 8 measured 18.6.
     Prefill (m > 128): 128 x 128 tiles, 8 warps, split-K while the grid holds fewer than two programs
     per SM, the partials within 2x the weight bytes (4 x splits x m x N <= 2 x N x K). Unsplit, m = 256
-    ran 16 programs on q_a and kv and took 60 us where m = 128 took 9.9 and 8.0 (H200, 2026-11-27);
-    the split rule is not yet measured. BK = 128 (V4 tiles), or the tile size when it is smaller
+    ran 16 programs on q_a and kv and took 60 us where m = 128 took 9.9 and 8.0; split, q_a at m = 256
+    takes 15.1 us and kv 13.2 (H200, 2026-11-27). BK = 128 (V4 tiles), or the tile size when it is smaller
     (V4.1's 32: one scale per weight row and K step)."""
     bk = min(block, 128)
     tiles = triton.cdiv(k, bk)
