@@ -148,27 +148,33 @@ def topk_mx4():
 
 def attention():
     """128 tokens over their window (one split), then 1 token over its window and 2048 listed
-    entries (split-KV and the combine), in each (window, entry) format pair the C++ kernel reads; each also as
-    a context-parallel shard (with lse: the Triton kernel) and two such shards merged (attn_merge)."""
+    entries (split-KV and the combine), in each (window, entry) format pair the C++ kernels read, at 4
+    heads (small_heads.cu's 8-head CTA) and 64 (sparse_attn.cu), and at 16 and 32 heads for V4's pair;
+    at 4 heads each also as a context-parallel shard (with lse: the Triton kernel) and two such shards
+    merged (attn_merge)."""
     for window_fmt, comp_fmt in (("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288")):
-        _attention(window_fmt, comp_fmt)
+        for heads in (4, 64) + ((16, 32) if comp_fmt == "fp8_584" else ()):
+            _attention(window_fmt, comp_fmt, heads)
 
 
-def _attention(window_fmt: str, comp_fmt: str):
+def _attention(window_fmt: str, comp_fmt: str, heads: int):
     ring, window = 256, 128
     win = _fp8_pool(ring // 64, 512, window_fmt)
     comp = _fp8_pool(64, 512, comp_fmt)
-    sinks = torch.randn(4, device=DEV)
+    sinks = torch.randn(heads, device=DEV)
     for t, entries in ((128, 0), (1, 2048)):
         pos = torch.arange(1000, 1000 + t, dtype=I32, device=DEV) if t > 1 else torch.tensor([5000], dtype=I32,
                                                                                             device=DEV)
         comp_idx = torch.randint(0, 64 * 64, (t, entries), dtype=I32, device=DEV)
         if entries:
             comp_idx[:, -7:] = -1
-        q = torch.randn(t, 4, 512, device=DEV, dtype=torch.bfloat16)
+        q = torch.randn(t, heads, 512, device=DEV, dtype=torch.bfloat16)
         req = torch.zeros(t, dtype=I32, device=DEV)
         sparse_attn(q, win, comp, pos, req, comp_idx, sinks, 512**-0.5, window, ring, window_fmt, comp_fmt)
-        say(f"sparse_attn {window_fmt} / {comp_fmt}, {t} tokens x ({window} window + {entries} entries)")
+        say(f"sparse_attn {window_fmt} / {comp_fmt}, {t} tokens x {heads} heads x ({window} window + {entries} "
+            "entries)")
+        if heads != 4:  # the paths below do not depend on the C++ kernel's CTA
+            continue
         out, lse = sparse_attn(q, win, comp, pos, req, comp_idx, sinks, 512**-0.5, window, ring, window_fmt, comp_fmt,
                                return_lse=True)
         say(f"sparse_attn with lse (a context-parallel shard) {window_fmt} / {comp_fmt}, {t} tokens")

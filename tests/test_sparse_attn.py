@@ -252,3 +252,14 @@ def test_csrc_split_count_fills_one_wave():
     assert split_count(8, 128, 132) == 4  # never a split without a whole tile
     assert split_count(32, 128, 132) == 1  # a 4-tile window at batch 32: the partials cost more than they save
     assert split_count(1, 128, 132) == 4
+
+
+def test_csrc_heads_per_cta_and_tile_keys():
+    """Tensor-parallel head shards take small_heads.cu's CTA of 8 / 16 / 32 heads (64-key tiles);
+    more than 32 heads take 64-head CTAs (32-key tiles)."""
+    from dsv4ops.sparse_attn.cuda import cta_heads, split_count, tile_keys
+
+    assert [cta_heads(h) for h in (1, 8, 9, 16, 24, 32, 33, 64, 128)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
+    assert [tile_keys(c) for c in (8, 16, 32, 64)] == [64, 64, 64, 32]
+    assert split_count(1, 640, 132, 8, 64) == 10  # CSA 1 x 4K at 8 heads: one 64-key tile per split
+    assert split_count(32, 640, 132, 32, 64) == 4

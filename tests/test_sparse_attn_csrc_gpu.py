@@ -1,9 +1,10 @@
-"""GPU (sm_90): the CUDA C++ sparse_attn kernel (csrc/sparse_attn/, launcher dsv4ops/sparse_attn/cuda.py)
-against the float64 reference within the bf16 budget (a bf16 run of the reference), through its
-launcher (the arch table selects it on sm_90, so the op-level tiers run it too). Decode tokens of separate requests (split-KV
-and the combine kernel) and a prefill chunk (one split), windows cut short below position 127, -1
-entries and shortened comp_lens, padding tokens, draft-block window ends, head counts that leave a
-CTA partly empty; outputs poisoned with NaN before the call."""
+"""GPU (sm_90): the CUDA C++ sparse_attn kernels (csrc/sparse_attn/, launcher
+dsv4ops/sparse_attn/cuda.py) against the float64 reference within the bf16 budget (a bf16 run of the
+reference), through their launcher (the arch table selects it on sm_90, so the op-level tiers run it
+too). Decode tokens of separate requests (split-KV and the combine kernel) and a prefill chunk (one
+split), windows cut short below position 127, -1 entries and shortened comp_lens, padding tokens,
+draft-block window ends, both kernels (64 heads a CTA, and 8 / 16 / 32 for tensor-parallel shards)
+and head counts that leave a CTA partly empty; outputs poisoned with NaN before the call."""
 
 import builders
 import pytest
@@ -40,21 +41,26 @@ def _check(case, ends=None, fmt=FMT):
     return got
 
 
-@pytest.mark.parametrize("heads", [64, 128, 16, 72])
+# 64 and 128 heads: sparse_attn.cu's 64-head CTAs; 8, 16, 32 and 24 (a CTA of 32 partly empty):
+# small_heads.cu; 72: a 64-head CTA and a mostly empty one.
+@pytest.mark.parametrize("heads", [64, 128, 8, 16, 24, 32, 72])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 def test_matches_the_reference(heads, prefill):
     case = _case(heads, prefill)
     t = case[0].shape[0]
-    ctas = t * -(-heads // sparse_attn_cuda.HEADS_PER_CTA)
+    cta = sparse_attn_cuda.cta_heads(heads)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # decode runs the split-KV path (partials + combine kernel), prefill the single-split one
-    assert (sparse_attn_cuda.split_count(ctas, 128 + 512, sms) > 1) == (not prefill)
+    splits = sparse_attn_cuda.split_count(t * -(-heads // cta), 128 + 512, sms, min(heads, cta),
+                                          sparse_attn_cuda.tile_keys(cta))
+    assert (splits > 1) == (not prefill)
     _check(case)
 
 
-def test_draft_block_window_ends():
+@pytest.mark.parametrize("heads", [64, 8])
+def test_draft_block_window_ends(heads):
     """Draft blocks of 5 tokens: each token's window ends at its block's last position."""
-    case = _case(64, prefill=True)
+    case = _case(heads, prefill=True)
     pos, req = case[3], case[4]
     live = req >= 0
     start, last = pos[live].min(), pos[live].max()
@@ -62,15 +68,17 @@ def test_draft_block_window_ends():
     _check(case, ends=ends)
 
 
-def test_long_entry_lists_split_many_ways():
+@pytest.mark.parametrize("heads", [64, 32])
+def test_long_entry_lists_split_many_ways(heads):
     """HCA-like: 4096 entries per token, few tokens: many splits merged by the combine kernel."""
-    _check(_case(64, prefill=False, entries=4096))
+    _check(_case(heads, prefill=False, entries=4096))
 
 
-def test_lists_much_wider_than_their_lengths():
+@pytest.mark.parametrize("heads", [64, 16])
+def test_lists_much_wider_than_their_lengths(heads):
     """HCA at a large max_context: 8192-entry lists holding 0 to 300 real entries. Most splits hold
     no key of their token: they leave at once and the combine reads only the live ones."""
-    case = list(_case(64, prefill=False, entries=8192))
+    case = list(_case(heads, prefill=False, entries=8192))
     lens = case[6]
     case[6] = (torch.arange(lens.numel(), device=lens.device, dtype=lens.dtype) * 37) % 301
     t = case[0].shape[0]
@@ -79,8 +87,9 @@ def test_lists_much_wider_than_their_lengths():
     _check(tuple(case))
 
 
-def test_run_to_run_bitwise_identical():
-    case = _case(64, prefill=False)
+@pytest.mark.parametrize("heads", [64, 16])
+def test_run_to_run_bitwise_identical(heads):
+    case = _case(heads, prefill=False)
     first = _run(sparse_attn_cuda.sparse_attn, torch.bfloat16, *case)
     again = _run(sparse_attn_cuda.sparse_attn, torch.bfloat16, *case)
     assert torch.equal(first, again)
@@ -93,8 +102,9 @@ def test_other_formats_run_the_triton_kernel():
     _check(case, fmt="exact")
 
 
+@pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("tokens", [16, 132], ids=["split", "one-split"])
-def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens):
+def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens, heads):
     """Each token sees one key (position 0, no entries), q = 0 and no sink (-inf): its softmax weight
     is exactly 1, so its output is that key's row, and the kernel's e4m3 x UE8M0 -> bf16 conversion
     must equal the reference unpack bit for bit: every e4m3 code but the NaNs, subnormals included,
@@ -102,7 +112,7 @@ def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens):
     from dsv4ops.quant import formats
     from dsv4ops.quant.reference import unpack_kv
 
-    heads, f = 64, formats.get(FMT)
+    f = formats.get(FMT)
     slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
     wc = builders.fill_pool(builders.page_pool(tokens * RING // BS, BS, 512, builders.FP8, device="cuda"), 512,
                            builders.FP8)
@@ -160,23 +170,24 @@ def _check_formats(case, window_fmt, comp_fmt, ends=None):
 
 
 @pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS)
-@pytest.mark.parametrize("heads", [64, 16])
+@pytest.mark.parametrize("heads", [64, 8, 16, 32])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 def test_low_bit_formats_match_the_reference(window_fmt, comp_fmt, heads, prefill):
     _check_formats(_pools(_case(heads, prefill), window_fmt, comp_fmt), window_fmt, comp_fmt)
 
 
 @pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS[1:])
-def test_low_bit_formats_draft_windows_and_long_lists(window_fmt, comp_fmt):
+@pytest.mark.parametrize("heads", [64, 16])
+def test_low_bit_formats_draft_windows_and_long_lists(window_fmt, comp_fmt, heads):
     """Draft blocks of 5 (window ends at the block's last position), and 4096-entry lists with
     lengths 0..300 (many splits, most empty)."""
-    case = _pools(_case(64, prefill=True), window_fmt, comp_fmt)
+    case = _pools(_case(heads, prefill=True), window_fmt, comp_fmt)
     pos, req = case[3], case[4]
     live = req >= 0
     start, last = pos[live].min(), pos[live].max()
     ends = torch.where(live, torch.minimum(start + ((pos - start) // 5 + 1) * 5 - 1, last), 0).to(torch.int32)
     _check_formats(case, window_fmt, comp_fmt, ends=ends)
-    case = list(_pools(_case(64, prefill=False, entries=4096), window_fmt, comp_fmt))
+    case = list(_pools(_case(heads, prefill=False, entries=4096), window_fmt, comp_fmt))
     case[6] = ((torch.arange(case[6].numel(), device="cuda") * 37) % 301).to(torch.int32)
     _check_formats(tuple(case), window_fmt, comp_fmt)
 

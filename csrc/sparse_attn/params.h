@@ -45,10 +45,13 @@ struct Params {
   int window_keys;  // window rounded up to a whole tile: a tile is all window or all entries
   int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
   int splits;
+  int cta_heads;     // heads per CTA: 64 (sparse_attn.cu) or 8 / 16 / 32 (small_heads.cu)
   float scale_log2;  // softmax scale x log2(e)
 };
 
 bool serves_formats(int window_fmt, int comp_fmt);
+// Splits' partials merged by sparse_attn.cu's combine kernel when p.splits > 1.
 void launch(const Params& p, cudaStream_t stream);
+void launch_small_heads(const Params& p, cudaStream_t stream);  // small_heads.cu: the main kernel alone
 
 }  // namespace dsv4::sparse_attn

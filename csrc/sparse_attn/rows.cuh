@@ -15,6 +15,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/sm90.cuh"
 
@@ -154,5 +155,26 @@ __device__ __forceinline__ void dequant_row(const uint8_t* src, uint8_t* tile, i
   }
 }
 #endif  // DSV4_SM90_BODY
+
+// fn(WF, CF) with the (window, entries) pair as std::integral_constant: V4 (584, 584), V4 with fp4
+// entries (584, 288), V4.1 (528, 288), V4.1's sliding layers (528, 528: their entry list is empty).
+// The pair was checked by `serves_formats`.
+template <class Fn>
+void with_formats(int window_fmt, int comp_fmt, Fn&& fn) {
+  using Fp8_584 = std::integral_constant<int, kFp8_584>;
+  using Fp8_528 = std::integral_constant<int, kFp8_528>;
+  using Fp4_288 = std::integral_constant<int, kFp4_288>;
+  if (window_fmt == kFp8_584) {
+    if (comp_fmt == kFp8_584) {
+      fn(Fp8_584{}, Fp8_584{});
+    } else {
+      fn(Fp8_584{}, Fp4_288{});
+    }
+  } else if (comp_fmt == kFp8_528) {
+    fn(Fp8_528{}, Fp8_528{});
+  } else {
+    fn(Fp8_528{}, Fp4_288{});
+  }
+}
 
 }  // namespace dsv4::sparse_attn

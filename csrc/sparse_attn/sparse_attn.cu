@@ -26,33 +26,17 @@
 // k tile read MN-major. q and k tiles are stored as 8 blocks of 64 dims, each [rows][128 B] with the
 // 128-B swizzle (16-B chunk c of row r at c ^ (r % 8)), the layout wgmma's descriptors name.
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
 #include "../common/pdl.cuh"
-#include "../common/sm90.cuh"
-#include "params.h"
-#include "rows.cuh"
+#include "pipeline.cuh"
 
 namespace dsv4::sparse_attn {
 namespace {
 
-constexpr int kDim = 512;        // head dim
-constexpr int kHeads = 64;       // heads per CTA
-constexpr int kKeys = 32;        // keys per tile
-constexpr int kConsumers = 256;          // warps 0-7: two warpgroups of P V
-constexpr int kProducers = 256;          // warps 8-15: the gather and dequantization
-constexpr int kThreads = kConsumers + kProducers;
-[[maybe_unused]] constexpr int kKeyLanes = kProducers / kKeys;  // producer threads per key
-// setmaxnreg moves registers within the CTA's own allocation (128 x 512 at launch), so 64 + 192 =
-// 2 x 128: asking for more than the producers gave back blocks the consumers for good.
-[[maybe_unused]] constexpr int kProducerRegs = 64, kConsumerRegs = 192;
+constexpr int kHeads = 64;  // heads per CTA
 constexpr int kRawStages = 4;
-constexpr int kRawRow = 592;         // raw row in shared memory: the largest, fp8_584's 576 + 8, + 8 pad (16-B rows)
-[[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
-[[maybe_unused]] constexpr float kMaxSlack = 8.f;  // log2 units: see the online softmax
 
 struct Smem {
   alignas(1024) uint8_t q[kHeads * kDim * 2];           // 64 KiB
@@ -60,38 +44,13 @@ struct Smem {
   alignas(128) uint8_t raw[kRawStages][kKeys * kRawRow]; // 74 KiB
   float4 s[kConsumers / 32][4][32];                      // partial S exchange, 16 KiB
   uint8_t valid[kRawStages][kKeys];
-  uint32_t mask[2];  // valid keys of each bf16 tile
+  uint32_t mask[2][1];  // valid keys of each bf16 tile
 };
 static_assert(sizeof(Smem) <= 227 * 1024, "shared memory of one CTA on sm_90");
 
 #ifdef DSV4_SM90_BODY
-using namespace ::dsv4::sm90;
+// Named barriers 1-4: the S exchange of warps w and w + 4 (pipeline.cuh has the others).
 
-// Named barriers (0 is __syncthreads): 1-4 the S exchange of warps w and w + 4; FULL / EMPTY of each
-// bf16 tile; the producer's own; the consumers' own.
-[[maybe_unused]] constexpr int kFull = 5, kEmpty = 7, kProducerBar = 9, kConsumerBar = 10;
-__device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-// A warpgroup's registers a thread, from the launch's 64 K / kThreads = 128.
-template <int N>
-__device__ __forceinline__ void shrink_registers() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void grow_registers() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-// d[64 x 32] += A[64 x 16] B[16 x 32]: A and B in shared memory, both K-major.
-__device__ __forceinline__ void wgmma_s(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
-      "%11, %12, %13, %14, %15}, %16, %17, 1, 1, 1, 0, 0;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b));
-}
 // d[64 x 128] += A[64 x 16] B[16 x 128]: A from registers (the m16n8k16 A layout per warp), B in
 // shared memory, MN-major. (m64n256 would need more registers than the launch's 128 a thread, which
 // ptxas checks for each instruction whatever setmaxnreg grants.)
@@ -101,114 +60,6 @@ __device__ __forceinline__ void wgmma_o(float* d, const uint32_t (&a)[4], uint64
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
-// 2^x with MUFU.EX2 alone (exp2f adds a denormal-range fix-up; -inf still gives +0).
-__device__ __forceinline__ float exp2_fast(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-// Producer thread t (0..255) handles key t / kKeyLanes of a tile, lane t % kKeyLanes of it.
-struct Lane {
-  int row, sub;
-};
-
-// This lane's key of the tile starting at key j0: its comp_idx entry, read one tile before
-// `gather_tile` needs it, so the load's L2 latency (~600 cycles) is off the tile's critical path.
-// Window keys and keys past `end` read nothing.
-__device__ __forceinline__ int entry_of(const Params& p, int64_t token, int j0, int end, Lane l) {
-  const int j = j0 + l.row;
-  return j < end && j >= p.window_keys ? p.comp_idx[token * p.comp_idx_stride + (j - p.window_keys)] : -1;
-}
-
-// Gathers the tile starting at key j0 into raw stage `stage` (`idx`: this lane's `entry_of`):
-// kKeyLanes lanes per key, each copying every kKeyLanes-th 16-B chunk of the slot's row (rows.cuh
-// `copy_row`: window rows in format WF, entries in CF). Keys that are not valid get zero bytes instead
-// (stale bytes may hold NaN codes, and 0 x NaN is NaN in P V; zero codes and scales decode to 0 in
-// every format), so the dequantization needs no per-key branch.
-template <int WF, int CF>
-__device__ __forceinline__ void gather_tile(Smem& sm, const Params& p, int stage, int j0, int end, int position,
-                                            int req, int idx, Lane l) {
-  const int j = j0 + l.row;
-  const bool window = j0 < p.window_keys;  // the whole tile's
-  // Slots fit 32 bits (int32 comp_idx; a pool of 2^31 584-B entries would be 1.2 TB), so the ring
-  // and page divisions are FastDiv's 32-bit multiply-high.
-  uint32_t slot = 0;
-  bool valid = false;
-  if (j < end) {
-    if (window) {
-      const int wpos = position - p.window + 1 + j;
-      valid = j < p.window && wpos >= 0;
-      const uint32_t ring = p.ring_size.d, lap = p.ring_size.div(static_cast<uint32_t>(wpos));
-      slot = static_cast<uint32_t>(req) * ring + static_cast<uint32_t>(wpos) - lap * ring;
-    } else {
-      valid = idx >= 0;
-      slot = static_cast<uint32_t>(idx);
-    }
-  }
-  if (l.sub == 0) sm.valid[stage][l.row] = valid;
-  const uint32_t dst = smem_addr(sm.raw[stage]) + l.row * kRawRow;
-  if (!valid) {
-#pragma unroll
-    for (int c = l.sub; c < kRawRow / 16; c += kKeyLanes) {
-      *reinterpret_cast<uint4*>(sm.raw[stage] + l.row * kRawRow + c * 16) = uint4{};
-    }
-    return;
-  }
-  const FastDiv block = window ? p.window_block : p.comp_block;
-  const uint32_t blk = block.div(slot), off = slot - blk * block.d;
-  if (window) {
-    copy_row<WF, kKeyLanes>(dst, p.window_cache + blk * p.window_page_bytes, off, block.d, l.sub);
-  } else {
-    copy_row<CF, kKeyLanes>(dst, p.comp_cache + blk * p.comp_page_bytes, off, block.d, l.sub);
-  }
-}
-
-// Raw stage -> bf16 tile `buf` (swizzled), and the tile's valid-key mask. Rows that were not gathered
-// hold zeros (`gather_tile`).
-template <int WF, int CF>
-__device__ __forceinline__ void dequant_tile(Smem& sm, int stage, int buf, bool window, Lane l, int producer_thread) {
-  const uint8_t* src = sm.raw[stage] + l.row * kRawRow;
-  if (window) {
-    dequant_row<WF, kKeys>(src, sm.k[buf], l.row, l.sub);
-  } else {
-    dequant_row<CF, kKeys>(src, sm.k[buf], l.row, l.sub);
-  }
-  fence_async_shared();  // these generic-proxy writes are read by wgmma (the async proxy)
-  if (producer_thread < 32) {
-    const uint32_t m = __ballot_sync(0xffffffffu, sm.valid[stage][producer_thread]);
-    if (producer_thread == 0) sm.mask[buf] = m;
-  }
-}
-
-// The producer warpgroups: gather tile i + 3 and dequantize tile i into bf16 tile i % 2 once the
-// consumers have released it (EMPTY), then hand it over (FULL).
-template <int WF, int CF>
-__device__ __forceinline__ void produce(Smem& sm, const Params& p, int64_t token, int begin, int end, int tiles,
-                                        int position, int req) {
-  const int pt = threadIdx.x - kConsumers;
-  const Lane l{pt / kKeyLanes, pt % kKeyLanes};
-#pragma unroll
-  for (int s = 0; s < kRawStages - 1; ++s) {
-    const int j0 = begin + s * kKeys;
-    if (s < tiles) gather_tile<WF, CF>(sm, p, s, j0, end, position, req, entry_of(p, token, j0, end, l), l);
-    cp_commit();
-  }
-  int idx = entry_of(p, token, begin + (kRawStages - 1) * kKeys, end, l);  // of the tile gathered next
-  for (int i = 0; i < tiles; ++i) {
-    cp_wait<kRawStages - 2>();  // this lane's copies of tile i have landed
-    // All lanes' copies of tile i are in, and all lanes are done converting tile i - 1, whose raw
-    // stage the gather below reuses.
-    bar_sync(kProducerBar, kProducers);
-    const int next = i + kRawStages - 1;
-    if (next < tiles) gather_tile<WF, CF>(sm, p, next % kRawStages, begin + next * kKeys, end, position, req, idx, l);
-    cp_commit();
-    idx = entry_of(p, token, begin + (next + 1) * kKeys, end, l);
-    if (i >= 2) bar_sync(kEmpty + (i & 1), kThreads);  // the consumers are done with tile i - 2
-    dequant_tile<WF, CF>(sm, i % kRawStages, i & 1, begin + i * kKeys < p.window_keys, l, pt);
-    bar_arrive(kFull + (i & 1), kThreads);
-  }
-}
-
 #endif  // DSV4_SM90_BODY
 
 template <int WF, int CF>
@@ -240,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 
   if (warp >= kConsumers / 32) {
     shrink_registers<kProducerRegs>();
-    produce<WF, CF>(sm, p, token, begin, end, tiles, position, req);
+    produce<WF, CF, kRawStages, 1, kThreads>(sm, p, token, begin, end, tiles, position, req);
     return;
   }
   grow_registers<kConsumerRegs>();
@@ -288,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     // Tile i's bf16 rows are in. Every consumer thread passes here each tile, so this also orders
     // the reuse of sm.s: tile i - 1's partial S has been read by the other warp of each pair.
     bar_sync(kFull + (i & 1), kThreads);
-    const uint32_t mask = sm.mask[i & 1];
+    const uint32_t mask = sm.mask[i & 1][0];
     const uint32_t k_base = smem_addr(sm.k[i & 1]);
     // Partial S over this warpgroup's 256 dims (4 blocks of 64, 4 k-steps of 16 each). A tile with no
     // valid key (a window cut short, -1 entries) still runs: its P is zeros.
@@ -301,8 +152,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     const uint64_t v_desc = descriptor(k_base + half * 4 * (kKeys * 128), kKeys * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < 16; ++kk) {
-      wgmma_s(s, advance(q_desc, (kk >> 2) * (kHeads * 128) + (kk & 3) * 32),
-              advance(k_desc, (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
+      wgmma_ss<32, 0>(s, advance(q_desc, (kk >> 2) * (kHeads * 128) + (kk & 3) * 32),
+                      advance(k_desc, (kk >> 2) * (kKeys * 128) + (kk & 3) * 32));
     }
     wgmma_commit();
     wgmma_wait();
@@ -465,41 +316,31 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Pa
 #endif
 }
 
-template <int WF, int CF>
-void launch_formats(const Params& p, cudaStream_t stream) {
-  // Per call (a host-side attribute, no stream work): the opt-in above 48 KiB is per device. A
-  // failure surfaces as the launch error, which the caller checks.
-  cudaFuncSetAttribute(sparse_attn_kernel<WF, CF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       static_cast<int>(sizeof(Smem)));
-  const dim3 grid(p.tokens, (p.heads + kHeads - 1) / kHeads, p.splits);
-  // Both with programmatic dependent launch (common/pdl.cuh; a launch error is the caller's
-  // cudaGetLastError). H100, V4-Flash, with / without: sliding 1 x 4K 9.2 / 10.1 us, CSA 1 x 4K
-  // 11.5 / 12.5, CSA 32 x 4K 24.3 / 25.4, V4-Pro CSA 128 x 4K 128.1 / 130.0.
-  pdl::launch_pdl(sparse_attn_kernel<WF, CF>, grid, dim3(kThreads), sizeof(Smem), stream, p);
-  if (p.splits > 1) pdl::launch_pdl(combine_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
-}
-
 }  // namespace
 
-// The (window, entries) pairs of the models: V4 (584, 584), V4 with fp4 entries (584, 288), V4.1
-// (528, 288), and V4.1's sliding layers (528, 528: their entry list is empty).
+// The (window, entries) pairs of the models (rows.cuh `with_formats`).
 bool serves_formats(int window_fmt, int comp_fmt) {
   return (window_fmt == kFp8_584 && (comp_fmt == kFp8_584 || comp_fmt == kFp4_288)) ||
          (window_fmt == kFp8_528 && (comp_fmt == kFp8_528 || comp_fmt == kFp4_288));
 }
 
 void launch(const Params& p, cudaStream_t stream) {
-  if (p.window_fmt == kFp8_584) {
-    if (p.comp_fmt == kFp8_584) {
-      launch_formats<kFp8_584, kFp8_584>(p, stream);
-    } else {
-      launch_formats<kFp8_584, kFp4_288>(p, stream);
-    }
-  } else if (p.comp_fmt == kFp8_528) {
-    launch_formats<kFp8_528, kFp8_528>(p, stream);
+  if (p.cta_heads < kHeads) {
+    launch_small_heads(p, stream);
   } else {
-    launch_formats<kFp8_528, kFp4_288>(p, stream);
+    with_formats(p.window_fmt, p.comp_fmt, [&](auto wf, auto cf) {
+      auto* kernel = sparse_attn_kernel<decltype(wf)::value, decltype(cf)::value>;
+      // Per call (a host-side attribute, no stream work): the opt-in above 48 KiB is per device. A
+      // failure surfaces as the launch error, which the caller checks.
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(Smem)));
+      const dim3 grid(p.tokens, (p.heads + kHeads - 1) / kHeads, p.splits);
+      // With programmatic dependent launch (common/pdl.cuh; a launch error is the caller's
+      // cudaGetLastError). H100, V4-Flash, with / without: sliding 1 x 4K 9.2 / 10.1 us, CSA 1 x 4K
+      // 11.5 / 12.5, CSA 32 x 4K 24.3 / 25.4, V4-Pro CSA 128 x 4K 128.1 / 130.0.
+      pdl::launch_pdl(kernel, grid, dim3(kThreads), sizeof(Smem), stream, p);
+    });
   }
+  if (p.splits > 1) pdl::launch_pdl(combine_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
 }
 
 }  // namespace dsv4::sparse_attn

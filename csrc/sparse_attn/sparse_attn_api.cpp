@@ -49,7 +49,7 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
                       at::Tensor& lse, double scale, int64_t window,
                       int64_t ring_size, int64_t window_fmt, int64_t comp_fmt, int64_t window_block, int64_t comp_block,
                       int64_t window_page_bytes, int64_t comp_page_bytes, int64_t window_keys, int64_t split_keys,
-                      int64_t splits) {
+                      int64_t splits, int64_t cta_heads) {
   DSV4_CHECK_CUDA(q);
   DSV4_CHECK(serves_formats(static_cast<int>(window_fmt), static_cast<int>(comp_fmt)),
              "window_fmt / comp_fmt: expected a pair of rows.cuh formats the kernel reads, got ",
@@ -69,8 +69,13 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   DSV4_CHECK_DTYPE(sinks, at::kFloat);
   DSV4_CHECK(sinks.dim() == 1 && sinks.size(0) == heads && sinks.stride(0) == 1, "sinks: expected [", heads,
              "] fp32, got shape ", sinks.sizes());
-  DSV4_CHECK(splits >= 1 && split_keys % 32 == 0 && window_keys % 32 == 0 && window_keys >= window,
-             "splits / split_keys / window_keys: expected whole 32-key tiles");
+  DSV4_CHECK(cta_heads == 8 || cta_heads == 16 || cta_heads == 32 || cta_heads == 64,
+             "cta_heads: expected 8, 16, 32 or 64, got ", cta_heads);
+  // Key tiles: 32 keys a tile at 64 heads a CTA, 64 (wgmma's M) below; the window in 32-key units.
+  const int64_t tile_keys = cta_heads == 64 ? 32 : 64;
+  DSV4_CHECK(splits >= 1 && split_keys % tile_keys == 0 && window_keys % 32 == 0 && window_keys >= window,
+             "splits / split_keys / window_keys: expected whole ", tile_keys, "-key tiles and a window of whole "
+             "32-key units");
   DSV4_CHECK(ring_size > 0 && ring_size < (int64_t{1} << 31) && window_block > 0 && comp_block > 0 &&
                  window_block < (int64_t{1} << 31) && comp_block < (int64_t{1} << 31),
              "ring_size / window_block / comp_block: expected positive 32-bit sizes");
@@ -119,6 +124,7 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.window_keys = static_cast<int>(window_keys);
   p.split_keys = static_cast<int>(split_keys);
   p.splits = static_cast<int>(splits);
+  p.cta_heads = static_cast<int>(cta_heads);
   p.scale_log2 = static_cast<float>(scale * M_LOG2E);
   launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -57,8 +57,9 @@ from dsv4ops.quant import formats
 from dsv4ops.sparse_attn import checks as _checks
 from dsv4ops.sparse_attn import triton as _triton
 
-KEYS_PER_TILE = 32  # csrc/sparse_attn/sparse_attn.cu kKeys
-HEADS_PER_CTA = 64  # kHeads
+KEYS_PER_TILE = 32  # csrc/sparse_attn/pipeline.cuh kKeys: a producer unit, a tile of the 64-head kernel
+HEADS_PER_CTA = 64  # csrc/sparse_attn/sparse_attn.cu kHeads
+SMALL_HEADS = (8, 16, 32)  # csrc/sparse_attn/small_heads.cu: 64-key tiles (wgmma's M)
 ROW_FORMATS = {"fp8_584": 0, "fp8_528": 1, "fp4_288": 2}  # csrc/sparse_attn/rows.cuh RowFormat
 # (window, entries) pairs the kernel reads (rows.cuh `serves_formats`): V4, V4 with fp4 entries, V4.1,
 # and V4.1's sliding layers (their entry list is empty; the window pool stands in for the entries').
@@ -80,8 +81,19 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
 TILE_US, COMBINE_US, PARTIAL_BYTES_PER_US = 2.0, 3.0, 4e6
 
 
+def cta_heads(heads: int) -> int:
+    """Heads per CTA: the smallest of small_heads.cu's 8 / 16 / 32 that holds them all, else 64
+    (sparse_attn.cu; more heads take several CTAs a token)."""
+    return next((h for h in SMALL_HEADS if heads <= h), HEADS_PER_CTA)
+
+
+def tile_keys(cta: int) -> int:
+    """Keys of a consumer tile of the kernel with `cta` heads a CTA."""
+    return KEYS_PER_TILE if cta == HEADS_PER_CTA else 2 * KEYS_PER_TILE
+
+
 @functools.cache  # launch-time Python: up to a few hundred candidate counts per shape
-def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA) -> int:
+def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile: int = KEYS_PER_TILE) -> int:
     """Splits of each key list for `ctas` CTAs (of `heads` heads) of one split each: none once they
     fill half the SMs (a second split would only add a wave and the combine), else the count with the
     least modelled time: whole waves of (tiles of a split + one) x TILE_US, plus, for several splits,
@@ -91,7 +103,7 @@ def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA) -> i
     and read 34 MB of partials (H100, V4.1: 16.7 us against 11.6)."""
     if ctas >= sms // 2:
         return 1
-    tiles = -(-keys // KEYS_PER_TILE)
+    tiles = -(-keys // tile)
     partial = heads * 512 * 4 * 2  # bytes a CTA-split writes and the combine reads
 
     def cost(s: int) -> float:
@@ -113,11 +125,12 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     csrc.load()
     t, h, _ = q.shape
     ends = positions if window_ends is None else window_ends
-    tile = KEYS_PER_TILE
-    window_keys = -(-window // tile) * tile
+    cta = cta_heads(h)
+    tile = tile_keys(cta)
+    window_keys = -(-window // KEYS_PER_TILE) * KEYS_PER_TILE
     keys = window_keys + comp_idx.shape[1]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    n_split = split_count(t * -(-h // HEADS_PER_CTA), keys, sms, min(h, HEADS_PER_CTA))
+    n_split = split_count(t * -(-h // cta), keys, sms, min(h, cta), tile)
     per_split = -(-keys // n_split)
     split_keys = -(-per_split // tile) * tile
     n_split = -(-keys // split_keys)
@@ -130,4 +143,4 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     torch.ops.dsv4_csrc.sparse_attn(q, window_cache, comp_cache, ends, req_slots, comp_idx.contiguous(), comp_lens,
                                     sinks, out, partial, split_lse, scale, window, ring_size, ROW_FORMATS[window_fmt],
                                     ROW_FORMATS[comp_fmt], wb, cb, formats.get(window_fmt).page_bytes(wb),
-                                    formats.get(comp_fmt).page_bytes(cb), window_keys, split_keys, n_split)
+                                    formats.get(comp_fmt).page_bytes(cb), window_keys, split_keys, n_split, cta)
