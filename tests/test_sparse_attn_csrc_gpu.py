@@ -41,14 +41,20 @@ def _check(case, ends=None, fmt=FMT):
     return got
 
 
-# 64 and 128 heads: sparse_attn.cu's 64-head CTAs; 8, 16, 32 and 24 (a CTA of 32 partly empty):
-# small_heads.cu; 72: a 64-head CTA and a mostly empty one.
-@pytest.mark.parametrize("heads", [64, 128, 8, 16, 24, 32, 72])
+def _force_cta(monkeypatch, cta: int):
+    """Runs every head count on the kernel with `cta` heads a CTA, whatever the launch rule picks."""
+    monkeypatch.setattr(sparse_attn_cuda, "cta_heads", lambda heads, tokens, sms: cta)
+
+
+# (heads, heads a CTA): 64 and 128 on sparse_attn.cu's 64-head CTAs; 8, 16, 32 and 24 (a CTA of 32
+# partly empty) on small_heads.cu; 32 also on a 64-head CTA (the rule's pick at few tokens); 72: a
+# 64-head CTA and a mostly empty one.
+@pytest.mark.parametrize("heads,cta", [(64, 64), (128, 64), (8, 8), (16, 16), (24, 32), (32, 32), (32, 64), (72, 64)])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
-def test_matches_the_reference(heads, prefill):
+def test_matches_the_reference(heads, cta, prefill, monkeypatch):
+    _force_cta(monkeypatch, cta)
     case = _case(heads, prefill)
     t = case[0].shape[0]
-    cta = sparse_attn_cuda.cta_heads(heads)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # decode runs the split-KV path (partials + combine kernel), prefill the single-split one
     splits = sparse_attn_cuda.split_count(t * -(-heads // cta), 128 + 512, sms, min(heads, cta),
@@ -69,8 +75,9 @@ def test_draft_block_window_ends(heads):
 
 
 @pytest.mark.parametrize("heads", [64, 32])
-def test_long_entry_lists_split_many_ways(heads):
+def test_long_entry_lists_split_many_ways(heads, monkeypatch):
     """HCA-like: 4096 entries per token, few tokens: many splits merged by the combine kernel."""
+    _force_cta(monkeypatch, heads)
     _check(_case(heads, prefill=False, entries=4096))
 
 
@@ -104,7 +111,7 @@ def test_other_formats_run_the_triton_kernel():
 
 @pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("tokens", [16, 132], ids=["split", "one-split"])
-def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens, heads):
+def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens, heads, monkeypatch):
     """Each token sees one key (position 0, no entries), q = 0 and no sink (-inf): its softmax weight
     is exactly 1, so its output is that key's row, and the kernel's e4m3 x UE8M0 -> bf16 conversion
     must equal the reference unpack bit for bit: every e4m3 code but the NaNs, subnormals included,
@@ -112,6 +119,7 @@ def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens, heads):
     from dsv4ops.quant import formats
     from dsv4ops.quant.reference import unpack_kv
 
+    _force_cta(monkeypatch, heads)
     f = formats.get(FMT)
     slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
     wc = builders.fill_pool(builders.page_pool(tokens * RING // BS, BS, 512, builders.FP8, device="cuda"), 512,
@@ -172,7 +180,8 @@ def _check_formats(case, window_fmt, comp_fmt, ends=None):
 @pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS)
 @pytest.mark.parametrize("heads", [64, 8, 16, 32])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
-def test_low_bit_formats_match_the_reference(window_fmt, comp_fmt, heads, prefill):
+def test_low_bit_formats_match_the_reference(window_fmt, comp_fmt, heads, prefill, monkeypatch):
+    _force_cta(monkeypatch, heads)
     _check_formats(_pools(_case(heads, prefill), window_fmt, comp_fmt), window_fmt, comp_fmt)
 
 

@@ -81,10 +81,14 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
 TILE_US, COMBINE_US, PARTIAL_BYTES_PER_US = 2.0, 3.0, 4e6
 
 
-def cta_heads(heads: int) -> int:
+def cta_heads(heads: int, tokens: int, sms: int) -> int:
     """Heads per CTA: the smallest of small_heads.cu's 8 / 16 / 32 that holds them all, else 64
-    (sparse_attn.cu; more heads take several CTAs a token)."""
-    return next((h for h in SMALL_HEADS if heads <= h), HEADS_PER_CTA)
+    (sparse_attn.cu; more heads take several CTAs a token). A 32-head CTA costs ~2 us more to start and
+    end than sparse_attn.cu's (H100, V4-Flash at 32 heads: sliding 1 x 4K 11.9 us against 9.9, CSA
+    1 x 4K 16.3 against 12.3) and wins once a wave holds many tiles (CSA 32 x 4K 23.4 against 25.7,
+    128 x 4K 38.5 against 44.1): it takes 17-32 heads from a quarter of the SMs' worth of tokens."""
+    cta = next((h for h in SMALL_HEADS if heads <= h), HEADS_PER_CTA)
+    return HEADS_PER_CTA if cta == SMALL_HEADS[-1] and tokens < sms // 4 else cta
 
 
 def tile_keys(cta: int) -> int:
@@ -125,11 +129,11 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     csrc.load()
     t, h, _ = q.shape
     ends = positions if window_ends is None else window_ends
-    cta = cta_heads(h)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    cta = cta_heads(h, t, sms)
     tile = tile_keys(cta)
     window_keys = -(-window // KEYS_PER_TILE) * KEYS_PER_TILE
     keys = window_keys + comp_idx.shape[1]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     n_split = split_count(t * -(-h // cta), keys, sms, min(h, cta), tile)
     per_split = -(-keys // n_split)
     split_keys = -(-per_split // tile) * tile
