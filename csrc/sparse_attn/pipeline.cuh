@@ -86,6 +86,38 @@ __device__ __forceinline__ void wgmma_ss(float* d, uint64_t a, uint64_t b) {
   }
 }
 
+// q rows head0 .. head0 + kRows - 1 of `token` into the swizzled q tile at `tile` (rows of heads past
+// the last, or of a padding token, are zeros), by threads t = 0 .. kLoaders - 1; the caller commits
+// and waits for the cp.async group.
+template <int kRows, int kLoaders>
+__device__ __forceinline__ void load_q(uint8_t* tile, const Params& p, int64_t token, int head0, int req, int t) {
+  const auto* q = static_cast<const __nv_bfloat16*>(p.q) + token * p.q_stride_token;
+  for (int it = t; it < kRows * 64; it += kLoaders) {
+    const int row = it >> 6, c = it & 63;
+    const int head = head0 + row;
+    if (head < p.heads && req >= 0) {
+      cp_async16(smem_addr(tile) + swizzled<kRows>(row, c), q + head * p.q_stride_head + c * 8);
+    } else {
+      *reinterpret_cast<uint4*>(tile + swizzled<kRows>(row, c)) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// The bf16 output tile (head row r at r * 1024, 16-B chunk c at c ^ (r % 8)) into `out` rows head0 ..,
+// by threads t = 0 .. kStorers - 1: whole 16-B chunks, a row's 1 KiB contiguous (global stores of 4 B
+// each throttled the LSU).
+template <int kRows, int kStorers>
+__device__ __forceinline__ void store_out(const uint8_t* tile, const Params& p, int64_t token, int head0, int t) {
+  auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
+  for (int it = t; it < kRows * 64; it += kStorers) {
+    const int r = it >> 6, c = it & 63;
+    if (head0 + r < p.heads) {
+      *reinterpret_cast<uint4*>(out + ((head0 + r) * p.out_stride_head + c * 8) * 2) =
+          *reinterpret_cast<const uint4*>(tile + r * 1024 + ((c ^ (r & 7)) << 4));
+    }
+  }
+}
+
 // Producer thread t (0..255) handles key t / kKeyLanes of a unit, lane t % kKeyLanes of it.
 struct Lane {
   int row, sub;

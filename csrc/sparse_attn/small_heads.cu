@@ -69,16 +69,7 @@ __device__ __forceinline__ void scores(SmallSmem<H>& sm, const Params& p, int64_
                                        int tiles, int req) {
   constexpr int J = H / 4;  // heads a thread holds (columns of the m64nH fragment)
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0);
-  const auto* q = static_cast<const __nv_bfloat16*>(p.q) + token * p.q_stride_token;
-  for (int it = threadIdx.x; it < H * 64; it += kGroup) {
-    const int row = it >> 6, c = it & 63;
-    const int head = head0 + row;
-    if (head < p.heads && req >= 0) {
-      cp_async16(smem_addr(sm.q) + swizzled<H>(row, c), q + head * p.q_stride_head + c * 8);
-    } else {
-      *reinterpret_cast<uint4*>(sm.q + swizzled<H>(row, c)) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  load_q<H, kGroup>(sm.q, p, token, head0, req, threadIdx.x);
   cp_commit();
   // The sink opens each head's softmax (running max s_h, e^0 = 1 on one thread of the head) when
   // there is one split; the sums are per thread (its keys) until the end.
@@ -261,15 +252,7 @@ __device__ __forceinline__ void values(SmallSmem<H>& sm, const Params& p, int64_
           __float2bfloat16_rn(acc[x] * inv[j]);
     }
     bar_sync(kGroup1Bar, kGroup);
-    // Whole 16-B chunks, a row's 1 KiB contiguous.
-    auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
-    for (int it = t; it < H * 64; it += kGroup) {
-      const int r = it >> 6, c = it & 63;
-      if (head0 + r < p.heads) {
-        *reinterpret_cast<uint4*>(out + ((head0 + r) * p.out_stride_head + c * 8) * 2) =
-            *reinterpret_cast<const uint4*>(sm.q + r * 1024 + ((c ^ (r & 7)) << 4));
-      }
-    }
+    store_out<H, kGroup>(sm.q, p, token, head0, t);
   } else {
     // This split's output normalized by its own sum (eight lanes store 32 contiguous bytes).
 #pragma unroll

@@ -115,17 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       row_sum[h] = 0.f;
     }
   }
-  // q -> shared memory (rows of heads past the last, or of a padding token, are zeros).
-  const auto* q = static_cast<const __nv_bfloat16*>(p.q) + token * p.q_stride_token;
-  for (int it = threadIdx.x; it < kHeads * 64; it += kConsumers) {
-    const int row = it >> 6, c = it & 63;
-    const int head = head0 + row;
-    if (head < p.heads && req >= 0) {
-      cp_async16(smem_addr(sm.q) + swizzled<kHeads>(row, c), q + head * p.q_stride_head + c * 8);
-    } else {
-      *reinterpret_cast<uint4*>(sm.q + swizzled<kHeads>(row, c)) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  load_q<kHeads, kConsumers>(sm.q, p, token, head0, req, threadIdx.x);
   cp_commit();
 
   float acc[128];  // acc[4n + v]: the m16n8 C fragment of dims 8n .. 8n + 7 of this warpgroup's 256
@@ -267,16 +257,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     }
   }
   if (p.splits == 1) {
-    // Whole 16-B chunks, a row's 1 KiB contiguous: global stores of 4 B each throttled the LSU.
     bar_sync(kConsumerBar, kConsumers);
-    auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
-    for (int it = threadIdx.x; it < kHeads * 64; it += kConsumers) {
-      const int r = it >> 6, c = it & 63;
-      if (head0 + r < p.heads) {
-        *reinterpret_cast<uint4*>(out + ((head0 + r) * p.out_stride_head + c * 8) * 2) =
-            *reinterpret_cast<const uint4*>(sm.q + r * 1024 + ((c ^ (r & 7)) << 4));
-      }
-    }
+    store_out<kHeads, kConsumers>(sm.q, p, token, head0, threadIdx.x);
   }
 #else
   __trap();
