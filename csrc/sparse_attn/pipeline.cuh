@@ -30,7 +30,7 @@ constexpr int kThreads = kConsumers + kProducers;
 [[maybe_unused]] constexpr int kProducerRegs = 64, kConsumerRegs = 192;
 constexpr int kRawRow = 592;  // raw row in shared memory: the largest, fp8_584's 576 + 8, + 8 pad (16-B rows)
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
-[[maybe_unused]] constexpr float kMaxSlack = 8.f;  // log2 units: see the kernels' online softmax
+[[maybe_unused]] constexpr float kMaxSlack = 8.f;  // log2 units: see `raise_max`
 
 // Named barriers (0 is __syncthreads): FULL / EMPTY of each bf16 key tile, the producers' own, the
 // consumers' own; 1-4 and 11-15 are the kernels' (sparse_attn.cu, small_heads.cu).
@@ -57,6 +57,22 @@ __device__ __forceinline__ float exp2_fast(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// The online softmax's running max of one row after a tile whose scores peak at `tile_max` (log2
+// units): it moves only when a score passes it by more than kMaxSlack (P <= 2^8 in bf16 loses nothing;
+// the sum, the output and the sink all use the same max, so the result is the same, and most tiles
+// skip rescaling the accumulators). Returns the factor that rescales the row's sum and output; `base`
+// is what the tile's exponents subtract (0 while the row has seen no key and no sink).
+__device__ __forceinline__ float raise_max(float tile_max, float& row_max, float& base, bool& moved) {
+  float alpha = 1.f;
+  if (tile_max > row_max + kMaxSlack) {
+    alpha = exp2_fast(row_max - tile_max);
+    row_max = tile_max;
+    moved = true;
+  }
+  base = row_max == -INFINITY ? 0.f : row_max;
+  return alpha;
 }
 
 // d[64 x N] += A[64 x 16] B[16 x N], both in shared memory: B K-major, A K-major (kTransA = 0) or

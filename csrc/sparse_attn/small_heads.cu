@@ -128,21 +128,13 @@ __device__ __forceinline__ void scores(SmallSmem<H>& sm, const Params& p, int64_
     }
     // red[b] is rewritten two tiles on, after every warp has passed this barrier of the next tile.
     bar_sync(kGroup0Bar, kGroup);
-    // The running max moves only when a score passes it by more than kMaxSlack (P <= 2^8 in bf16
-    // loses nothing): the sum, the output and the sink all use the same max (sparse_attn.cu).
     float alpha[J], base[J];
     bool moved = false;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int h = head_of(j, lane);
       tile_max[j] = fmaxf(fmaxf(sm.red[b][0][h], sm.red[b][1][h]), fmaxf(sm.red[b][2][h], sm.red[b][3][h]));
-      alpha[j] = 1.f;
-      if (tile_max[j] > row_max[j] + kMaxSlack) {
-        alpha[j] = exp2_fast(row_max[j] - tile_max[j]);
-        row_max[j] = tile_max[j];
-        moved = true;
-      }
-      base[j] = row_max[j] == -INFINITY ? 0.f : row_max[j];  // no key and no sink seen yet
+      alpha[j] = raise_max(tile_max[j], row_max[j], base[j], moved);
       row_sum[j] *= alpha[j];
     }
 #pragma unroll

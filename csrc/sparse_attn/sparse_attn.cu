@@ -172,22 +172,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
         tile_max[v >> 1] = fmaxf(tile_max[v >> 1], s[4 * n + v]);
       }
     }
-    // The running max moves only when a score passes it by more than kMaxSlack (P <= 2^8 in bf16
-    // loses nothing): the sum, the output and the sink all use the same max, so the result is the
-    // same, and most tiles skip rescaling the 128 accumulators.
+    // The running max (`raise_max`): most tiles skip rescaling the 128 accumulators.
     float alpha[2], base[2];
     bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
       tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-      alpha[h] = 1.f;
-      if (tile_max[h] > row_max[h] + kMaxSlack) {
-        alpha[h] = exp2_fast(row_max[h] - tile_max[h]);
-        row_max[h] = tile_max[h];
-        moved = true;
-      }
-      base[h] = row_max[h] == -INFINITY ? 0.f : row_max[h];  // no key and no sink seen yet
+      alpha[h] = raise_max(tile_max[h], row_max[h], base[h], moved);
     }
     float tile_sum[2] = {0.f, 0.f};
 #pragma unroll
