@@ -304,12 +304,19 @@ def test_sweep_point_times_each_head_shard_of_the_step(kind, monkeypatch):
 def test_sweep_summary_reports_worst_and_median_per_group():
     from dsv4ops.bench import sweep
 
-    rows = [dict(model="flash", layer="CSA", heads=64, batch=b, context=c, vs_flashmla=v)
+    rows = [dict(model="flash", layer="CSA", heads=64, batch=b, context=c, vs_flashmla=v, flashmla_heads=64)
             for b, c, v in ((1, 4096, 0.8), (32, 4096, 1.2), (128, 1 << 20, 0.85))]
     rows += [dict(model="flash", layer="CSA", heads=8, batch=1, context=4096, vs_flashmla=None, error="x")]
-    (s,) = sweep.summarize(rows)
-    assert (s["layer"], s["model"], s["heads"], s["points"]) == ("CSA", "flash", 64, 3)
-    assert s["worst"] == 1.2 and s["worst_at"] == "32 x 4K" and s["median"] == 0.85 and s["over_target"] == 1
+    # a rank's 16 heads against FlashMLA at 64: at batch >= 32, 0.7 misses the shard target, 0.5 meets it
+    rows += [dict(model="flash", layer="CSA", heads=16, batch=b, context=4096, vs_flashmla=v, flashmla_heads=64)
+             for b, v in ((1, 0.95), (32, 0.7), (256, 0.5))]
+    full, shard = sweep.summarize(rows)
+    assert (full["layer"], full["model"], full["heads"], full["points"]) == ("CSA", "flash", 64, 3)
+    assert full["worst"] == 1.2 and full["worst_at"] == "32 x 4K" and full["median"] == 0.85 and full["over_target"] == 1
+    assert full["large_batch_worst"] == 1.2 and full["large_batch_median"] == (1.2 + 0.85) / 2
+    assert full["shard_over_target"] is None  # not a shard: FlashMLA runs its own heads
+    assert (shard["heads"], shard["over_target"], shard["large_batch_worst"]) == (16, 1, 0.7)
+    assert shard["shard_over_target"] == 1
 
 
 def test_sweep_flags_parse_and_the_report_ends_with_the_summary():
@@ -330,7 +337,7 @@ def test_sweep_flags_parse_and_the_report_ends_with_the_summary():
     assert "flash CSA 256 x 1M (48.5 GB)" in text and "| flash | CSA | 1 |  |  | 90.0 |" in text  # the layer step
     last = text.strip().splitlines()
     assert last[-3].startswith("| layer | model | heads | points | worst")
-    assert last[-1] == "| HCA | pro | 16 | 1 | 0.75 | 1 x 4K | 0.75 | 0 |"
+    assert last[-1] == "| HCA | pro | 16 | 1 | 0.75 | 1 x 4K | 0.75 | 0 |  |  |  |"  # no point at batch >= 32
 
 
 # ---- the whole layer's decode step beside FlashMLA + bf16 GEMMs ----------------------------------------

@@ -200,7 +200,8 @@ def sweep_report(out: dict) -> str:
                  + (", ".join(f"{label} ({gb:.1f} GB)" for label, gb in s["skipped"]) or "none"))
     parts.append(table(out["layer_step"], layer_step.COLUMNS))
     parts.append(f"sweep: {len(s['rows'])} rows in {s['seconds']:.0f} s on {out['versions']['gpu']}; summary "
-                 f"(ours / FlashMLA, target <= {sweep.TARGET}):")
+                 f"(ours / FlashMLA, target <= {sweep.TARGET}; large_batch: batch >= {sweep.SHARD_BATCH}, where a "
+                 f"rank's shard of the heads targets <= {sweep.SHARD_TARGET}):")
     parts.append(table(s["summary"], sweep.SUMMARY_COLUMNS))
     return "\n".join(parts)
 
