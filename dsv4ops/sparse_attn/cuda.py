@@ -47,15 +47,15 @@ stay bf16; the time is the tile chain's, and what would shorten it is the overla
 tile's softmax under the next tile's wgmmas, or two tokens in flight an SM).
 Tensor-parallel shards (H100, 2026-11-27, README's sweep table): with the 64-head CTA a rank's 8 heads
 cost nearly what 64 do (CSA 128 x 4K 37.0 against 41.9 us); small_heads.cu's CTA, tensor work sized to
-the heads, takes 32.4 / 35.2 / 38.5 us at 8 / 16 / 32 heads, 0.62-0.74x FlashMLA's padded 52.0, and
-sliding 128 x 4K 8.9 / 9.9 / 12.8 against 14.6. It is chain-bound, not bandwidth-bound: ncu (base
+the heads, takes 32.2 / 34.2 / 38.0 us at 8 / 16 / 32 heads, 0.62-0.74x FlashMLA's padded 51.6, and
+sliding 128 x 4K 8.8 / 9.8 / 12.6 against 14.5. It is chain-bound, not bandwidth-bound: ncu (base
 clocks, 8 heads) DRAM 38% busy, SM 38%, barrier stalls 40% of the cycles between issues; taking out
 the dequantization, the wgmmas or the gather (build-time experiments) saved 6.9 / 4.2 / 7.2 of 32.8 us,
 so each is a link of one chain, not the bound: with two key tiles in the ring, the producers refill a
 tile only after its P V, so a tile's dequantization, S and softmax, and P V follow one another (a
 third tile does not fit beside four raw stages). Two CTAs an SM or a deeper bf16 ring would let them
 overlap. At few tokens (HCA 1 x 1M: 130 splits) the combine's serial loop over the splits costs more
-than the splits save (16 heads 31.0 us, 32 heads on the 64-head CTA 44.3, against FlashMLA 28.4).
+than the splits save (16 heads 31.0 us, 32 heads on the 64-head CTA 44.3, against FlashMLA 28.7).
 Tried and not kept: issuing the next tile's S before waiting for this tile's P V (ptxas then
 serializes every wgmma; 51.2 us against 43.3 at CSA 128 x 4K), and an integer e4m3 -> bf16
 conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers)."""
