@@ -42,7 +42,7 @@ struct Params {
   float* lse;      // [tokens * splits * heads] log2 of each split's softmax sum (splits > 1)
   int tokens, heads, n_idx, window;
   FastDiv ring_size;
-  int window_keys;  // window rounded up to a whole tile: a tile is all window or all entries
+  int window_keys;  // window rounded up to whole 32-key units: a producer unit is all window or all entries
   int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
   int splits;
   int cta_heads;     // heads per CTA: 64 (sparse_attn.cu) or 8 / 16 / 32 (small_heads.cu)

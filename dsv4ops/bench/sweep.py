@@ -283,5 +283,5 @@ def _ctx(context: int) -> str:
 
 COLUMNS = ["model", "layer", "batch", "context", "heads", "us", "flashmla_heads", "flashmla_us", "vs_flashmla",
            "vs_flashmla_128", "rel_diff", "point_s", "error"]
-SUMMARY_COLUMNS = ["layer", "model", "heads", "points", "worst", "worst_at", "median", "over_target", "large_batch_worst",
-                   "large_batch_median", "shard_over_target"]
+SUMMARY_COLUMNS = ["layer", "model", "heads", "points", "worst", "worst_at", "median", "over_target",
+                   "large_batch_worst", "large_batch_median", "shard_over_target"]

@@ -7,14 +7,14 @@ The arch table selects it on sm_90 (dsv4ops/_arch.py); the sm_100a build of csrc
 kernel to a trap, and sm_100 runs the Triton kernel.
 
 The C++ kernels take a token x 64 heads (csrc/sparse_attn/sparse_attn.cu) or x 8 / 16 / 32 heads
-(small_heads.cu, a tensor-parallel rank's share: `cta_heads`) x one split of its key list per CTA (one
-CTA per SM: 218-226 KiB of shared memory); a batch that would leave SMs idle splits each list (`split_count`), and a second
-kernel merges the splits' partial outputs with the sink (workspace allocated per call from static
-sizes, so the call stays CUDA-graph safe). The split count fills one wave of CTAs (HCA 32 x 1M: 4
-splits of 65 tiles); it is sized by the key list's width, but a split past its token's real list
-(window plus `comp_lens` entries) leaves at once and the combine reads only the live splits, so the
-cost follows the real context (HCA 1 x 4K in a cache of 1M positions a request: 12.1 us, 10.7 at a
-4K `max_context`). The kernel's design is in csrc/sparse_attn/sparse_attn.cu.
+(small_heads.cu, a tensor-parallel rank's share: `cta_heads`) x one split of its key list per CTA
+(one CTA per SM: 218-226 KiB of shared memory); a batch that would leave SMs idle splits each list
+(`split_count`), and a second kernel merges the splits' partial outputs with the sink (workspace
+allocated per call from static sizes, so the call stays CUDA-graph safe). The split count fills one
+wave of CTAs (HCA 32 x 1M: 4 splits of 65 tiles); it is sized by the key list's width, but a split
+past its token's real list (window plus `comp_lens` entries) leaves at once and the combine reads
+only the live splits, so the cost follows the real context (HCA 1 x 4K in a cache of 1M positions a
+request: 12.1 us, 10.7 at a 4K `max_context`). The kernels' designs are in their files' headers.
 
 Against FlashMLA on the same pools (H100, 2026-11-26; README Benchmarks) it takes 0.88-0.97x its
 time at batch 1 and at 128 x 4K and longer contexts, and misses on four rows; ncu (base clocks,
