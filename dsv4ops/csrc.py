@@ -16,7 +16,7 @@ _CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
 _SOURCES = ("dsv4ops.cpp", "indexer/score_api.cpp", "indexer/score.cu", "indexer/topk_select_api.cpp",
             "indexer/topk_select.cu", "indexer/topk_grid.cu", "router/api.cpp",
             "router/gate_topk.cu", "router/hash_route.cu", "sparse_attn/sparse_attn_api.cpp",
-            "sparse_attn/sparse_attn.cu", "sparse_attn/small_heads.cu")
+            "sparse_attn/sparse_attn.cu", "sparse_attn/small_heads.cu", "sparse_attn/combine.cu")
 # Explicit -gencode pairs: without them cpp_extension derives the archs from the visible GPUs, and the
 # `-arch=sm_90a` shorthand was reported to add a plain sm_90 pass. sm_100a needs nvcc >= 12.8.
 _GENCODE = ("-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a")

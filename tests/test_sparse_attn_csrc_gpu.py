@@ -12,6 +12,7 @@ import torch
 
 from dsv4ops import testing
 from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
+from dsv4ops.quant import reference as quant_ref
 from dsv4ops.sparse_attn import reference as sparse_attn_ref
 
 pytestmark = [pytest.mark.gpu,
@@ -92,6 +93,55 @@ def test_lists_much_wider_than_their_lengths(heads):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert sparse_attn_cuda.split_count(t, 128 + 8192, sms) > 8
     _check(tuple(case))
+
+
+@pytest.mark.parametrize("heads", [64, 16, 32])
+def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypatch):
+    """HCA 1M-like: two tokens, full 8192-entry lists: over a hundred live splits a token, so the
+    combine's warps each merge several rounds of splits (a count no multiple of its warps)."""
+    _force_cta(monkeypatch, heads)
+    case = _case(heads, prefill=False, entries=8192)
+    keep = torch.tensor([5, 7], device="cuda")  # positions 1000 and 70000
+    case = [x[keep] if i not in (1, 2, 7) else x for i, x in enumerate(case)]
+    case[6] = torch.full_like(case[6], 8192)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert sparse_attn_cuda.split_count(2, 128 + 8192, sms, heads, sparse_attn_cuda.tile_keys(heads)) > 64
+    _check(tuple(case))
+
+
+@pytest.mark.parametrize("heads,cta", [(64, 64), (32, 32)])
+def test_forty_tokens_few_splits(heads, cta, monkeypatch):
+    """40 tokens of one request from position 0: 2 to 4 splits a token over 40 CTAs, merged by the
+    combine's one-CTA-a-(token, head) kernel; the first queries see a few window keys, so their sink
+    weighs."""
+    _force_cta(monkeypatch, cta)
+    q, wc, cc, pos, req, idx, lens, sinks = (x[:40] if i not in (1, 2, 7) else x
+                                             for i, x in enumerate(_case(heads, prefill=True)))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert 1 < sparse_attn_cuda.split_count(40, 128 + 512, sms, heads, sparse_attn_cuda.tile_keys(cta)) <= 4
+    _check((q, wc, cc, pos - pos[0], req, idx, lens, sinks))
+
+
+@pytest.mark.parametrize("heads", [64, 8, 16, 32])
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_sink_and_rising_scores(heads, prefill, monkeypatch):
+    """Queries at positions below 16 see at most 16 window keys and no entry (the prefill chunk starts
+    at position 0), so the sink holds much of their softmax: in the main kernel at one split
+    (prefill), in the combine with several (decode). q is scaled by 16 and the other queries' entries
+    are ordered by head 0's score, lowest first, so the running max passes its slack (8 in log2
+    units) tile after tile and the accumulators must be rescaled. A dropped sink or a skipped
+    rescale fails here at every head count."""
+    _force_cta(monkeypatch, heads)
+    q, wc, cc, pos, req, idx, lens, sinks = _case(heads, prefill)
+    if prefill:
+        pos = pos - pos[0]
+    lens = torch.where(pos < 16, 0, idx.shape[1]).to(torch.int32)
+    q = (q.float() * 16).bfloat16()
+    keys = torch.empty(idx.numel(), 512, dtype=torch.float32, device="cuda")
+    quant_ref.unpack_kv(cc, idx.reshape(-1), keys, FMT)
+    score = torch.einsum("td,ted->te", q[:, 0].float(), keys.view(*idx.shape, 512)).where(idx >= 0, -torch.inf)
+    idx = idx.gather(1, score.argsort(1))
+    _check((q, wc, cc, pos, req, idx, lens, sinks))
 
 
 @pytest.mark.parametrize("heads", [64, 16])

@@ -50,8 +50,9 @@ struct Params {
 };
 
 bool serves_formats(int window_fmt, int comp_fmt);
-// Splits' partials merged by sparse_attn.cu's combine kernel when p.splits > 1.
+// The main kernel, then (p.splits > 1) the merge of the splits' partials.
 void launch(const Params& p, cudaStream_t stream);
 void launch_small_heads(const Params& p, cudaStream_t stream);  // small_heads.cu: the main kernel alone
+void launch_combine(const Params& p, cudaStream_t stream);      // combine.cu
 
 }  // namespace dsv4::sparse_attn

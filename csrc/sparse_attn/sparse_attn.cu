@@ -257,40 +257,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
 #endif
 }
 
-// out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + e^sink) over the live splits (those holding keys of the
-// token's list: the window's tiles and its comp_lens entries; split 0 always): one CTA per (token,
-// head), 4 dims a thread.
-__global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Params p) {
-#ifdef DSV4_SM90_BODY
-  pdl::wait_prior_grid();  // the splits' partial outputs
-  const int64_t token = blockIdx.x;
-  const int head = blockIdx.y;
-  const int dim = threadIdx.x * 4;
-  auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + dim;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (p.req_slots[token] >= 0) {
-    const float sink = p.sinks[head] * kLog2e;
-    const int64_t row0 = token * p.splits * p.heads + head;
-    const int keys = p.window_keys + min(p.comp_lens[token], p.n_idx);
-    const int live = min(p.splits, (keys + p.split_keys - 1) / p.split_keys);
-    float m = sink;
-    for (int s = 0; s < live; ++s) m = fmaxf(m, p.lse[row0 + s * p.heads]);
-    float den = exp2f(sink - m);
-    for (int s = 0; s < live; ++s) {
-      const int64_t row = row0 + s * p.heads;
-      const float w = exp2f(p.lse[row] - m);
-      const float4 o = *reinterpret_cast<const float4*>(p.partial + row * kDim + dim);
-      den += w;
-      acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
-    }
-    acc.x /= den, acc.y /= den, acc.z /= den, acc.w /= den;
-  }
-  *reinterpret_cast<uint2*>(out) = make_uint2(bf16x2(acc.x, acc.y), bf16x2(acc.z, acc.w));
-#else
-  __trap();
-#endif
-}
-
 }  // namespace
 
 // The (window, entries) pairs of the models (rows.cuh `with_formats`).
@@ -315,7 +281,7 @@ void launch(const Params& p, cudaStream_t stream) {
       pdl::launch_pdl(kernel, grid, dim3(kThreads), sizeof(Smem), stream, p);
     });
   }
-  if (p.splits > 1) pdl::launch_pdl(combine_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
+  if (p.splits > 1) launch_combine(p, stream);
 }
 
 }  // namespace dsv4::sparse_attn

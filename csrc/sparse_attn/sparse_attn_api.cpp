@@ -85,6 +85,9 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
     DSV4_CHECK(partial.is_contiguous() && partial.numel() == tokens * splits * heads * kDim && lse.is_contiguous() &&
                    lse.numel() == tokens * splits * heads,
                "partial / lse: expected the [tokens x splits x heads] (x 512) fp32 workspace");
+    // combine.cu addresses a (token, head)'s splits with 32-bit offsets.
+    DSV4_CHECK(splits * heads * kDim < (int64_t{1} << 31), "splits x heads x 512 must stay below 2^31, got ",
+               splits, " x ", heads, " x 512");
   }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{
            &window_cache, &comp_cache, &window_ends, &req_slots, &comp_idx, &comp_lens, &sinks, &out, &partial, &lse}) {

@@ -54,8 +54,13 @@ the dequantization, the wgmmas or the gather (build-time experiments) saved 6.9 
 so each is a link of one chain, not the bound: with two key tiles in the ring, the producers refill a
 tile only after its P V, so a tile's dequantization, S and softmax, and P V follow one another (a
 third tile does not fit beside four raw stages). Two CTAs an SM or a deeper bf16 ring would let them
-overlap. At few tokens (HCA 1 x 1M: 130 splits) the combine's serial loop over the splits costs more
-than the splits save (16 heads 31.0 us, 32 heads on the 64-head CTA 44.3, against FlashMLA 28.7).
+overlap.
+The combine (csrc/sparse_attn/combine.cu) merges a token's splits with one thread walking them while
+(token, head) pairs fill the GPU, and spreads them over a CTA's warps, four loads in flight each, at few
+tokens with many splits. H100, 2026-11-27, one run, walking / spread: HCA 1 x 1M 29.7 -> 14.6 us at 8
+heads, 43.3 -> 17.8 at 16 (130 splits), 44.2 -> 22.0 at 32 (the 64-head CTA), 29.3 -> 23.0 at 64,
+V4-Pro's 128 heads 36.9 -> 25.9 (FlashMLA: 28.7 / 26.7). The walking thread stays where it is as
+fast (2 splits of CSA 64 x 4K at 32 heads: 31.3 us, 36.2 through the spreading kernel).
 Tried and not kept: issuing the next tile's S before waiting for this tile's P V (ptxas then
 serializes every wgmma; 51.2 us against 43.3 at CSA 128 x 4K), and an integer e4m3 -> bf16
 conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers)."""
