@@ -23,20 +23,20 @@ ACTIVATIONS = ("exact", "fp8", "auto")
 
 # (N, K) -> the smallest M from which "fp8" beat "exact" at every swept M at or above it (M = 1, 16,
 # 64, 128, 256, 512, 1024, 4096); None: "exact" at every swept M. From `python -m dsv4ops bench --only
-# fp8_linear --model flash` and `--model pro` (their printed tables), graph-timed on an NVIDIA H200,
-# torch 2.11.0+cu130, 2026-11-27 (no H100 was lent those sessions; the H200's 1.4x HBM bandwidth
-# favours the bandwidth-bound W8A16 kernel at small M, so on an H100 these starts are late, not
-# early). The second run timed the W8A16 prefill with split K (triton.config): V4-Flash q_a at 256
-# tokens 60.2 -> 15.1 us, which moved three starts up. Times behind each start, exact / fp8 us:
-# V4-Flash q_a at 256: 15.1 / 16.7, at 512: 21.8 / 17.0; kv at 256: 13.2 / 16.4, at 512: 20.2 / 16.8;
-# q_b at 16: 17.2 / 16.5 (a tie), at 64: 26.0 / 17.9; o_b at 1: 20.9 / 22.0 (a tie), at 64: 34.8 /
-# 28.2; V4-Pro kv at 512: 21.8 / 25.7, at 1024 fp8 first; q_b at 64: 72.3 / 44.6; o_b at 1: 66.1 /
-# 46.3. The activation quantization is inside the fp8 times.
+# fp8_linear --model flash` and `--model pro` (their printed tables), graph-timed on an NVIDIA H100 80GB
+# HBM3, torch 2.11.0+cu130, 2026-11-27 (the H200 run before it gave the same starts but V4-Flash
+# o_b's, 1). The activation quantization is inside the fp8 times. Times behind each start, exact /
+# fp8 us: V4-Flash q_a at 256: 15.4 / 16.4, at 512: 22.2 / 16.9; kv at 256: 13.6 / 16.1, at 512:
+# 20.6 / 16.6; q_b at 16: 17.2 / 19.3, at 64: 26.8 / 20.5; o_b at 1: 21.3 / 23.0, at 16: 21.7 / 21.6
+# (a tie), at 64: 35.6 / 29.2; indexer q_b at 16: 7.1 / 9.0, at 64: 9.8 / 9.0; V4-Pro q_a at 128:
+# 17.8 / 24.4, at 256: 35.8 / 24.8; kv at 512: 21.8 / 24.9; q_b at 64: 74.2 / 51.7; o_b at 1: 69.4 /
+# 58.0. Below ~16 us the fp8 path is its own floor (act_quant and cuBLASLt's blockwise kernel: 15.5-17
+# us on q_a and kv at any M up to 512).
 W8A8_FROM: dict[tuple[int, int], int | None] = {
     (1024, 4096): 512,  # V4-Flash q_a_proj
     (32768, 1024): 64,  # V4-Flash q_b_proj
     (512, 4096): 512,  # V4-Flash kv_proj
-    (4096, 8192): 1,  # V4-Flash o_b_proj
+    (4096, 8192): 16,  # V4-Flash o_b_proj
     (8192, 1024): 64,  # V4-Flash indexer q_b_proj
     (1536, 7168): 256,  # V4-Pro q_a_proj
     (65536, 1536): 64,  # V4-Pro q_b_proj
