@@ -118,8 +118,8 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
             ops.fp8_linear(x, weight, scale.view(torch.uint8) if fp8_scale == torch.float8_e8m0fnu else scale, out,
                            fp8_block)
             calls += 1
-            # BlockFP8Linear's "auto" runs W8A8 at this step size: its act_quant kernel and cuBLASLt too
-            if fp8_rule.pick(t, n, k, fp8_block, dtype, fp8_rule.serving_capability(device)) == "fp8":
+            # BlockFP8Linear's "auto" runs W8A8 at this step size: its route's kernels too
+            if fp8_rule.pick(t, n, k, fp8_block, fp8_rule.serving_capability(device)) == "fp8":
                 ops.fp8_linear_w8a8(x, weight, scale.float(), out, fp8_block)
                 calls += 1
         rows = torch.empty(t, d, dtype=dtype, device=device)

@@ -338,22 +338,38 @@ def test_activations_must_be_a_known_mode():
 
 
 # ---- the "auto" rule ---------------------------------------------------------------------------------
-def test_rule_picks_w8a8_from_the_table_where_cublaslt_serves(monkeypatch):
+def test_rule_picks_w8a8_from_the_table_on_sm90(monkeypatch):
     from dsv4ops.fp8_linear import rule
 
     monkeypatch.setattr(rule, "W8A8_FROM", {(4096, 8192): 128, (512, 4096): None})
     monkeypatch.setattr(rule, "DEFAULT_W8A8_FROM", 512)
     h100 = (9, 0)
-    assert [rule.pick(m, 4096, 8192, 128, BF16, h100) for m in (1, 127, 128, 4096)] == ["exact"] * 2 + ["fp8"] * 2
-    assert rule.pick(4096, 512, 4096, 128, BF16, h100) == "exact"  # None: never
-    assert [rule.pick(m, 2048, 2048, 128, BF16, h100) for m in (511, 512)] == ["exact", "fp8"]  # the default
-    # never where the W8A8 kernel cannot run, whatever the table says
-    for args in ((4096, 8192, 128, BF16, None), (4096, 8192, 128, BF16, (10, 0)), (4096, 8192, 32, BF16, h100),
-                 (4096, 8192, 128, FP16, h100), (4104, 8192, 128, BF16, h100), (4096, 8320, 128, BF16, h100)):
-        assert rule.w8a8_refuses(*args) is not None and rule.pick(4096, *args) == "exact", args
-    assert rule.w8a8_refuses(4096, 8192, 128, BF16, h100) is None
-    assert "sm_100" in rule.w8a8_refuses(4096, 8192, 128, BF16, (10, 0))
-    assert "multiple of 512" in rule.w8a8_refuses(4096, 8320, 128, BF16, h100)
+    assert [rule.pick(m, 4096, 8192, 128, h100) for m in (1, 127, 128, 4096)] == ["exact"] * 2 + ["fp8"] * 2
+    assert rule.pick(4096, 512, 4096, 128, h100) == "exact"  # None: never
+    assert [rule.pick(m, 2048, 2048, 128, h100) for m in (511, 512)] == ["exact", "fp8"]  # the default
+    # shapes cuBLASLt refuses: the Triton kernel serves them
+    assert rule.pick(4096, 4104, 8320, 128, h100) == "fp8" and rule.w8a8_refuses(4104, 8320, 128, h100) is None
+    # never where the W8A8 op has no GPU kernel, whatever the table says
+    for args, why in (((4096, 8192, 128, None), "no CUDA GPU"), ((4096, 8192, 128, (8, 0)), "sm_80"),
+                      ((4096, 8192, 32, h100), "block 32"), ((4096, 8256, 128, h100), "in_features 8256")):
+        assert why in rule.w8a8_refuses(*args) and rule.pick(4096, *args) == "exact", args
+    # sm_100 runs the op's Triton kernel, but "auto" keeps W8A16 there: the table is the H100's
+    assert rule.w8a8_refuses(4096, 8192, 128, (10, 0)) is None and rule.pick(4096, 4096, 8192, 128, (10, 0)) == "exact"
+
+
+def test_w8a8_routes_to_cublaslt_from_its_table_where_cublaslt_serves(monkeypatch):
+    from dsv4ops.fp8_linear import rule, w8a8
+
+    monkeypatch.setattr(w8a8, "CUBLASLT_FROM", {(4096, 8192): 128})
+    monkeypatch.setattr(w8a8, "DEFAULT_CUBLASLT_FROM", 512)
+    h100 = (9, 0)
+    assert [w8a8.route(m, 4096, 8192, BF16, h100) for m in (1, 127, 128)] == ["triton"] * 2 + ["cublaslt"]
+    assert [w8a8.route(m, 2048, 2048, BF16, h100) for m in (511, 512)] == ["triton", "cublaslt"]  # the default
+    for args in ((4096, 8192, BF16, (10, 0)), (4096, 8192, FP16, h100), (4104, 8192, BF16, h100),
+                 (4096, 8320, BF16, h100)):
+        assert rule.cublaslt_refuses(*args) is not None and w8a8.route(4096, *args) == "triton", args
+    assert "sm_90 only" in rule.cublaslt_refuses(4096, 8192, BF16, (10, 0))
+    assert "multiple of 512" in rule.cublaslt_refuses(4096, 8320, BF16, h100)
 
 
 def test_rule_suggestion_is_the_start_of_the_last_winning_run():
@@ -362,6 +378,8 @@ def test_rule_suggestion_is_the_start_of_the_last_winning_run():
     assert suggest_from({1: (5.0, 9.0), 64: (9.0, 8.0), 128: (12.0, 8.0), 4096: (300.0, 150.0)}) == 64
     assert suggest_from({1: (5.0, 4.0), 64: (9.0, 10.0), 128: (12.0, 8.0)}) == 128  # a loss at 64 breaks the run
     assert suggest_from({1: (5.0, 9.0), 128: (8.0, 8.0)}) is None  # a tie is no win
+    assert suggest_from({1: (5.0, 9.0), 128: (8.0, 7.7)}) is None  # nor a win within the 5% margin
+    assert suggest_from({1: (5.0, 9.0), 128: (8.0, 7.7)}, margin=1.0) == 128
 
 
 def test_rule_table_covers_every_v4_flash_and_pro_projection():

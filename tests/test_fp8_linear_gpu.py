@@ -1,9 +1,11 @@
 """GPU: the Triton kernel of dsv4::fp8_linear against its reference kernel on the same CUDA inputs at
 the V4-Flash projection shapes, decode (1, 128 rows) and prefill (4096), UE8M0 and fp32 scales,
 V4.1's 32 x 32 tiles; CUDA-graph capture; BlockFP8Linear under torch.compile; a V4 layer loaded
-with keep_fp8=True against the same layer dequantized. Issue 15. W8A8 (dsv4::fp8_linear_w8a8:
-act_quant + cuBLASLt) at the V4-Flash and V4-Pro shapes against its reference, the act_quant kernel
-bit for bit, graph capture, the "auto" rule in a compiled module and in a layer. Issue 30.
+with keep_fp8=True against the same layer dequantized. Issue 15. W8A8 (dsv4::fp8_linear_w8a8: the
+Triton FP8 x FP8 kernel, x quantized in its prologue or by act_quant first, and act_quant +
+cuBLASLt) at the V4-Flash and V4-Pro shapes against its reference, each route and tile config, the
+act_quant kernel bit for bit, graph capture, the "auto" rule in a compiled module and in a layer.
+Issue 30.
 
 Tolerance: max|kernel - ref64| <= 2 x max|ref_bf16 - ref64| (dsv4ops.testing.assert_close_to_ref),
 ref64 the reference kernel in float64 and ref_bf16 the reference kernel on the bf16 inputs.
@@ -117,7 +119,7 @@ PRO = {"q_a": (P.q_lora_rank, P.hidden_size), "q_b": (P.num_heads * P.head_dim, 
 W8A8_SHAPES = {**{f"flash-{k}": v for k, v in FLASH.items()}, **{f"pro-{k}": v for k, v in PRO.items()}}
 
 
-def _check_w8a8(n, k, m, scale_dtype, strided_out=False):
+def _check_w8a8(n, k, m, scale_dtype, strided_out=False, kernel=torch.ops.dsv4.fp8_linear_w8a8):
     weight, scale = _weights(n, k, 128, scale_dtype, seed=n + m)
     scale = fp32_scale(scale)
     x = torch.randn(m, k, device="cuda").to(BF16)
@@ -128,7 +130,7 @@ def _check_w8a8(n, k, m, scale_dtype, strided_out=False):
         assert wide[:, n:].isnan().all(), "wrote outside out"
         return wide[:, :n]
 
-    got = run(torch.ops.dsv4.fp8_linear_w8a8, BF16)
+    got = run(kernel, BF16)
     assert not got.isnan().any(), "every element written"
     # x's bf16 values in float64: the reference quantizes the very values the kernel reads
     T.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear_w8a8, torch.float64),
@@ -147,6 +149,33 @@ def test_w8a8_with_fp32_scales_and_a_strided_out(m):
     _check_w8a8(*FLASH["o_b"], m, torch.float32, strided_out=True)
 
 
+def _fused(cfg=None):
+    from dsv4ops.fp8_linear import triton_w8a8
+
+    return lambda x, weight, scale, out, block: triton_w8a8.fp8_linear_w8a8(x, weight, scale, out, cfg)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 128, 300])
+@pytest.mark.parametrize("proj", sorted(W8A8_SHAPES))
+def test_fused_w8a8_matches_the_reference_at_flash_and_pro_shapes(proj, m):
+    # the Triton FP8 x FP8 kernel with x quantized in its prologue, at its own launch config
+    _check_w8a8(*W8A8_SHAPES[proj], m, torch.float8_e8m0fnu, strided_out=m == 3, kernel=_fused())
+
+
+@pytest.mark.parametrize("quant,bm,bn,split,warps", [(True, 16, 32, 1, 4), (False, 64, 128, 16, 4),
+                                                     (False, 128, 128, 3, 8), (True, 128, 64, 1, 8),
+                                                     (False, 128, 256, 2, 16), (True, 16, 256, 4, 8)])
+def test_fused_w8a8_tiles_and_splits(quant, bm, bn, split, warps):
+    # tiles and splits the launch rule may pick elsewhere: x quantized in the prologue or by act_quant
+    # first, rows in one and in several row blocks, an uneven last split (3 splits of 32 K blocks),
+    # column tiles over two weight tiles (256), fp32 weight scales that are no powers of two
+    n, k = FLASH["q_a"]
+    k_split = -(-k // 128 // split) * 128
+    cfg = dict(QUANT=quant, BM=bm, BN=bn, SPLITS=-(-k // k_split), K_SPLIT=k_split, WARPS=warps, STAGES=3)
+    for m in (5, 200):
+        _check_w8a8(n, k, m, torch.float32, strided_out=True, kernel=_fused(cfg))
+
+
 def test_act_quant_kernel_is_the_reference_bit_for_bit():
     from dsv4ops.fp8_linear import triton as fp8_linear_tt
 
@@ -161,31 +190,38 @@ def test_act_quant_kernel_is_the_reference_bit_for_bit():
         assert (codes[300:].view(torch.uint8) == 0).all()
 
 
-def test_w8a8_refuses_what_cublaslt_cannot_serve_by_name():
-    weight = torch.zeros(512, 384, device="cuda", dtype=torch.float8_e4m3fn)  # in_features 384: not 512-aligned
-    out = torch.full((2, 512), float("nan"), device="cuda", dtype=BF16)
-    with pytest.raises(NotImplementedError, match=r"in_features 384: cuBLASLt needs 16-byte aligned rows"):
-        torch.ops.dsv4.fp8_linear_w8a8(torch.zeros(2, 384, device="cuda", dtype=BF16), weight,
-                                       torch.ones(4, 3, device="cuda"), out, 128)
-    assert out.isnan().all()
+@pytest.mark.parametrize("m", [2, 600])
+def test_w8a8_serves_what_cublaslt_cannot_on_the_triton_kernel(m):
+    # in_features 384 (cuBLASLt wants a multiple of 512), out_features 200 (not a multiple of 16): the
+    # launcher routes every token count to the Triton kernel, 600 rows past cuBLASLt's default start
+    from dsv4ops.fp8_linear import rule, w8a8
+
+    assert rule.cublaslt_refuses(200, 384, BF16, (9, 0)) is not None
+    assert w8a8.route(600, 200, 384, BF16, (9, 0)) == "triton"
+    _check_w8a8(200, 384, m, torch.float32, strided_out=True)
 
 
-def test_w8a8_captures_in_a_cuda_graph():
-    n, k = FLASH["q_b"]
+@pytest.mark.parametrize("proj,m,route", [("q_b", 1, "triton"), ("q_b", 128, "cublaslt"), ("q_a", 128, "triton")])
+def test_w8a8_captures_in_a_cuda_graph(proj, m, route):
+    # q_b at 1 token: x quantized in the Triton kernel's prologue; at 128: cuBLASLt; q_a at 128:
+    # act_quant, the split-K Triton kernel and the reduce (PDL launches, workspaces inside the capture)
+    from dsv4ops.fp8_linear import w8a8
+
+    n, k = FLASH[proj]
+    assert w8a8.route(m, n, k, BF16, torch.cuda.get_device_capability()) == route
     weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu)
     scale = fp32_scale(scale)
-    for m in (1, 128):  # padded (a copy back) and direct
-        x = torch.randn(m, k, device="cuda", dtype=BF16)
-        out = torch.empty(m, n, device="cuda", dtype=BF16)
-        torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        want = torch.empty_like(out)
-        torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, want, 128)
-        assert torch.equal(out, want), m  # same kernels, same inputs
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    out = torch.empty(m, n, device="cuda", dtype=BF16)
+    torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want = torch.empty_like(out)
+    torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, want, 128)
+    assert torch.equal(out, want)  # same kernels, same inputs
 
 
 def test_module_auto_picks_w8a8_under_torch_compile(monkeypatch):

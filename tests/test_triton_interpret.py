@@ -43,6 +43,7 @@ from dsv4ops import triton_helpers as th  # noqa: E402
 from dsv4ops.attn_merge import triton as attn_merge_tt  # noqa: E402
 from dsv4ops.compressor import triton as compressor_tt  # noqa: E402
 from dsv4ops.fp8_linear import triton as fp8_linear_tt  # noqa: E402
+from dsv4ops.fp8_linear import triton_w8a8 as w8a8_tt  # noqa: E402
 from dsv4ops.indexer import triton as indexer_tt  # noqa: E402
 from dsv4ops.inv_rope import triton as inv_rope_tt  # noqa: E402
 from dsv4ops.qkv_prep import triton as qkv_prep_tt  # noqa: E402
@@ -877,6 +878,50 @@ def test_act_quant(dtype):
         assert (codes[m:].view(torch.uint8) == 0).all() and not scales.isnan().any()
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fused_w8a8(dtype, scale_dtype):
+    # The FP8 x FP8 kernel with act_quant in its prologue: N ragged (200: a 128-tile and a partial
+    # one), three 1 x 128 blocks over two K splits (partials + _reduce_kernel) or one; rows padded
+    # to a 64-row block and in two row blocks; fp32 weight scales that are no powers of two.
+    n, k = 200, 384
+    weight, scale = builders.block_fp8_weight(n, k, 128, scale_dtype, seed=11)
+    scale = scale.float() * (k**-0.5 if scale_dtype == torch.float32 else 1.0)
+    x0 = torch.randn(130, k)
+    x0[1, :128] *= 1e-6  # a block under the amax floor
+    x0[2, 128:256] *= 300.0
+    # x quantized in the kernel's prologue, or by act_quant first (QUANT False); column tiles of 64
+    # (one weight tile's scale) and of 256 (a scale per column)
+    for m, split, quant, bn in ((1, 2, True, 64), (3, 1, True, 256), (3, 2, False, 64), (130, 2, False, 256),
+                                (130, 1, True, 64)):
+        x = x0[:m]
+        cfg = dict(w8a8_tt.config(m, n, k), SPLITS=split, K_SPLIT=256 if split == 2 else 384, QUANT=quant, BN=bn)
+
+        def run(fn, dt, **kw):
+            wide = torch.full((m, n + 3), float("nan"), dtype=dt)  # rows with a stride gap, poisoned
+            fn(x.to(dt), weight, scale, wide[:, :n], **kw)
+            assert wide[:, n:].isnan().all(), "wrote outside out"
+            return wide[:, :n]
+
+        def in_order(out_dtype):
+            # the W8A8 product from the reference's act_quant, its K sum term by term in fp32
+            codes, xs = fp8_linear_ref.act_quant(x.to(out_dtype))
+            xq = (codes.float().view(m, -1, 128) * xs[..., None]).view(m, k)
+            w = fp8_linear_ref.dequantize(weight, scale, 128, torch.float32)
+            acc = torch.zeros(m, n)
+            for j in range(k):
+                acc += xq[:, j, None] * w[:, j]
+            return acc.to(out_dtype)
+
+        got = run(w8a8_tt.fp8_linear_w8a8, dtype, cfg=cfg)
+        assert not got.isnan().any(), "every element written"
+        ref = [run(fp8_linear_ref.fp8_linear_w8a8, d, block=128) for d in (torch.float64, dtype)]
+        # x's values in dtype, in float64: the reference quantizes the values the kernel reads
+        ref[0] = run(lambda xx, *a, **kw: fp8_linear_ref.fp8_linear_w8a8(xx.to(dtype).double(), *a, **kw),
+                     torch.float64, block=128)
+        testing.assert_close_to_ref(got, ref[0], [ref[1], in_order(dtype)], what=f"M={m}, quant={quant}")
+
+
 def _scaled_mm_model(a, b, scale_a, scale_b, out_dtype=None, out=None):
     """torch._scaled_mm's blockwise contract (ScaledBlas.cpp, DeepSeek-style 1 x 128 / 128 x 128):
     a [M, K] row-major, b [K, N] column-major, scale_a [M, K / 128] M-major (strides (1, M)),
@@ -894,13 +939,15 @@ def _scaled_mm_model(a, b, scale_a, scale_b, out_dtype=None, out=None):
 
 
 def test_w8a8_launcher_hands_cublaslt_the_blockwise_layouts(monkeypatch):
-    # The CUDA launcher's glue on CPU: act_quant in the interpreter, torch._scaled_mm replaced by a
-    # model that asserts the layouts torch's blockwise check wants; rows padded to 16 and copied back,
-    # an out with a stride gap through a temporary; nothing written past out.
+    # The CUDA launcher's cuBLASLt route on CPU (routed from one token here): act_quant in the
+    # interpreter, torch._scaled_mm replaced by a model that asserts the layouts torch's blockwise
+    # check wants; rows padded to 16 and copied back, an out with a stride gap through a temporary;
+    # nothing written past out.
     from dsv4ops.fp8_linear import rule
     from dsv4ops.fp8_linear import w8a8
 
     monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(w8a8, "DEFAULT_CUBLASLT_FROM", 1)
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_model)
     n, k = 272, 512  # N: two 128-tiles and a partial one
     weight, scale = builders.block_fp8_weight(n, k, 128, seed=4)
@@ -921,10 +968,13 @@ def test_w8a8_launcher_hands_cublaslt_the_blockwise_layouts(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", refuse)
     with pytest.raises(RuntimeError, match=r"blockwise GEMM refused \[32, 512\] x \[512, 272\] .*NOT_SUPPORTED"):
         w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
-    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
-    with pytest.raises(NotImplementedError, match=r"runs on sm_90 only .* this GPU is sm_100"):
-        w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
     assert builders.bytes_equal(wide, before)
+    # sm_100 (no cuBLASLt blockwise scaling): the Triton kernel serves every token count
+    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
+    wide.fill_(float("nan"))
+    w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+    testing.assert_close_to_ref(wide[:, :n], want, want.bfloat16(), what="sm_100")
+    assert wide[:, n:].isnan().all()
 
 
 def test_w8a8_probe_uses_the_launchers_layouts_and_turns_auto_off_where_torch_refuses(monkeypatch):
@@ -1068,8 +1118,8 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, parallel, monkeypatch):
 
 
 def test_warmup_runs_w8a8_where_the_rule_picks_it(monkeypatch):
-    # Shapes cuBLASLt's W8A8 kernel takes (in_features 512), an sm_90 capability and a rule that
-    # switches between the two buckets: W8A8 at the larger one only, for every projection.
+    # An sm_90 capability and a rule that switches between the two buckets: W8A8 at the larger one
+    # only, for every projection.
     from dsv4ops.cache import CacheConfig
     from dsv4ops.fp8_linear import rule
 
@@ -1107,15 +1157,12 @@ def test_attention_ops_run_triton_on_sm90_and_sm100():
     from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
 
     csrc_on = {"sparse_attn": (9,), "indexer_topk": (9, 10)}
-    sm90_only = {"fp8_linear_w8a8"}  # torch's blockwise FP8 GEMM: the reference elsewhere
     assert set(csrc_on) == set(backends.CSRC_LAUNCHERS)
     for op in backends.TRITON_LAUNCHERS:
         for major in (9, 10):
             want = ("csrc", "triton") if major in csrc_on.get(op, ()) else ("triton",)
-            assert _arch.backends(op, (major, 0)) == (("reference",) if op in sm90_only and major == 10 else want)
-        if op in sm90_only:
-            assert backends.resolve(op, (10, 0)) is getattr(dsv4ops.ops, op)._init_fn
-        elif 10 not in csrc_on.get(op, ()):
+            assert _arch.backends(op, (major, 0)) == want
+        if 10 not in csrc_on.get(op, ()):
             assert backends.resolve(op, (10, 0)) is backends.triton_launcher(op)
         assert backends.resolve(op, (8, 0)) is getattr(dsv4ops.ops, op)._init_fn  # no row: the reference
     assert backends.resolve("sparse_attn", (9, 0)) is sparse_attn_cuda.sparse_attn
@@ -1249,6 +1296,8 @@ def _record_fp8_linear(dtype, block: int, t: int) -> None:
             mp = -(-m // 16) * 16
             fp8_linear_tt.act_quant(torch.empty(m, k, dtype=dtype), torch.empty(mp, k, dtype=torch.float8_e4m3fn),
                                     torch.empty(k // 128, mp))
+            w8a8_tt.fp8_linear_w8a8(torch.empty(m, k, dtype=dtype), weight, torch.empty(tiles),
+                                    torch.empty(m, n, dtype=dtype))
 
 
 def _record_v41_launches(t, pos, req) -> list:
@@ -1347,7 +1396,7 @@ def test_aot_compile_every_kernel_for_sm90_and_sm100():
                 "_q_prep_kernel", "_k_prep_kernel", "_score_kernel",
                 "_block_keys_kernel", "_select_kernel", "_merge_kernel", "_sparse_attn_kernel", "_combine_kernel",
                 "_attn_merge_kernel", "_visible_entries_kernel", "_inv_rope_kernel", "_pack_kernel", "_unpack_kernel",
-                "_fp8_linear_kernel", "_reduce_kernel", "_act_quant_kernel"}
+                "_fp8_linear_kernel", "_reduce_kernel", "_act_quant_kernel", "_w8a8_kernel"}
     for arch, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, f"sm_{arch}: " + stdout[-3000:] + stderr[-6000:]

@@ -1,6 +1,6 @@
 """fp8_linear benchmark: the two block-FP8 paths of a keep_fp8 projection, W8A16 (dsv4::fp8_linear,
-Triton, e4m3 weight dequantized in registers) and W8A8 (dsv4::fp8_linear_w8a8: the act_quant kernel
-then cuBLASLt's blockwise FP8 GEMM, timed together), against F.linear (cuBLAS) on the same weight
+Triton, e4m3 weight dequantized in registers) and W8A8 (dsv4::fp8_linear_w8a8 on the route its
+launcher takes: the Triton FP8 kernel, or act_quant then cuBLASLt's blockwise GEMM, timed together), against F.linear (cuBLAS) on the same weight
 dequantized to bf16, for the model's block-FP8 projections over token counts 1 .. 4096, in the same
 run. `suggested_table` turns the rows into fp8_linear/rule.py's W8A8_FROM (printed by the CLI).
 
@@ -34,7 +34,7 @@ def projections(cfg: DSV4AttentionConfig) -> dict:
 def _w8a8_us(x, fp8: list) -> tuple[float | None, str | None]:
     """W8A8's time, or (None, why) where its kernel refuses the shape (checked by one eager call)."""
     n, k = fp8[0][0].shape
-    why = rule.w8a8_refuses(n, k, BLOCK, x.dtype, rule.device_capability(x.device))
+    why = rule.w8a8_refuses(n, k, BLOCK, rule.device_capability(x.device))
     if why is None:
         try:
             fp8_linear(x, fp8[0][0], fp8[0][1], BLOCK, "fp8")
@@ -61,7 +61,7 @@ def bench_case(name: str, n: int, k: int, m: int, gpu: str, device="cuda", l2_by
     base = graph_us(lambda w: F.linear(x, w), bf16)
     fp8_bytes, bf16_bytes = n * k + tiles[0] * tiles[1], 2 * n * k
     best = ours if w8a8 is None else min(ours, w8a8)
-    pick = rule.pick(m, n, k, BLOCK, x.dtype, rule.device_capability(x.device))
+    pick = rule.pick(m, n, k, BLOCK, rule.device_capability(x.device))
     return dict(projection=name, shape=f"{k} -> {n}", n=n, k=k, tokens=m, us=ours,
                 **{"GB/s": fp8_bytes / ours / 1e3}, w8a8_us=w8a8, w8a8_refused=refused, bf16_us=base,
                 bf16_GBps=bf16_bytes / base / 1e3, speedup=base / best, rule=pick,

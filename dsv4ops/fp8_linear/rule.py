@@ -1,12 +1,14 @@
 """The launcher rule of fp8_linear's `activations="auto"`: per shape (tokens M, out_features N,
 in_features K), the faster of the two block-FP8 paths measured on the H100:
 - "exact": dsv4::fp8_linear, the Triton W8A16 kernel (x as it is, the e4m3 weight dequantized in
-  registers): reads every weight byte once, best at decode;
-- "fp8": dsv4::fp8_linear_w8a8, x quantized per 1 x 128 block (a Triton kernel) then torch's
-  cuBLASLt blockwise-scaled FP8 GEMM: the FP8 tensor-core rate, best where the GEMM is compute-bound.
+  registers): reads every weight byte once, no activation rounding;
+- "fp8": dsv4::fp8_linear_w8a8, x quantized per 1 x 128 block, FP8 x FP8 tensor-core products: the
+  Triton kernel of fp8_linear/triton_w8a8.py (x quantized in its prologue or by act_quant first)
+  or, from the token count fp8_linear/w8a8.py's CUBLASLT_FROM names, torch's cuBLASLt blockwise GEMM.
 bf16 F.linear on a dequantized weight is no candidate: a keep_fp8 layer holds no bf16 weight.
-Only "fp8" changes the numerics (x is quantized); the rule never picks it where its CUDA kernel
-cannot run (w8a8_refuses). `pick` is plain Python on static values (a symbolic M adds a guard
+Only "fp8" changes the numerics (x is quantized), so it must win by MARGIN: within it, "exact" keeps
+the tie. The table is the H100's: "auto" runs "exact" on other GPUs (w8a8_refuses says why, or
+sm_100: no B200 here to measure). `pick` is plain Python on static values (a symbolic M adds a guard
 under torch.compile); BlockFP8Linear reads the GPU's capability when it moves, not per call.
 """
 
@@ -17,49 +19,56 @@ import warnings
 
 import torch
 
+from dsv4ops import _arch
 from dsv4ops.fp8_linear.checks import W8A8_BLOCK
 
 ACTIVATIONS = ("exact", "fp8", "auto")
+MARGIN = 1.05  # "fp8" must be 5% faster than "exact" (swept times repeat within ~3%)
 
-# (N, K) -> the smallest M from which "fp8" beat "exact" at every swept M at or above it (M = 1, 16,
-# 64, 128, 256, 512, 1024, 4096); None: "exact" at every swept M. From `python -m dsv4ops bench --only
-# fp8_linear --model flash` and `--model pro` (their printed tables), graph-timed on an NVIDIA H100 80GB
-# HBM3, torch 2.11.0+cu130, 2026-11-27 (the H200 run before it gave the same starts but V4-Flash
-# o_b's, 1). The activation quantization is inside the fp8 times. Times behind each start, exact /
-# fp8 us: V4-Flash q_a at 256: 15.4 / 16.4, at 512: 22.2 / 16.9; kv at 256: 13.6 / 16.1, at 512:
-# 20.6 / 16.6; q_b at 16: 17.2 / 19.3, at 64: 26.8 / 20.5; o_b at 1: 21.3 / 23.0, at 16: 21.7 / 21.6
-# (a tie), at 64: 35.6 / 29.2; indexer q_b at 16: 7.1 / 9.0, at 64: 9.8 / 9.0; V4-Pro q_a at 128:
-# 17.8 / 24.4, at 256: 35.8 / 24.8; kv at 512: 21.8 / 24.9; q_b at 64: 74.2 / 51.7; o_b at 1: 69.4 /
-# 58.0. Below ~16 us the fp8 path is its own floor (act_quant and cuBLASLt's blockwise kernel: 15.5-17
-# us on q_a and kv at any M up to 512).
+# (N, K) -> the smallest M from which "fp8" beat "exact" by MARGIN at every swept M at or above it
+# (M = 1, 16, 64, 128, 256); None: never. From the sweep that chose triton_w8a8.TUNED and
+# w8a8.CUBLASLT_FROM (graph-timed, weights from HBM, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton
+# 3.6.0, 2026-11-27), "fp8" timed on the route the launcher takes. exact / fp8 us behind the starts:
+# V4-Flash q_a at 128: 9.3 / 9.1, at 256: 14.8 / 11.3; q_b at 16: 16.7 / 16.6, at 64: 25.8 / 19.4;
+# kv at 128: 7.2 / 7.6, at 256: 13.0 / 9.0; o_b at 1: 21.1 / 17.8; indexer q_b at 16: 6.6 / 7.5, at
+# 64: 9.4 / 7.9; V4-Pro q_a at 1: 10.0 / 8.8; kv at 1: 6.7 / 6.0; o_b at 1: 68.1 / 49.2; q_b at 16:
+# 43.6 / 44.0, at 64: 71.7 / 48.7; indexer q_b at 16: 8.9 / 9.3, at 64: 12.7 / 9.7.
 W8A8_FROM: dict[tuple[int, int], int | None] = {
-    (1024, 4096): 512,  # V4-Flash q_a_proj
+    (1024, 4096): 256,  # V4-Flash q_a_proj
     (32768, 1024): 64,  # V4-Flash q_b_proj
-    (512, 4096): 512,  # V4-Flash kv_proj
-    (4096, 8192): 16,  # V4-Flash o_b_proj
+    (512, 4096): 256,  # V4-Flash kv_proj
+    (4096, 8192): 1,  # V4-Flash o_b_proj
     (8192, 1024): 64,  # V4-Flash indexer q_b_proj
-    (1536, 7168): 256,  # V4-Pro q_a_proj
+    (1536, 7168): 1,  # V4-Pro q_a_proj
     (65536, 1536): 64,  # V4-Pro q_b_proj
-    (512, 7168): 1024,  # V4-Pro kv_proj
+    (512, 7168): 1,  # V4-Pro kv_proj
     (7168, 16384): 1,  # V4-Pro o_b_proj
     (8192, 1536): 64,  # V4-Pro indexer q_b_proj
 }
-DEFAULT_W8A8_FROM = 1024  # "fp8" was faster from 1024 tokens on every measured shape
+DEFAULT_W8A8_FROM = 1024  # shapes not swept (a tensor-parallel shard's): cuBLASLt's W8A8 won from 1024 tokens
 
 
-def w8a8_refuses(n: int, k: int, block: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
-    """Why dsv4::fp8_linear_w8a8's CUDA kernel cannot serve this shape on this GPU, or None."""
+def w8a8_refuses(n: int, k: int, block: int, capability: tuple[int, int] | None) -> str | None:
+    """Why dsv4::fp8_linear_w8a8 runs no GPU kernel for this shape on this GPU, or None."""
     if capability is None:
         return "no CUDA GPU"
-    if capability[0] != 9:
-        return (f"cuBLASLt's 1 x 128 / 128 x 128 scaled FP8 GEMM runs on sm_90 only (torch's DeepSeek-style "
-                f"scaling check), this GPU is sm_{capability[0]}{capability[1]}")
+    if _arch.backends("fp8_linear_w8a8", capability) == ("reference",):
+        return f"its Triton kernel is built for sm_90 and sm_100, this GPU is sm_{capability[0]}{capability[1]}"
+    if block != W8A8_BLOCK:
+        return f"block {block}: W8A8 quantizes x in 1 x {W8A8_BLOCK} blocks under {W8A8_BLOCK} x {W8A8_BLOCK} weight tiles"
+    if k % W8A8_BLOCK:
+        return f"in_features {k}: W8A8 needs whole 1 x {W8A8_BLOCK} activation blocks"
+    return None
+
+
+def cublaslt_refuses(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+    """Why torch's cuBLASLt blockwise FP8 GEMM cannot serve this W8A8 shape on this GPU, or None."""
+    if capability is None or capability[0] != 9:
+        return "cuBLASLt's 1 x 128 / 128 x 128 scaled FP8 GEMM runs on sm_90 only (torch's DeepSeek-style scaling check)"
     if not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no torch._scaled_mm"
-    if block != W8A8_BLOCK:
-        return f"block {block}: cuBLASLt's blockwise scaling takes {W8A8_BLOCK} x {W8A8_BLOCK} weight tiles only"
     if dtype != torch.bfloat16:
-        return f"x of {dtype}: the kernel writes bf16 (cuBLASLt's blockwise FP8 output)"
+        return f"x of {dtype}: cuBLASLt's blockwise FP8 GEMM writes bf16"
     if n % 16:
         return f"out_features {n}: cuBLASLt's FP8 GEMM needs a multiple of 16"
     if k % (4 * W8A8_BLOCK):
@@ -68,21 +77,21 @@ def w8a8_refuses(n: int, k: int, block: int, dtype: torch.dtype, capability: tup
     return None
 
 
-def pick(m: int, n: int, k: int, block: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str:
+def pick(m: int, n: int, k: int, block: int, capability: tuple[int, int] | None) -> str:
     """"fp8" or "exact" for an [m, k] x [n, k]^T projection (rule in the module docstring)."""
-    if w8a8_refuses(n, k, block, dtype, capability) is not None:
+    if w8a8_refuses(n, k, block, capability) is not None or capability[0] != 9:
         return "exact"
     start = W8A8_FROM.get((n, k), DEFAULT_W8A8_FROM)
     return "fp8" if start is not None and m >= start else "exact"
 
 
-def suggest_from(times: dict[int, tuple[float, float]]) -> int | None:
+def suggest_from(times: dict[int, tuple[float, float]], margin: float = MARGIN) -> int | None:
     """W8A8_FROM's entry for one shape from its bench times {M: (exact_us, fp8_us)}: the smallest
-    swept M from which "fp8" is faster at every swept M at or above it (None: never)."""
+    swept M from which "fp8" is faster by `margin` at every swept M at or above it (None: never)."""
     start = None
     for m in sorted(times, reverse=True):
         exact_us, fp8_us = times[m]
-        if not fp8_us < exact_us:
+        if not fp8_us * margin < exact_us:
             break
         start = m
     return start

@@ -1,6 +1,6 @@
 """Triton kernels of `dsv4::fp8_linear` (fp8_linear/reference.py is the specification): W8A16 GEMM
 out [M, N] = x [M, K] @ (e4m3 weight [N, K] x tile scale)^T; and `act_quant`, the activation
-quantization of `dsv4::fp8_linear_w8a8` (its GEMM is cuBLASLt's: fp8_linear/w8a8.py).
+quantization of `dsv4::fp8_linear_w8a8` where it runs ahead of the GEMM (fp8_linear/w8a8.py).
 
 - Each program owns a [BM rows, BN cols] tile of the output and one split of K. Per K step it
   loads the e4m3 bytes [BN, BK] and one scale per weight row (BK divides the tile size, so a K step
@@ -14,13 +14,15 @@ quantization of `dsv4::fp8_linear_w8a8` (its GEMM is cuBLASLt's: fp8_linear/w8a8
   rounds to x's dtype. The workspace is allocated per call from static sizes only (tokens, N,
   splits), so the op stays CUDA-graph safe.
 - Prefill (M > 128): 128 x 128 output tiles, split-K where the tiles alone leave SMs idle.
+- The three kernels are launched with programmatic dependent launch (triton_helpers.launch): the
+  next one's launch hides behind the previous kernel's tail. H100, graph-timed, without / with:
+  V4-Flash q_a at 1 token 6.5 / 5.2 us, at 128 tokens 10.3 / 9.3; kv at 128 tokens 8.0 / 7.2.
 
-Against cuBLAS F.linear on the dequantized bf16 weight (H100, 2026-11-23, V4-Flash projections;
-README Benchmarks): 1.27-1.60x at one token (half the bytes would allow 2x: the small projections
-are launch- and latency-bound at 5-7 us), 0.69-0.92x on 4 of 5 projections at 128 tokens, where
-every K step converts a [BN, 128] e4m3 tile to bf16 in registers on the path cuBLAS spends on loads
-alone. An FP8 x FP8 kernel (activations quantized per 128-column block, as DeepSeek's inference
-does) is what would win at larger batches; not built. The launch rule came from a sweep of tiles
+Against cuBLAS F.linear on the dequantized bf16 weight (H100, 2026-11-27, V4-Flash projections,
+with PDL): 1.30-1.68x at one token (half the bytes would allow 2x: the small projections are
+launch- and latency-bound at 5-7 us), 0.71-1.18x at 128 tokens, where every K step converts a
+[BN, 128] e4m3 tile to bf16 in registers on the path cuBLAS spends on loads alone; the FP8 x FP8
+kernel (fp8_linear/triton_w8a8.py) takes those shapes where it is faster. The launch rule came from a sweep of tiles
 and splits; one swept shape where it is not the fastest: o_b at one token (BN 32 x 2 splits,
 22.0 us; BN 64 x 8 splits 18.6).
 """
@@ -41,6 +43,7 @@ from dsv4ops.triton_helpers import (
     round_to,
     to_f32,
     ue8m0_exponent,
+    wait_prior_grid,
 )
 
 # SM count of an H100 SXM: splits are chosen to give about two programs per SM.
@@ -51,6 +54,7 @@ _SMS = 132
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, n, k, sx, so, s_cols, k_split,
                        BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        UE8M0: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr, SOFT: tl.constexpr):
+    wait_prior_grid()
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     split = tl.program_id(2)
@@ -84,6 +88,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, n, k, sx, so, 
 @triton.jit(do_not_specialize=["m"])
 def _reduce_kernel(part_ptr, out_ptr, m, n, so, SPLITS: tl.constexpr, BR: tl.constexpr, SOFT: tl.constexpr):
     """out = sum of the SPLITS fp32 partials [SPLITS, m, n], in split order, rounded to out's dtype."""
+    wait_prior_grid()
     idx = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     ok = idx < m * n
     acc = tl.zeros([BR], dtype=tl.float32)
@@ -151,10 +156,10 @@ def fp8_linear(x, weight, scale, out, block: int, cfg: dict | None = None) -> No
            (x, weight.view(torch.uint8), scale, out, part, m, n, k, x.stride(0),
             out.stride(0), scale.shape[1], cfg["K_SPLIT"]),
            dict(BLOCK=block, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], UE8M0=ue8m0, SPLITS=splits,
-                STAGES=cfg["STAGES"], SOFT=INTERPRET), num_warps=cfg["WARPS"])
+                STAGES=cfg["STAGES"], SOFT=INTERPRET), num_warps=cfg["WARPS"], pdl=True)
     if splits > 1:
         launch(_reduce_kernel, (triton.cdiv(m * n, REDUCE_ROWS),), (part, out, m, n, out.stride(0)),
-               dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET))
+               dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET), pdl=True)
 
 
 
@@ -164,6 +169,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, m, mp, k, sx, BR: tl.constexpr, BLOCK
     """BR rows x one 1 x BLOCK block of x -> e4m3 codes and one power-of-two scale a row, as the
     reference's act_quant: the exponent from the amax's bits (ue8m0_exponent), exact scaling by
     2^-e, round to nearest even. Rows m .. mp (the GEMM's row padding) get zero codes."""
+    wait_prior_grid()
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     kb = tl.program_id(1)
     cols = kb * BLOCK + tl.arange(0, BLOCK)
@@ -194,4 +200,4 @@ def act_quant(x, codes, scales) -> None:
     if mp == 0 or k == 0:
         return
     launch(_act_quant_kernel, (triton.cdiv(mp, ACT_ROWS), k // ACT_BLOCK),
-           (x, codes, scales, m, mp, k, x.stride(0)), dict(BR=ACT_ROWS, BLOCK=ACT_BLOCK, SOFT=INTERPRET))
+           (x, codes, scales, m, mp, k, x.stride(0)), dict(BR=ACT_ROWS, BLOCK=ACT_BLOCK, SOFT=INTERPRET), pdl=True)

@@ -1,26 +1,56 @@
-"""CUDA kernel of `dsv4::fp8_linear_w8a8` (reference: fp8_linear/reference.py): the Triton act_quant
-kernel (fp8_linear/triton.py) writes x's e4m3 codes and M-major 1 x 128 scales, then torch's
-cuBLASLt GEMM with DeepSeek-style blockwise scaling (`torch._scaled_mm`: 1 x 128 activation blocks,
-128 x 128 weight tiles, fp32 accumulation, bf16 out) writes `out`. sm_90 only (rule.w8a8_refuses says
-why elsewhere). torch._scaled_mm rather than F.scaled_mm: both torch 2.11 and 2.13 have it, and its
-out= variant writes the op's output in place (F.scaled_mm returns a new tensor: one more copy, 16 MB
-of traffic for a 128 x 32768 bf16 output, ~5 us at 3 TB/s; estimated, not measured).
+"""GPU launcher of `dsv4::fp8_linear_w8a8` (reference: fp8_linear/reference.py): per token count,
+one of two routes with the same numerics (x's e4m3 codes and power-of-two 1 x 128 scales, FP8
+products summed per 128-wide block in fp32, the weight tile's scale applied per block):
+- the Triton kernel of fp8_linear/triton_w8a8.py (sm_90 and sm_100): reads the weight once per row
+  block, split-K at few tokens;
+- from CUBLASLT_FROM tokens on sm_90: the Triton act_quant kernel (fp8_linear/triton.py), then
+  torch's cuBLASLt GEMM with DeepSeek-style blockwise scaling (`torch._scaled_mm`: 1 x 128
+  activation blocks, 128 x 128 weight tiles, bf16 out), where its layout rules hold
+  (rule.cublaslt_refuses). torch._scaled_mm rather than F.scaled_mm: both torch 2.11 and 2.13 have it,
+  and its out= variant writes the op's output in place (F.scaled_mm returns a new tensor: one more
+  copy, 16 MB of traffic for a 128 x 32768 bf16 output, ~5 us at 3 TB/s; estimated, not measured).
 
-Rows: cuBLASLt refused one token (CUBLAS_STATUS_NOT_SUPPORTED on the H100, issue 30). A likely cause,
-not verified: the M-major scale columns of one row are 4 B apart where cuBLASLt wants 16-B aligned
-operands. So the codes and scales are padded to a multiple of ROW_MULTIPLE rows (zero codes) and such
-a GEMM writes a temporary whose first M rows are copied to `out`, as does an `out` whose rows have a
-stride gap; the GPU tests run M = 1 and 3 through it.
-Workspaces are allocated per call from static sizes only (CUDA-graph safe)."""
+cuBLASLt rows: it refused one token (CUBLAS_STATUS_NOT_SUPPORTED on the H100, issue 30). A likely
+cause, not verified: the M-major scale columns of one row are 4 B apart where cuBLASLt wants 16-B
+aligned operands. So its codes and scales are padded to a multiple of ROW_MULTIPLE rows (zero codes)
+and such a GEMM writes a temporary whose first M rows are copied to `out`, as does an `out` whose rows
+have a stride gap. Workspaces are allocated per call from static sizes only (CUDA-graph safe)."""
 
 import torch
 
 from dsv4ops.fp8_linear import checks as _checks
-from dsv4ops.fp8_linear import rule
+from dsv4ops.fp8_linear import rule, triton_w8a8
 from dsv4ops.fp8_linear.reference import ACT_BLOCK
 from dsv4ops.fp8_linear.triton import act_quant
 
 ROW_MULTIPLE = 16
+
+# (N, K) -> the smallest swept M (1, 16, 64, 128, 256) from which cuBLASLt beat the Triton kernel's
+# fastest config at every swept M at or above it (same H100 sweep as triton_w8a8.TUNED). Graph-timed
+# us, Triton / cuBLASLt: V4-Flash q_b at 64: 19.4 / 20.7, at 128: 24.9 / 21.5; o_b at 128: 25.6 /
+# 29.3, at 256: 41.5 / 30.9; indexer q_b at 128: 9.6 / 9.8, at 256: 12.3 / 9.8; V4-Pro q_b at 128: 60.4
+# / 51.8; o_b at 16: 49.9 / 54.8, at 64: 58.4 / 56.6; indexer q_b at 128: 11.7 / 10.9. Where the
+# Triton kernel won to 256 tokens, a second run at 512 and 1024: kv's start there (V4-Flash at 512:
+# 15.9 / 16.8, at 1024: 29.3 / 17.7; V4-Pro at 512: 16.6 / 26.6, at 1024: 33.4 / 27.6); q_a and unlisted
+# shapes start at DEFAULT_CUBLASLT_FROM (V4-Flash q_a at 512: 19.2 / 17.2, V4-Pro q_a 37.8 / 25.8).
+CUBLASLT_FROM: dict[tuple[int, int], int] = {
+    (32768, 1024): 128,  # V4-Flash q_b_proj
+    (512, 4096): 1024,  # V4-Flash kv_proj
+    (4096, 8192): 256,  # V4-Flash o_b_proj
+    (8192, 1024): 256,  # V4-Flash indexer q_b_proj
+    (65536, 1536): 128,  # V4-Pro q_b_proj
+    (512, 7168): 1024,  # V4-Pro kv_proj
+    (7168, 16384): 64,  # V4-Pro o_b_proj
+    (8192, 1536): 128,  # V4-Pro indexer q_b_proj
+}
+DEFAULT_CUBLASLT_FROM = 512
+
+
+def route(m: int, n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str:
+    """"cublaslt" or "triton" for an [m, k] x [n, k]^T W8A8 projection on this GPU."""
+    if rule.cublaslt_refuses(n, k, dtype, capability) is not None:
+        return "triton"
+    return "cublaslt" if m >= CUBLASLT_FROM.get((n, k), DEFAULT_CUBLASLT_FROM) else "triton"
 
 
 def fp8_linear_w8a8(x, weight, scale, out, block: int) -> None:
@@ -28,15 +58,22 @@ def fp8_linear_w8a8(x, weight, scale, out, block: int) -> None:
     _checks.fp8_linear_w8a8(x, weight, scale, out, block)
     m, k = x.shape
     n = weight.shape[0]
-    reason = rule.w8a8_refuses(n, k, block, x.dtype, rule.device_capability(x.device))
-    if reason is not None:
-        raise NotImplementedError(f"dsv4::fp8_linear_w8a8: the CUDA kernel cannot serve this call: {reason} "
-                                  f"(activations='exact' runs the W8A16 kernel)")
     if m == 0 or n == 0:
         return
     if k == 0:
         out.zero_()
         return
+    if route(m, n, k, x.dtype, rule.device_capability(x.device)) == "cublaslt":
+        cublaslt(x, weight, scale, out)
+    else:
+        triton_w8a8.fp8_linear_w8a8(x, weight, scale, out)
+
+
+def cublaslt(x, weight, scale, out) -> None:
+    """act_quant + torch's cuBLASLt blockwise GEMM (x [M, K], weight [N, K] e4m3, scale [N / 128,
+    K / 128] fp32, out [M, N]; checked by the launcher)."""
+    m, k = x.shape
+    n = weight.shape[0]
     mp = -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
     codes = torch.empty(mp, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(k // ACT_BLOCK, mp, dtype=torch.float32, device=x.device)

@@ -1,0 +1,175 @@
+"""Triton kernel of `dsv4::fp8_linear_w8a8` (fp8_linear/reference.py is the specification): one
+FP8 x FP8 GEMM with the activation quantization in its prologue, for the token counts where
+act_quant + cuBLASLt (fp8_linear/w8a8.py) pays its own floor.
+
+Each program owns a [BM rows, BN cols] output tile and one split of K. Per K step of one 1 x 128
+activation block it loads x's [BM, 128] tile in x's dtype, takes each row's amax and UE8M0 exponent
+e (the reference's act_quant, exactly: triton_helpers.ue8m0_exponent), rounds x / 2^e to e4m3, and
+feeds the codes with the weight's e4m3 bytes [BN, 128] to one FP8 tensor-core dot (fresh fp32
+accumulator); the block's sum times 2^e (per row) and the weight tile's scale (one per K step: BN
+divides 128) is added to the fp32 tile accumulator. So the FP8 dot never sums over more than one
+128-wide block, the promotion DeepSeek's FP8 GEMMs make to bound the tensor cores' reduced-precision
+FP8 accumulation. Every program re-quantizes its row block's x tiles (BM x 128 per step, against
+BM x BN x 128 multiply-adds), and x's quantized codes never reach memory.
+
+Split-K partials (fp32, [splits, M, N]) are summed in split order by fp8_linear/triton.py's
+_reduce_kernel (deterministic, no atomics); workspaces come from static sizes only (graph safe).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4ops.fp8_linear.reference import ACT_BLOCK
+from dsv4ops.fp8_linear.triton import REDUCE_ROWS, _reduce_kernel, act_quant
+from dsv4ops.triton_helpers import (
+    INTERPRET,
+    e4m3_bits_to_f32,
+    f32_to_e4m3_bits,
+    launch,
+    pow2,
+    round_to,
+    wait_prior_grid,
+    to_f32,
+    ue8m0_exponent,
+)
+
+_SMS = 132  # SM count of an H100 SXM
+
+
+@triton.jit
+def _block_dot(a, wbits, QUANT: tl.constexpr, SOFT: tl.constexpr):
+    """One 1 x 128 block's FP8 product [BM, BN] in fp32 of a [BM, 128] activation tile and the
+    [BN, 128] e4m3 weight bytes. a: fp32 values already scaled into e4m3's range (QUANT: rounded
+    to e4m3 here), or e4m3 codes as bytes. The interpreter multiplies the codes' values in IEEE fp32."""
+    if SOFT:
+        if QUANT:
+            a = f32_to_e4m3_bits(a, SOFT)
+        return tl.dot(e4m3_bits_to_f32(a, SOFT), tl.trans(e4m3_bits_to_f32(wbits, SOFT)), input_precision="ieee")
+    else:
+        if QUANT:
+            a8 = a.to(tl.float8e4nv)
+        else:
+            a8 = a.to(tl.float8e4nv, bitcast=True)
+        return tl.dot(a8, tl.trans(wbits.to(tl.float8e4nv, bitcast=True)))
+
+
+@triton.jit(do_not_specialize=["m", "mp"])
+def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, mp, n, k, sx, so, s_cols, k_split,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
+                 STAGES: tl.constexpr, SOFT: tl.constexpr):
+    """QUANT: x [m, k] in its dtype, quantized here per 1 x 128 block; else x holds act_quant's e4m3
+    codes (bytes) and xs_ptr its scales [k / 128, mp] (M-major)."""
+    wait_prior_grid()
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    split = tl.program_id(2)
+    rm, cm = rows < m, cols < n
+    r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
+    s_row = s_ptr + (cols // BK).to(tl.int64) * s_cols  # a weight tile row's scales
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_lo = split * k_split
+    for k0 in tl.range(k_lo, tl.minimum(k_lo + k_split, k), BK, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BK)
+        if QUANT:
+            v = to_f32(tl.load(x_ptr + r64[:, None] * sx + ks[None, :], mask=rm[:, None], other=0.0), SOFT)
+            e = ue8m0_exponent(tl.max(tl.abs(v), axis=1))
+            a = v * pow2(-e)[:, None]
+            xs = pow2(e)
+        else:
+            a = tl.load(x_ptr + r64[:, None] * sx + ks[None, :], mask=rm[:, None], other=0)
+            xs = tl.load(xs_ptr + (k0 // BK) * mp + rows, mask=rm, other=0.0)
+        wbits = tl.load(w_ptr + c64[:, None] * k + ks[None, :], mask=cm[:, None], other=0)
+        blk = _block_dot(a, wbits, QUANT, SOFT)
+        if BN > BK:  # columns of two weight tiles: a scale per column
+            acc += blk * xs[:, None] * tl.load(s_row + k0 // BK, mask=cm, other=0.0)[None, :]
+        else:  # BN divides the tile: one scale for the program
+            acc += blk * (xs * tl.load(s_ptr + (tl.program_id(0) * BN // BK) * s_cols + k0 // BK))[:, None]
+    if SPLIT:
+        tl.store(part_ptr + (split * m + r64[:, None]) * n + cols[None, :], acc, mask=rm[:, None] & cm[None, :])
+    else:
+        tl.store(out_ptr + r64[:, None] * so + cols[None, :], round_to(acc, out_ptr.dtype.element_ty, SOFT),
+                 mask=rm[:, None] & cm[None, :])
+
+
+# (N, K) -> {M bucket: (QUANT, BM, BN, splits, warps, stages)}: the fastest of 70-180 configs per point
+# in a sweep of the V4-Flash and V4-Pro projections (graph-timed on an NVIDIA H100 80GB HBM3, weights
+# from HBM, torch 2.11.0+cu130, triton 3.6.0, 2026-11-27). A call of M rows takes the smallest bucket
+# >= M (the largest above 256). The fastest at M = 128, us: V4-Flash q_a 9.1 (bf16 F.linear 9.3), kv
+# 7.6 (8.5), o_b 25.6 (29.2), index q_b 9.6 (9.3), V4-Pro o_b 68.7 (98.0).
+TUNED: dict[tuple[int, int], dict[int, tuple]] = {
+    (1024, 4096): {1: (False, 16, 64, 8, 4, 3), 16: (True, 16, 64, 8, 4, 3), 64: (False, 64, 64, 8, 4, 4),
+                   128: (False, 64, 128, 8, 8, 4), 256: (False, 64, 64, 4, 4, 4)},  # V4-Flash q_a
+    (32768, 1024): {1: (True, 16, 256, 1, 8, 3), 16: (True, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Flash q_b
+    (512, 4096): {1: (True, 16, 64, 16, 4, 3), 16: (True, 16, 64, 16, 4, 3), 64: (True, 64, 64, 16, 4, 3),
+                  128: (False, 64, 64, 8, 4, 4), 256: (False, 64, 128, 8, 8, 4)},  # V4-Flash kv
+    (4096, 8192): {1: (True, 16, 128, 8, 4, 3), 16: (True, 16, 128, 8, 4, 3), 64: (False, 64, 64, 4, 4, 4),
+                   128: (False, 128, 64, 4, 4, 4), 256: (False, 128, 128, 2, 8, 4)},  # V4-Flash o_b
+    (8192, 1024): {1: (False, 16, 128, 4, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 8, 3), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash index q_b
+    (1536, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
+                   128: (False, 64, 64, 8, 4, 3), 256: (False, 64, 64, 4, 4, 4)},  # V4-Pro q_a
+    (65536, 1536): {1: (False, 16, 128, 1, 4, 3), 16: (False, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b
+    (512, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
+                  128: (False, 64, 64, 14, 4, 4), 256: (False, 128, 64, 8, 4, 3)},  # V4-Pro kv
+    (7168, 16384): {1: (False, 16, 64, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 2, 4, 4),
+                    128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 128, 1, 8, 4)},  # V4-Pro o_b
+    (8192, 1536): {1: (False, 16, 128, 1, 4, 4), 16: (True, 16, 64, 2, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro index q_b
+}
+
+
+def config(m: int, n: int, k: int, interpret: bool = INTERPRET) -> dict:
+    """Launch config from static shapes: x quantized in the prologue (QUANT) or by act_quant first,
+    tile (BM, BN), K splits, warps, pipeline stages. TUNED where it lists (N, K); elsewhere the rule
+    its winners follow: up to 16 rows a 16-row block quantized in the prologue (a small x tile, one
+    kernel fewer), above act_quant first and 64-row blocks (128 from 65 rows where N >= 4096); split-K
+    until the grid holds about 256 programs (16 rows), else 128, or up to 256 while a split keeps 16
+    K steps (2048 columns), partials within 2x the weight bytes (4 x splits x M x N <= 2 x N x K).
+    On the sweep's points the rule's config came within 10% of the fastest at 43 of the 46 it ran
+    (V4-Flash q_b at 64 rows 1.21x with BN 64 for 128, q_a at 256 1.14x, V4-Pro q_a at 256 1.34x)."""
+    tiles = k // ACT_BLOCK
+    buckets = TUNED.get((n, k))
+    if buckets:
+        quant, bm, bn, split, warps, stages = buckets[next((b for b in sorted(buckets) if b >= m), max(buckets))]
+    else:
+        quant, warps, stages = m <= 16, 4, 3 if m <= 16 else 4
+        bm = 16 if m <= 16 else 64 if m <= 64 or n < 4096 else 128
+        bn = 128 if m <= 16 and n >= 4096 else 64
+        programs = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+        split = 256 // programs if m <= 16 else max(128 // programs, min(256 // programs, tiles // 16))
+        split = max(1, min(16, split, k // (2 * max(m, bm))))
+    split = min(split, tiles)
+    if interpret:
+        split = min(tiles, 2)  # the interpreter runs both paths on tiny shapes
+    k_split = triton.cdiv(tiles, split) * ACT_BLOCK
+    return dict(QUANT=quant, BM=bm, BN=bn, SPLITS=triton.cdiv(k, k_split), K_SPLIT=k_split, WARPS=warps, STAGES=stages)
+
+
+def fp8_linear_w8a8(x, weight, scale, out, cfg: dict | None = None) -> None:
+    """x [M, K] (K a multiple of 128), weight [N, K] e4m3, scale [ceil(N / 128), K / 128] fp32,
+    out [M, N] in x's dtype (the op has checked them). `cfg` overrides config(), for sweeps."""
+    m, k = x.shape
+    n = weight.shape[0]
+    cfg = cfg or config(m, n, k)
+    splits = cfg["SPLITS"]
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    if cfg["QUANT"]:
+        a, xs, sx = x, x, x.stride(0)
+    else:
+        codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+        xs = torch.empty(k // ACT_BLOCK, m, dtype=torch.float32, device=x.device)
+        act_quant(x, codes, xs)
+        a, sx = codes.view(torch.uint8), k
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), splits)
+    launch(_w8a8_kernel, grid,
+           (a, xs, weight.view(torch.uint8), scale, out, part, m, m, n, k, sx, out.stride(0), scale.shape[1],
+            cfg["K_SPLIT"]),
+           dict(BM=cfg["BM"], BN=cfg["BN"], BK=ACT_BLOCK, QUANT=cfg["QUANT"], SPLIT=splits > 1,
+                STAGES=cfg["STAGES"], SOFT=INTERPRET),
+           num_warps=cfg["WARPS"], pdl=True)
+    if splits > 1:
+        launch(_reduce_kernel, (triton.cdiv(m * n, REDUCE_ROWS),), (part, out, m, n, out.stride(0)),
+               dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET), pdl=True)
