@@ -15,8 +15,8 @@ MX4 scoring at 32 heads (all entries, candidate blocks); sparse_attn with one sp
 split-KV with the combine (decode over a long list) in each format pair of the C++ kernel (V4, V4 with
 fp4 entries, V4.1), through the selected kernel (on sm_90 the CUDA C++ one) and on sm_90 also
 through the Triton kernel; pack_kv / unpack_kv in every V4 and V4.1 format with skipped slots;
-fp8_linear with and without split-K (decode and prefill), both scale types, and W8A8 (act_quant +
-cuBLASLt, sm_90); sparse_attn as a context-parallel shard (with lse) in each format pair, and
+fp8_linear with and without split-K (decode and prefill), both scale types, and W8A8 (the Triton
+FP8 kernel with x quantized in it or by act_quant, split-K; act_quant + cuBLASLt on sm_90); sparse_attn as a context-parallel shard (with lse) in each format pair, and
 attn_merge of two shards; the
 V4.1 stack's serving steps (every V4.1 op and role); the router's gate_topk, hash_route, and
 router_gate both ways (the fused CuTe kernel at <= 64 tokens on sm_90, cuBLAS + gate_topk above)."""
@@ -211,13 +211,14 @@ def projections():
         weight, scale = builders.block_fp8_weight(n, k, block, scale_dtype)
         fp8_linear(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.to(DEV), block)
         say(f"fp8_linear {m} x {k} -> {n}, {block} x {block} tiles")
-    # W8A8: the Triton act_quant, then cuBLASLt's blockwise-scaled GEMM (sm_90; fp32 scales).
-    if torch.cuda.get_device_capability()[0] == 9:
-        for m in (1, 300):
-            weight, scale = builders.block_fp8_weight(512, 4096, 128, torch.float32)
-            fp8_linear(torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.to(DEV), 128,
-                       activations="fp8")
-            say(f"fp8_linear_w8a8 {m} x 4096 -> 512")
+    # W8A8 (fp32 scales) on each route of its launcher: the Triton FP8 kernel with x quantized in its
+    # prologue (1 row), after act_quant with split-K (300 rows: 5 row blocks, 8 splits), and on sm_90
+    # from 1024 rows act_quant + cuBLASLt's blockwise-scaled GEMM.
+    weight, scale = builders.block_fp8_weight(512, 4096, 128, torch.float32)
+    for m in (1, 300, 1100):
+        fp8_linear(torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16), weight.to(DEV), scale.to(DEV), 128,
+                   activations="fp8")
+        say(f"fp8_linear_w8a8 {m} x 4096 -> 512")
 
 
 def routers():

@@ -71,17 +71,24 @@ def test_triton_matches_the_reference_in_v41_tiles_and_ragged_shapes(m):
 def test_captures_in_a_cuda_graph():
     n, k = FLASH["kv"]  # split-K: the partials' workspace is allocated inside the capture
     weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu)
-    x = torch.randn(1, k, device="cuda", dtype=BF16)
-    out = torch.empty(1, n, device="cuda", dtype=BF16)
-    torch.ops.dsv4.fp8_linear(x, weight, scale, out, 128)  # compiles outside the capture
+    _replays_as_called(torch.ops.dsv4.fp8_linear, 1, weight, scale)
+
+
+def _replays_as_called(op, m, weight, scale):
+    """op on [m, K] x captured in a CUDA graph, replayed on new x, equals a call on it: the same
+    kernels on the same inputs (deterministic: no atomics)."""
+    n, k = weight.shape
+    x = torch.randn(m, k, device="cuda", dtype=BF16)
+    out = torch.empty(m, n, device="cuda", dtype=BF16)
+    op(x, weight, scale, out, 128)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.ops.dsv4.fp8_linear(x, weight, scale, out, 128)
+        op(x, weight, scale, out, 128)
     x.copy_(torch.randn_like(x))
     graph.replay()
     want = torch.empty_like(out)
-    torch.ops.dsv4.fp8_linear(x, weight, scale, want, 128)
-    assert torch.equal(out, want)  # the same kernel on the same inputs: deterministic (no atomics)
+    op(x, weight, scale, want, 128)
+    assert torch.equal(out, want)
 
 
 def test_module_under_torch_compile():
@@ -210,18 +217,7 @@ def test_w8a8_captures_in_a_cuda_graph(proj, m, route):
     n, k = FLASH[proj]
     assert w8a8.route(m, n, k, BF16, torch.cuda.get_device_capability()) == route
     weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu)
-    scale = fp32_scale(scale)
-    x = torch.randn(m, k, device="cuda", dtype=BF16)
-    out = torch.empty(m, n, device="cuda", dtype=BF16)
-    torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, out, 128)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    want = torch.empty_like(out)
-    torch.ops.dsv4.fp8_linear_w8a8(x, weight, scale, want, 128)
-    assert torch.equal(out, want)  # same kernels, same inputs
+    _replays_as_called(torch.ops.dsv4.fp8_linear_w8a8, m, weight, fp32_scale(scale))
 
 
 def test_module_auto_picks_w8a8_under_torch_compile(monkeypatch):

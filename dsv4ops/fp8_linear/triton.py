@@ -50,16 +50,21 @@ from dsv4ops.triton_helpers import (
 _SMS = 132
 
 
+@triton.jit
+def output_tile(m, n, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's [BM, BN] output tile (grid: column tiles, row blocks, K splits): its rows and
+    columns (int32 and int64), their in-bounds masks and its K split."""
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    return rows, cols, rows.to(tl.int64), cols.to(tl.int64), rows < m, cols < n, tl.program_id(2)
+
+
 @triton.jit(do_not_specialize=["m"])
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, n, k, sx, so, s_cols, k_split,
                        BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        UE8M0: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr, SOFT: tl.constexpr):
     wait_prior_grid()
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    split = tl.program_id(2)
-    rm, cm = rows < m, cols < n
-    r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
+    rows, cols, r64, c64, rm, cm, split = output_tile(m, n, BM, BN)
     dt = x_ptr.dtype.element_ty
     s_row = s_ptr + (cols // BLOCK).to(tl.int64) * s_cols
     acc = tl.zeros([BM, BN], dtype=tl.float32)

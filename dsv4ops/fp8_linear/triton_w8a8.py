@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.fp8_linear.reference import ACT_BLOCK
-from dsv4ops.fp8_linear.triton import REDUCE_ROWS, _reduce_kernel, act_quant
+from dsv4ops.fp8_linear.triton import REDUCE_ROWS, _reduce_kernel, act_quant, output_tile
 from dsv4ops.triton_helpers import (
     INTERPRET,
     e4m3_bits_to_f32,
@@ -61,11 +61,7 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, mp, n, k, sx
     """QUANT: x [m, k] in its dtype, quantized here per 1 x 128 block; else x holds act_quant's e4m3
     codes (bytes) and xs_ptr its scales [k / 128, mp] (M-major)."""
     wait_prior_grid()
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    split = tl.program_id(2)
-    rm, cm = rows < m, cols < n
-    r64, c64 = rows.to(tl.int64), cols.to(tl.int64)
+    rows, cols, r64, c64, rm, cm, split = output_tile(m, n, BM, BN)
     s_row = s_ptr + (cols // BK).to(tl.int64) * s_cols  # a weight tile row's scales
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_lo = split * k_split
