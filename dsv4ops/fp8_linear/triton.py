@@ -17,6 +17,9 @@ quantization of `dsv4::fp8_linear_w8a8` where it runs ahead of the GEMM (fp8_lin
 - The three kernels are launched with programmatic dependent launch (triton_helpers.launch): the
   next one's launch hides behind the previous kernel's tail. H100, graph-timed, without / with:
   V4-Flash q_a at 1 token 6.5 / 5.2 us, at 128 tokens 10.3 / 9.3; kv at 128 tokens 8.0 / 7.2.
+  Also releasing the next kernel at once (griddepcontrol.launch_dependents after the wait, as the
+  C++ kernels do) changed no time here by more than run-to-run noise (V4-Flash and V4-Pro
+  projections, 1-512 tokens, two runs each), so the kernels do not.
 
 Against cuBLAS F.linear on the dequantized bf16 weight (H100, 2026-11-27, V4-Flash projections,
 with PDL): 1.30-1.68x at one token (half the bytes would allow 2x: the small projections are

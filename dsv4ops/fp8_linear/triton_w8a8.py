@@ -14,6 +14,16 @@ BM x BN x 128 multiply-adds), and x's quantized codes never reach memory.
 
 Split-K partials (fp32, [splits, M, N]) are summed in split order by fp8_linear/triton.py's
 _reduce_kernel (deterministic, no atomics); workspaces come from static sizes only (graph safe).
+
+Where it stands (H100, graph-timed; README Benchmarks): from 1 to 256 tokens it beats act_quant +
+cuBLASLt on V4's q_a and kv and below 64-256 tokens on the wide projections (o_b at one token 17.8
+us against 23.6, at 128 25.6 against 29.3), and loses above (q_b at 128: 24.9 against 21.5). At
+128 tokens it is latency-bound, not bandwidth- or compute-bound: ncu (base clocks, caches flushed)
+on V4-Flash q_a (act_quant first, 64 x 128 tiles, 8 splits) shows 128 CTAs of 8 warps, one an SM
+(142 registers a thread), DRAM 15% and SM 16% busy, 8.0 cycles a warp between issues: each CTA runs
+a 4-step K loop whose loads, FP8 dot and per-block promotion follow one another; the indexer's q_b
+(one split, 8 steps) DRAM 22%. More splits add fp32 partials (swept: slower); a stream-K schedule or
+a reduction inside the last split would be the next step.
 """
 
 import torch
@@ -29,9 +39,9 @@ from dsv4ops.triton_helpers import (
     launch,
     pow2,
     round_to,
-    wait_prior_grid,
     to_f32,
     ue8m0_exponent,
+    wait_prior_grid,
 )
 
 _SMS = 132  # SM count of an H100 SXM
