@@ -386,8 +386,16 @@ def test_rule_table_covers_every_v4_flash_and_pro_projection():
     from dsv4ops.bench.fp8_linear import projections
     from dsv4ops.fp8_linear import rule
 
+    from dsv4ops.config import CSA, HCA, SLIDING
+    from dsv4ops.fp8_linear import triton_w8a8, w8a8
+    from dsv4ops.warmup import _fp8_projections
+
     shapes = {*projections(DSV4AttentionConfig.flash()).values(), *projections(DSV4AttentionConfig.pro()).values()}
-    assert shapes == set(rule.W8A8_FROM)
+    # and every tensor-parallel rank's share (TP 2 - 16) of q_b_proj's rows and o_b_proj's columns
+    shards = {(n, k) for cfg in (DSV4AttentionConfig.flash(), DSV4AttentionConfig.pro()) for tp in (2, 4, 8, 16)
+              for n, k in _fp8_projections(cfg, {SLIDING, CSA, HCA}, tp) if k}
+    assert len(shards - shapes) == 12
+    assert shapes | shards == set(rule.W8A8_FROM) == set(triton_w8a8.TUNED) >= set(w8a8.CUBLASLT_FROM)
 
 
 def test_module_auto_runs_w8a8_where_the_rule_picks_it(monkeypatch):

@@ -151,6 +151,21 @@ def test_w8a8_matches_the_reference_at_flash_and_pro_shapes(proj, m):
     _check_w8a8(*W8A8_SHAPES[proj], m, torch.float8_e8m0fnu)
 
 
+def _shards() -> list:
+    from dsv4ops.config import CSA, HCA, SLIDING
+    from dsv4ops.warmup import _fp8_projections
+
+    return sorted({(n, k) for cfg in (F, P) for tp in (2, 4, 8, 16)
+                   for n, k in _fp8_projections(cfg, {SLIDING, CSA, HCA}, tp) if k} - set(W8A8_SHAPES.values()))
+
+
+@pytest.mark.parametrize("m", [1, 16, 128, 300])
+@pytest.mark.parametrize("shape", _shards(), ids=lambda s: f"{s[0]}x{s[1]}")
+def test_w8a8_at_tensor_parallel_shard_shapes(shape, m):
+    # a rank's q_b_proj / o_b_proj under TP 2 - 16: the launch configs and routes of their own table rows
+    _check_w8a8(*shape, m, torch.float8_e8m0fnu)
+
+
 @pytest.mark.parametrize("m", [5, 128])
 def test_w8a8_with_fp32_scales_and_a_strided_out(m):
     _check_w8a8(*FLASH["o_b"], m, torch.float32, strided_out=True)

@@ -44,8 +44,22 @@ W8A8_FROM: dict[tuple[int, int], int | None] = {
     (512, 7168): 1,  # V4-Pro kv_proj
     (7168, 16384): 1,  # V4-Pro o_b_proj
     (8192, 1536): 64,  # V4-Pro indexer q_b_proj
+    # tensor-parallel shards (a rank's q_b_proj rows / o_b_proj columns, warmup._fp8_projections at TP 2-16):
+    # a second sweep of the same kind, same H100, same day
+    (4096, 4096): 1,  # V4-Flash o_b_proj, TP2
+    (16384, 1024): 64,  # V4-Flash q_b_proj, TP2
+    (4096, 2048): 64,  # V4-Flash o_b_proj, TP4
+    (4096, 1024): 16,  # V4-Flash q_b_proj and o_b_proj, TP8
+    (2048, 1024): 128,  # V4-Flash q_b_proj, TP16
+    (7168, 8192): 1,  # V4-Pro o_b_proj, TP2
+    (32768, 1536): 64,  # V4-Pro q_b_proj, TP2
+    (7168, 4096): 1,  # V4-Pro o_b_proj, TP4
+    (16384, 1536): 64,  # V4-Pro q_b_proj, TP4
+    (7168, 2048): 1,  # V4-Pro o_b_proj, TP8
+    (4096, 1536): 64,  # V4-Pro q_b_proj, TP16
+    (7168, 1024): 64,  # V4-Pro o_b_proj, TP16
 }
-DEFAULT_W8A8_FROM = 1024  # shapes not swept (a tensor-parallel shard's): cuBLASLt's W8A8 won from 1024 tokens
+DEFAULT_W8A8_FROM = 1024  # shapes not swept: "fp8" beat "exact" from 1024 tokens at every swept shape
 
 
 def w8a8_refuses(n: int, k: int, block: int, capability: tuple[int, int] | None) -> str | None:
@@ -55,7 +69,8 @@ def w8a8_refuses(n: int, k: int, block: int, capability: tuple[int, int] | None)
     if _arch.backends("fp8_linear_w8a8", capability) == ("reference",):
         return f"its Triton kernel is built for sm_90 and sm_100, this GPU is sm_{capability[0]}{capability[1]}"
     if block != W8A8_BLOCK:
-        return f"block {block}: W8A8 quantizes x in 1 x {W8A8_BLOCK} blocks under {W8A8_BLOCK} x {W8A8_BLOCK} weight tiles"
+        return (f"block {block}: W8A8 quantizes x in 1 x {W8A8_BLOCK} blocks under {W8A8_BLOCK} x {W8A8_BLOCK} "
+                f"weight tiles")
     if k % W8A8_BLOCK:
         return f"in_features {k}: W8A8 needs whole 1 x {W8A8_BLOCK} activation blocks"
     return None
@@ -64,7 +79,8 @@ def w8a8_refuses(n: int, k: int, block: int, capability: tuple[int, int] | None)
 def cublaslt_refuses(n: int, k: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
     """Why torch's cuBLASLt blockwise FP8 GEMM cannot serve this W8A8 shape on this GPU, or None."""
     if capability is None or capability[0] != 9:
-        return "cuBLASLt's 1 x 128 / 128 x 128 scaled FP8 GEMM runs on sm_90 only (torch's DeepSeek-style scaling check)"
+        return ("cuBLASLt's 1 x 128 / 128 x 128 scaled FP8 GEMM runs on sm_90 only (torch's DeepSeek-style "
+                "scaling check)")
     if not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no torch._scaled_mm"
     if dtype != torch.bfloat16:

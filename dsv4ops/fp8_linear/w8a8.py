@@ -42,6 +42,19 @@ CUBLASLT_FROM: dict[tuple[int, int], int] = {
     (512, 7168): 1024,  # V4-Pro kv_proj
     (7168, 16384): 64,  # V4-Pro o_b_proj
     (8192, 1536): 128,  # V4-Pro indexer q_b_proj
+    # tensor-parallel shards (a rank's q_b_proj rows / o_b_proj columns, warmup._fp8_projections at TP 2-16):
+    # a second sweep of the same kind, same H100, same day
+    (4096, 4096): 256,  # V4-Flash o_b_proj, TP2
+    (16384, 1024): 128,  # V4-Flash q_b_proj, TP2
+    (4096, 2048): 256,  # V4-Flash o_b_proj, TP4
+    (4096, 1024): 256,  # V4-Flash q_b_proj and o_b_proj, TP8
+    (7168, 8192): 64,  # V4-Pro o_b_proj, TP2
+    (32768, 1536): 128,  # V4-Pro q_b_proj, TP2
+    (7168, 4096): 64,  # V4-Pro o_b_proj, TP4
+    (16384, 1536): 128,  # V4-Pro q_b_proj, TP4
+    (7168, 2048): 128,  # V4-Pro o_b_proj, TP8
+    (4096, 1536): 256,  # V4-Pro q_b_proj, TP16
+    (7168, 1024): 256,  # V4-Pro o_b_proj, TP16
 }
 DEFAULT_CUBLASLT_FROM = 512
 
