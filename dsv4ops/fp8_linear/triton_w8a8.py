@@ -1,16 +1,18 @@
-"""Triton kernel of `dsv4::fp8_linear_w8a8` (fp8_linear/reference.py is the specification): one
-FP8 x FP8 GEMM with the activation quantization in its prologue, for the token counts where
-act_quant + cuBLASLt (fp8_linear/w8a8.py) pays its own floor.
+"""Triton kernel of `dsv4::fp8_linear_w8a8` (fp8_linear/reference.py is the specification): an
+FP8 x FP8 GEMM for the token counts where act_quant + cuBLASLt (fp8_linear/w8a8.py) pays its own
+floor, x quantized in the kernel's prologue (QUANT) or by the act_quant kernel before it.
 
 Each program owns a [BM rows, BN cols] output tile and one split of K. Per K step of one 1 x 128
-activation block it loads x's [BM, 128] tile in x's dtype, takes each row's amax and UE8M0 exponent
-e (the reference's act_quant, exactly: triton_helpers.ue8m0_exponent), rounds x / 2^e to e4m3, and
-feeds the codes with the weight's e4m3 bytes [BN, 128] to one FP8 tensor-core dot (fresh fp32
-accumulator); the block's sum times 2^e (per row) and the weight tile's scale (one per K step: BN
-divides 128) is added to the fp32 tile accumulator. So the FP8 dot never sums over more than one
-128-wide block, the promotion DeepSeek's FP8 GEMMs make to bound the tensor cores' reduced-precision
-FP8 accumulation. Every program re-quantizes its row block's x tiles (BM x 128 per step, against
-BM x BN x 128 multiply-adds), and x's quantized codes never reach memory.
+activation block it has x's e4m3 codes and each row's power-of-two scale 2^e: with QUANT it loads
+x's [BM, 128] tile in x's dtype and takes each row's amax and UE8M0 exponent (the reference's
+act_quant, exactly: triton_helpers.ue8m0_exponent) and rounds x / 2^e to e4m3, so the codes never
+reach memory but every column tile's program re-quantizes its rows (BM x 128 per step against
+BM x BN x 128 multiply-adds: worth it up to 16 rows); else it loads act_quant's codes and scales.
+The codes and the weight's e4m3 bytes [BN, 128] go to one FP8 tensor-core dot (fresh fp32
+accumulator), and the block's sum times 2^e (per row) and the weight tile's scale (per column; one
+for the program where BN divides 128) is added to the fp32 tile accumulator. So the FP8 dot never
+sums over more than one 128-wide block, the promotion DeepSeek's FP8 GEMMs make to bound the tensor
+cores' reduced-precision FP8 accumulation.
 
 Split-K partials (fp32, [splits, M, N]) are summed in split order by fp8_linear/triton.py's
 _reduce_kernel (deterministic, no atomics); workspaces come from static sizes only (graph safe).
