@@ -226,6 +226,63 @@ def test_fp8_linear_rows_time_w8a8_where_it_runs_and_suggest_the_rule(monkeypatc
     assert eval(table.split("=", 1)[1]) == {(512, 4096): 128, (4096, 8192): 128, (1024, 4096): None}
 
 
+def test_fp8_tune_candidates_hold_every_tuned_config():
+    # the launch table could come from this sweep: each entry is one of the candidates at its bucket
+    from dsv4ops.bench import fp8_tune
+    from dsv4ops.fp8_linear import triton_w8a8
+
+    for (n, k), buckets in triton_w8a8.TUNED.items():
+        assert sorted(buckets) == list(fp8_tune.TOKENS)
+        for m, entry in buckets.items():
+            tried = {(c["QUANT"], c["BM"], c["BN"], c["SPLITS"], c["WARPS"], c["STAGES"])
+                     for c in fp8_tune.candidates(m, n, k)}
+            assert entry in tried, (n, k, m, entry)
+    assert set(triton_w8a8.TUNED) == {s for cfg in (DSV4AttentionConfig.flash(), DSV4AttentionConfig.pro())
+                                      for s in fp8_tune.shapes(cfg, (1, 2, 4, 8, 16)).values()}
+
+
+def test_fp8_tune_times_every_candidate_and_keeps_the_fastest(monkeypatch):
+    from dsv4ops.bench import fp8_tune
+
+    seen = []
+    monkeypatch.setattr(fp8_tune.triton_w8a8, "fp8_linear_w8a8", lambda x, w, s, out, cfg: seen.append(cfg))
+
+    def timer(fn, args):
+        before = len(seen)
+        fn(*args[0])
+        if len(seen) == before:
+            return 5.0  # W8A16 or bf16
+        c = seen[-1]  # a candidate: fastest at 16 warps x 256 columns, then the most splits
+        return 10.0 - 0.1 * c["SPLITS"] - (c["BN"] == 256 and c["WARPS"] == 16)
+
+    monkeypatch.setattr(fp8_tune, "graph_us", timer)
+    row = fp8_tune.tune_shape("kv", 256, 512, 3, device="cpu", l2_bytes=256 * 512)
+    assert seen == list(fp8_tune.candidates(3, 256, 512)) and len(seen) > 20
+    assert (row["config"]["BN"], row["config"]["WARPS"], row["config"]["SPLITS"]) == (256, 16, 4)
+    assert row["triton_us"] == 10.0 - 0.4 - 1 and row["exact_us"] == row["bf16_us"] == 5.0
+    assert row["cublaslt_us"] is None  # CPU: cuBLASLt refuses
+
+
+def test_fp8_tune_tables_follow_the_launchers_rules():
+    from dsv4ops.bench import fp8_tune
+
+    cfg = dict(QUANT=False, BM=64, BN=64, SPLITS=2, WARPS=4, STAGES=4)
+    # (tokens, W8A16, cuBLASLt, Triton): cuBLASLt wins from 128; W8A8 beats W8A16 by 5% from 64
+    times = ((1, 5.0, 9.0, 4.9), (64, 9.0, 9.5, 8.0), (128, 12.0, 8.0, 10.0))
+    rows = [dict(projection="o_b", n=4096, k=8192, tokens=m, exact_us=e, cublaslt_us=c, triton_us=t, config=cfg)
+            for m, e, c, t in times]
+    rows += [dict(projection="kv", n=512, k=4096, tokens=m, exact_us=5.0, cublaslt_us=None, triton_us=6.0,
+                  config=dict(cfg, QUANT=True)) for m in (1, 128)]
+    text = fp8_tune.tables(rows)
+    tables = {}
+    exec(text, {}, tables)
+    assert tables["TUNED"] == {(4096, 8192): {m: (False, 64, 64, 2, 4, 4) for m in (1, 64, 128)},
+                               (512, 4096): {m: (True, 64, 64, 2, 4, 4) for m in (1, 128)}}
+    assert tables["CUBLASLT_FROM"] == {(4096, 8192): 128}  # kv: the launcher's default
+    assert tables["W8A8_FROM"] == {(4096, 8192): 64, (512, 4096): None}
+    assert "# o_b" in text and "# kv" in text
+
+
 # ---- the sweep (--sweep): grid, memory plan, one point, the summary ------------------------------------
 def test_sweep_grid_covers_every_kind_model_batch_and_context():
     from dsv4ops.bench import sweep

@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default="attention,flashmla,v41,router,fp8_linear,memory",
                     help="comma list of: attention, flashmla (sparse_attn beside FlashMLA), v41 (V4.1-Flash ops and "
                          "stack beside V4-Flash's), router, fp8_linear (the model's block-FP8 projections, W8A16 and W8A8, at "
-                         "1 .. 4096 tokens beside bf16 F.linear, and the rule table they give), fp4_cache (the V4 "
+                         "1 .. 4096 tokens beside bf16 F.linear, and the rule table they give), fp8_tune (the sweep of "
+                         "the W8A8 Triton kernel's configs behind fp8_linear's launch tables, ~20 s a shape; not in the "
+                         "default set), fp4_cache (the V4 "
                          "stack's decode step, FP8 cache and FP4 cache option, at 64K and 1M context or the --case "
                          "shapes), memory, parallel (TP2 / DCP2 against one GPU: torchrun --nproc-per-node 2 -m dsv4ops bench "
                          "--only parallel; not in the default set)")
@@ -80,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
                          "csa:1x4K:4K (a 4K prefill), csa:128x4K@1M (a cache sized for 1M positions a request)")
-    ap.add_argument("--model", choices=sorted(MODELS), default="flash", help="layer dims of the attention cases")
+    ap.add_argument("--model", choices=sorted(MODELS), default="flash",
+                    help="layer dims of the attention cases and the fp8_linear / fp8_tune projections")
+    ap.add_argument("--tp", type=lambda s: tuple(int(v) for v in s.split(",")), default=(1,), metavar="N[,N...]",
+                    help="fp8_tune: the tensor-parallel sizes whose rank shapes it sweeps (1: the full projections), "
+                         "e.g. 1,2,4,8,16")
     ap.add_argument("--kv-cache", choices=("fp8", "fp4"), default="fp8",
                     help="the attention cases' cache: fp8 (584-B entries, 132-B index keys) or fp4 (288-B FP4 "
                          "entries, 68-B MXFP4 index keys; the window ring stays 584-B FP8)")
@@ -113,7 +119,7 @@ def main(argv=None):
         print(memory.markdown(out["memory"]))
     if "parallel" in parts:
         return _parallel(args, out)
-    if parts & {"attention", "flashmla", "v41", "router", "fp8_linear", "fp4_cache"}:
+    if parts & {"attention", "flashmla", "v41", "router", "fp8_linear", "fp8_tune", "fp4_cache"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
     if "attention" in parts:
@@ -165,6 +171,15 @@ def main(argv=None):
         print(table(out["fp8_linear"], fp8_linear.COLUMNS))
         print("fp8_linear/rule.py, measured (W8A16 vs W8A8 per shape):")
         print(fp8_linear.suggested_table(out["fp8_linear"]))
+    if "fp8_tune" in parts:
+        from dsv4ops.bench import fp8_tune
+
+        out["fp8_tune"] = fp8_tune.run(MODELS[args.model](), tps=args.tp,
+                                       tokens=fp8_tune.QUICK_TOKENS if args.quick else fp8_tune.TOKENS,
+                                       progress=lambda r: print("row", json.dumps(r), flush=True))
+        print(table(out["fp8_tune"], fp8_tune.COLUMNS))
+        print("fp8_linear launch tables, measured (triton_w8a8.TUNED, w8a8.CUBLASLT_FROM, rule.W8A8_FROM):")
+        print(fp8_tune.tables(out["fp8_tune"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

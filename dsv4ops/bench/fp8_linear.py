@@ -47,14 +47,23 @@ def _w8a8_us(x, fp8: list) -> tuple[float | None, str | None]:
     return graph_us(lambda w, s: fp8_linear(x, w, s, BLOCK, "fp8"), fp8), None
 
 
-def bench_case(name: str, n: int, k: int, m: int, gpu: str, device="cuda", l2_bytes: int = L2_BYTES) -> dict:
+def weight_copies(n: int, k: int, device="cuda", l2_bytes: int = L2_BYTES) -> tuple[list, list, list]:
+    """Copies of one random [n, k] block-FP8 weight, more bytes than 2 x the L2 in all (a graph of one
+    call per copy reads every weight from HBM), in the three forms the paths take: (e4m3, UE8M0
+    scales), (e4m3, fp32 scales: BlockFP8Linear's cached copy) and the bf16 dequantized weight."""
     tiles = (-(-n // BLOCK), -(-k // BLOCK))
     copies = max(2, -(-2 * l2_bytes // (n * k)))
     fp8 = [(torch.randn(n, k, device=device).to(torch.float8_e4m3fn),
             torch.randint(117, 127, tiles, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu))
            for _ in range(copies)]
-    fp32 = [(w, s.float()) for w, s in fp8]  # BlockFP8Linear's cached scales: no conversion per call
+    fp32 = [(w, s.float()) for w, s in fp8]
     bf16 = [(reference.dequantize(w, s.view(torch.uint8), BLOCK, torch.bfloat16),) for w, s in fp8]
+    return fp8, fp32, bf16
+
+
+def bench_case(name: str, n: int, k: int, m: int, gpu: str, device="cuda", l2_bytes: int = L2_BYTES) -> dict:
+    tiles = (-(-n // BLOCK), -(-k // BLOCK))
+    fp8, fp32, bf16 = weight_copies(n, k, device, l2_bytes)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     ours = graph_us(lambda w, s: fp8_linear(x, w, s, BLOCK), fp8)
     w8a8, refused = _w8a8_us(x, fp32)
@@ -69,12 +78,17 @@ def bench_case(name: str, n: int, k: int, m: int, gpu: str, device="cuda", l2_by
 
 
 def run(model: DSV4AttentionConfig | None = None, tokens=TOKENS, progress=None) -> list[dict]:
-    cfg = model or DSV4AttentionConfig.flash()
     gpu = torch.cuda.get_device_name()
+    return over_shapes(projections(model or DSV4AttentionConfig.flash()), tokens,
+                       lambda name, n, k, m: bench_case(name, n, k, m, gpu), progress)
+
+
+def over_shapes(shapes: dict, tokens, case, progress=None) -> list[dict]:
+    """case(name, n, k, m) for each (name -> (n, k)) of `shapes` and m of `tokens`, in order."""
     rows = []
-    for name, (n, k) in projections(cfg).items():
+    for name, (n, k) in shapes.items():
         for m in tokens:
-            rows.append(bench_case(name, n, k, m, gpu))
+            rows.append(case(name, n, k, m))
             if progress:
                 progress(rows[-1])
             torch.cuda.empty_cache()
