@@ -263,6 +263,17 @@ def test_fp8_tune_times_every_candidate_and_keeps_the_fastest(monkeypatch):
     assert row["cublaslt_us"] is None  # CPU: cuBLASLt refuses
 
 
+def test_fp8_tune_runs_each_shape_at_each_token_count(monkeypatch):
+    from dsv4ops.bench import fp8_tune
+
+    monkeypatch.setattr(fp8_tune, "tune_shape", lambda name, n, k, m, device: dict(projection=name, n=n, k=k, tokens=m))
+    seen = []
+    rows = fp8_tune.run(DSV4AttentionConfig.flash(), tps=(1, 8), tokens=(1, 128), progress=seen.append, device="cpu")
+    assert seen == rows and [(r["projection"], r["tokens"]) for r in rows] == [
+        (name, m) for name in ("q_a", "q_b", "kv", "o_b", "index_q_b", "TP8 4096x1024") for m in (1, 128)]
+    assert rows[-1]["n"] == 4096 and rows[-1]["k"] == 1024  # TP8: a rank's 8 heads of q_b, o_b's 1024 columns
+
+
 def test_fp8_tune_tables_follow_the_launchers_rules():
     from dsv4ops.bench import fp8_tune
 
