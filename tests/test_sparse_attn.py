@@ -252,6 +252,7 @@ def test_csrc_split_count_fills_one_wave():
     assert split_count(8, 128, 132) == 4  # never a split without a whole tile
     assert split_count(32, 128, 132) == 1  # a 4-tile window at batch 32: the partials cost more than they save
     assert split_count(1, 128, 132) == 4
+    assert split_count(8, 640, 132) == 7  # CSA 8 x 4K: 7 splits of 3 tiles (H100 15.4 us) beat 10 of 2 (16.7)
 
 
 def test_csrc_heads_per_cta_and_tile_keys():

@@ -91,11 +91,19 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
             and lse is None)
 
 
-# The split rule's costs, measured on the H100 (V4.1 pools, forced split counts 1 / 2 / 4 / 8 at batch
-# 1 / 8 / 32 / 64 / 128 x 4K): a CTA's 32-key tile takes ~2 us of its chain (S, softmax, P V), its start
-# and end about one more; the combine ~3 us plus its traffic (each split's fp32 partial written and read,
-# L2-resident at these sizes: ~4 TB/s).
-TILE_US, COMBINE_US, PARTIAL_BYTES_PER_US = 2.0, 3.0, 4e6
+# The split rule's costs per kernel, keyed by its tile's keys: (us a tile of a CTA's chain takes (S,
+# softmax, P V; its start and end about one more), us of the combine, bytes a us of its traffic (each
+# split's fp32 partial written and read, L2-resident at these sizes)).
+# - sparse_attn.cu (64 heads a CTA, 32-key tiles): refit to forced split counts at every point where
+#   the rule splits (V4-Flash 64 heads, V4-Pro 128, batch 1-64 x context 4K-1M, each layer kind: 120
+#   points, H100, 2026-11-27, after combine.cu's spread combine): 2 us, 1 us, 3 TB/s. The constants
+#   before (2 us, 3 us, 4 TB/s) cost 6-11% at CSA 8 x 4K-1M (10 splits of 2 tiles, 16.7-17.3 us,
+#   against 7 of 3: 15.4-16.2) and HCA 8 x 64K (11 splits 17.6 us against 8: 15.9); the refit's choices
+#   came within 5% of the fastest forced count at 118 of the 120 points (mean 0.2% over it, before 0.6%),
+#   its worst HCA 8 x 4K (3 splits 12.5 us against 6: 11.7).
+# - small_heads.cu (64-key tiles): the first fit (V4.1 pools, forced counts 1 / 2 / 4 / 8 at batch
+#   1 / 8 / 32 / 64 / 128 x 4K, the 64-head kernel and the walking combine), not refit.
+SPLIT_COSTS = {KEYS_PER_TILE: (2.0, 1.0, 3e6), 2 * KEYS_PER_TILE: (2.0, 3.0, 4e6)}
 
 
 def cta_heads(heads: int, tokens: int, sms: int) -> int:
@@ -117,8 +125,9 @@ def tile_keys(cta: int) -> int:
 def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile: int = KEYS_PER_TILE) -> int:
     """Splits of each key list for `ctas` CTAs (of `heads` heads) of one split each: none once they
     fill half the SMs (a second split would only add a wave and the combine), else the count with the
-    least modelled time: whole waves of (tiles of a split + one) x TILE_US, plus, for several splits,
-    the combine and its partials' traffic; the smaller count on a tie. HCA 32 x 1M (8320 keys, 132
+    least modelled time (SPLIT_COSTS): whole waves of (tiles of a split + one) x a tile's time, plus, for
+    several splits, the combine and its partials' traffic; the smaller count on a tie. CSA 8 x 4K (20
+    tiles): 7 splits of 3 tiles, not 10 of 2. HCA 32 x 1M (8320 keys, 132
     SMs): 4 splits, one wave of 65 tiles a CTA (one split per 1024 keys, the Triton kernel's rule,
     made 3 waves of 29: 211 us). A sliding window of 4 tiles at batch 32 stays whole: 4 splits wrote
     and read 34 MB of partials (H100, V4.1: 16.7 us against 11.6)."""
@@ -126,10 +135,11 @@ def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile
         return 1
     tiles = -(-keys // tile)
     partial = heads * 512 * 4 * 2  # bytes a CTA-split writes and the combine reads
+    tile_us, combine_us, partial_bytes_per_us = SPLIT_COSTS[tile]
 
     def cost(s: int) -> float:
-        chain = -(-ctas * s // sms) * (-(-tiles // s) + 1) * TILE_US
-        return chain + (COMBINE_US + ctas * s * partial / PARTIAL_BYTES_PER_US if s > 1 else 0.0)
+        chain = -(-ctas * s // sms) * (-(-tiles // s) + 1) * tile_us
+        return chain + (combine_us + ctas * s * partial / partial_bytes_per_us if s > 1 else 0.0)
 
     return min(range(1, tiles + 1), key=lambda s: (cost(s), s))
 
