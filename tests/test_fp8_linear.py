@@ -348,13 +348,13 @@ def test_rule_picks_w8a8_from_the_table_on_sm90(monkeypatch):
     assert rule.pick(4096, 512, 4096, 128, h100) == "exact"  # None: never
     assert [rule.pick(m, 2048, 2048, 128, h100) for m in (511, 512)] == ["exact", "fp8"]  # the default
     # shapes cuBLASLt refuses: the Triton kernel serves them
-    assert rule.pick(4096, 4104, 8320, 128, h100) == "fp8" and rule.w8a8_refuses(4104, 8320, 128, h100) is None
+    assert rule.pick(4096, 4104, 8320, 128, h100) == "fp8" and rule.w8a8_refuses(8320, 128, h100) is None
     # never where the W8A8 op has no GPU kernel, whatever the table says
     for args, why in (((4096, 8192, 128, None), "no CUDA GPU"), ((4096, 8192, 128, (8, 0)), "sm_80"),
                       ((4096, 8192, 32, h100), "block 32"), ((4096, 8256, 128, h100), "in_features 8256")):
-        assert why in rule.w8a8_refuses(*args) and rule.pick(4096, *args) == "exact", args
+        assert why in rule.w8a8_refuses(*args[1:]) and rule.pick(4096, *args) == "exact", args
     # sm_100 runs the op's Triton kernel, but "auto" keeps W8A16 there: the table is the H100's
-    assert rule.w8a8_refuses(4096, 8192, 128, (10, 0)) is None and rule.pick(4096, 4096, 8192, 128, (10, 0)) == "exact"
+    assert rule.w8a8_refuses(8192, 128, (10, 0)) is None and rule.pick(4096, 4096, 8192, 128, (10, 0)) == "exact"
 
 
 def test_w8a8_routes_to_cublaslt_from_its_table_where_cublaslt_serves(monkeypatch):

@@ -34,7 +34,7 @@ def projections(cfg: DSV4AttentionConfig) -> dict:
 def _w8a8_us(x, fp8: list) -> tuple[float | None, str | None]:
     """W8A8's time, or (None, why) where its kernel refuses the shape (checked by one eager call)."""
     n, k = fp8[0][0].shape
-    why = rule.w8a8_refuses(n, k, BLOCK, rule.device_capability(x.device))
+    why = rule.w8a8_refuses(k, BLOCK, rule.device_capability(x.device))
     if why is None:
         try:
             fp8_linear(x, fp8[0][0], fp8[0][1], BLOCK, "fp8")

@@ -64,8 +64,9 @@ W8A8_FROM: dict[tuple[int, int], int | None] = {
 DEFAULT_W8A8_FROM = 1024  # shapes not swept: "fp8" beat "exact" from 1024 tokens at every swept shape
 
 
-def w8a8_refuses(n: int, k: int, block: int, capability: tuple[int, int] | None) -> str | None:
-    """Why dsv4::fp8_linear_w8a8 runs no GPU kernel for this shape on this GPU, or None."""
+def w8a8_refuses(k: int, block: int, capability: tuple[int, int] | None) -> str | None:
+    """Why dsv4::fp8_linear_w8a8 runs no GPU kernel for in_features k in block x block tiles on this GPU,
+    or None."""
     if capability is None:
         return "no CUDA GPU"
     if _arch.backends("fp8_linear_w8a8", capability) == ("reference",):
@@ -97,7 +98,7 @@ def cublaslt_refuses(n: int, k: int, dtype: torch.dtype, capability: tuple[int, 
 
 def pick(m: int, n: int, k: int, block: int, capability: tuple[int, int] | None) -> str:
     """"fp8" or "exact" for an [m, k] x [n, k]^T projection (rule in the module docstring)."""
-    if w8a8_refuses(n, k, block, capability) is not None or capability[0] != 9:
+    if w8a8_refuses(k, block, capability) is not None or capability[0] != 9:
         return "exact"
     start = W8A8_FROM.get((n, k), DEFAULT_W8A8_FROM)
     return "fp8" if start is not None and m >= start else "exact"

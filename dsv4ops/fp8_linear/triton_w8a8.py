@@ -46,8 +46,6 @@ from dsv4ops.triton_helpers import (
     wait_prior_grid,
 )
 
-_SMS = 132  # SM count of an H100 SXM
-
 
 @triton.jit
 def _block_dot(a, wbits, QUANT: tl.constexpr, SOFT: tl.constexpr):
