@@ -24,8 +24,25 @@ us against 23.6, at 128 25.6 against 29.3), and loses above (q_b at 128: 24.9 ag
 on V4-Flash q_a (act_quant first, 64 x 128 tiles, 8 splits) shows 128 CTAs of 8 warps, one an SM
 (142 registers a thread), DRAM 15% and SM 16% busy, 8.0 cycles a warp between issues: each CTA runs
 a 4-step K loop whose loads, FP8 dot and per-block promotion follow one another; the indexer's q_b
-(one split, 8 steps) DRAM 22%. More splits add fp32 partials (swept: slower); a stream-K schedule or
-a reduction inside the last split would be the next step.
+(one split, 8 steps) DRAM 22%. More splits add fp32 partials (swept: slower).
+
+What the extra launches cost (H100, 2026-11-27, graph-timed at 128 tokens, each launch skipped in
+turn; us: as built / without the reduce / without act_quant / the GEMM alone): V4-Flash q_a 9.9 /
+8.0 / 8.4 / 6.6, kv 7.6 / 5.8 / 6.0 / 4.3, o_b 24.9 / 22.5 / 23.1 / 20.6, indexer q_b (unsplit)
+9.5 / - / 8.2 / 8.2; act_quant alone on q_a's x 1.4. Taking the reduce into the GEMM was built and
+measured, and is slower: each split stored its partial, a per-tile arrival counter (atomic, acq_rel)
+picked the tile's last program, which summed the partials in split order (deterministic, results
+identical to the reduce kernel's) and reset the counter. Tuned configs, us, reduce kernel / in the
+last split (counters kept zero between calls) / counters zeroed per call: q_a 9.9 / 17.2 / 19.1,
+kv 7.6 / 10.3 / 12.8, o_b 26.1 / 31.8 / 32.3 (W8A16 q_a 9.1 / 14.1 / 17.4); the best of every W8A8
+config with it, q_a 11.3. The sum moves from the reduce kernel's 128 programs onto one program a
+tile (16 tiles at q_a: 256 KiB of partials each, read by one SM). A stream-K schedule would end in
+the same per-tile sum. Elements a program of the reduce kernel (256 / 512 / 1024) changed nothing
+beyond noise (q_a W8A16 8.9-9.1 us). What the GEMM alone moves at q_a (estimate): x's codes re-read
+by each of 8 column tiles (4 MB), the weight by each of 2 row blocks (8 MB, 4 MB of it from HBM),
+4 MB of partials written: ~16 MB between L2 and the SMs for 4 MB of weights; sharing x and weight
+tiles between the CTAs of a cluster (TMA multicast) would cut it, which this Triton kernel does not
+express.
 """
 
 import torch

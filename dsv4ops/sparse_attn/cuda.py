@@ -35,6 +35,13 @@ caches flushed) says why:
   128.6 vs 128.1 us). Closing both needs the softmax of one tile to overlap the wgmmas of the next
   (two consumer groups on alternating tiles) and, for V4-Pro, one dequantized tile shared by a
   2-CTA cluster; the prefill also pays each CTA's start in each of its 31 waves.
+  How much each link costs, from build-time experiments (H100, 2026-11-27, graph-timed; V4-Pro CSA
+  128 x 4K / V4-Flash CSA 128 x 4K, us): as built 131.6 / 42.7; producers that gather nothing 120.9 /
+  37.6; producers that gather and dequantize nothing (only the tile handoffs) 105.1 / 33.2; no
+  partial-S exchange 126.5 / 41.5. So the gather and dequantization cost about a fifth of the time
+  even behind the consumers, and a V4-Pro cluster sharing one dequantized tile could at best move
+  131.6 toward 105 (the consumers' chain alone), still above FlashMLA's 100.4 and the 0.9 target:
+  the chain itself has to shorten.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K
 window + 512 entries 43.0 us (V4's kernel on the same keys re-encoded to 584-B rows: 40.8; FlashMLA
@@ -63,7 +70,16 @@ V4-Pro's 128 heads 36.9 -> 25.9 (FlashMLA: 28.7 / 26.7). The walking thread stay
 fast (2 splits of CSA 64 x 4K at 32 heads: 31.3 us, 36.2 through the spreading kernel).
 Tried and not kept: issuing the next tile's S before waiting for this tile's P V (ptxas then
 serializes every wgmma; 51.2 us against 43.3 at CSA 128 x 4K), and an integer e4m3 -> bf16
-conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers)."""
+conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers). Issuing
+the next tile's S before this tile's softmax (its wgmmas under the softmax, then P V joining them
+in flight and one wait_group 0, which ptxas keeps asynchronous) was slower in both forms it fits
+(H100, 2026-11-27, same run as the kernel as built, us, V4-Pro CSA 128 x 4K / V4-Flash CSA
+128 x 4K): with the two bf16 tiles 153.8 / 48.4 against 130.5 / 42.3, as the consumers then hold both
+tiles and the producers cannot fill ahead; with three tiles (the raw ring cut to 3 or 2 stages and the
+S exchange to two 8 KiB rounds to stay within 227 KiB) 135.3-137.5 / 43.6-44.8 against 129.1-129.4 /
+42.2-42.3 (3 and 2 raw stages alike). Consistent with the producers setting the pace of a tile
+(taking their work out saved a fifth, above), not the consumers' order of S and softmax; an inference
+from these timings, not an ncu measurement. The 74 csrc GPU tests passed on both forms."""
 
 import functools
 
