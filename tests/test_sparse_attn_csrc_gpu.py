@@ -43,8 +43,9 @@ def _check(case, ends=None, fmt=FMT):
 
 
 def _force_cta(monkeypatch, cta: int):
-    """Runs every head count on the kernel with `cta` heads a CTA, whatever the launch rule picks."""
-    monkeypatch.setattr(sparse_attn_cuda, "cta_heads", lambda heads, tokens, sms: cta)
+    """Runs every head count on the kernel with `cta` heads a CTA (128 heads: two 64-head CTAs a
+    token), whatever the launch rule picks."""
+    monkeypatch.setattr(sparse_attn_cuda, "cta_heads", lambda heads, tokens, sms: min(cta, 64))
 
 
 # (heads, heads a CTA): 64 and 128 on sparse_attn.cu's 64-head CTAs; 8, 16, 32 and 24 (a CTA of 32
@@ -75,7 +76,7 @@ def test_draft_block_window_ends(heads):
     _check(case, ends=ends)
 
 
-@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("heads", [64, 32, 128])
 def test_long_entry_lists_split_many_ways(heads, monkeypatch):
     """HCA-like: 4096 entries per token, few tokens: many splits merged by the combine kernel."""
     _force_cta(monkeypatch, heads)
@@ -95,7 +96,7 @@ def test_lists_much_wider_than_their_lengths(heads):
     _check(tuple(case))
 
 
-@pytest.mark.parametrize("heads", [64, 16, 32])
+@pytest.mark.parametrize("heads", [64, 16, 32, 128])
 def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypatch):
     """HCA 1M-like: two tokens, full 8192-entry lists in 130 splits a token (forced: the rule picks
     52-65 here), so the combine's warps each merge several rounds of splits (a count no multiple of its
@@ -122,7 +123,7 @@ def test_forty_tokens_few_splits(heads, cta, monkeypatch):
     _check((q, wc, cc, pos - pos[0], req, idx, lens, sinks))
 
 
-@pytest.mark.parametrize("heads", [64, 8, 16, 32])
+@pytest.mark.parametrize("heads", [64, 8, 16, 32, 128])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 def test_sink_and_rising_scores(heads, prefill, monkeypatch):
     """Queries at positions below 16 see at most 16 window keys and no entry (the prefill chunk starts
@@ -144,7 +145,7 @@ def test_sink_and_rising_scores(heads, prefill, monkeypatch):
     _check((q, wc, cc, pos, req, idx, lens, sinks))
 
 
-@pytest.mark.parametrize("heads", [64, 16])
+@pytest.mark.parametrize("heads", [64, 16, 128])
 def test_run_to_run_bitwise_identical(heads):
     case = _case(heads, prefill=False)
     first = _run(sparse_attn_cuda.sparse_attn, torch.bfloat16, *case)
@@ -228,7 +229,7 @@ def _check_formats(case, window_fmt, comp_fmt, ends=None):
 
 
 @pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS)
-@pytest.mark.parametrize("heads", [64, 8, 16, 32])
+@pytest.mark.parametrize("heads", [64, 8, 16, 32, 128])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 def test_low_bit_formats_match_the_reference(window_fmt, comp_fmt, heads, prefill, monkeypatch):
     _force_cta(monkeypatch, heads)

@@ -32,16 +32,24 @@ caches flushed) says why:
   (S, the partial-S exchange, the softmax, P V, the handoffs): issue slots about half busy, no
   dominant stall, DRAM 13-37%. The two CTAs of a V4-Pro token each gather and dequantize the same
   keys (placing them side by side in launch order, so the second read hits L2, changed nothing:
-  128.6 vs 128.1 us). Closing both needs the softmax of one tile to overlap the wgmmas of the next
-  (two consumer groups on alternating tiles) and, for V4-Pro, one dequantized tile shared by a
-  2-CTA cluster; the prefill also pays each CTA's start in each of its 31 waves.
+  128.6 vs 128.1 us). Closing both needs a shorter per-tile chain (the softmax of one tile under the
+  wgmmas of the next, with the producers kept ahead: below, neither simple form of either paid); the
+  prefill also pays each CTA's start in each of its 31 waves.
   How much each link costs, from build-time experiments (H100, 2026-11-27, graph-timed; V4-Pro CSA
   128 x 4K / V4-Flash CSA 128 x 4K, us): as built 131.6 / 42.7; producers that gather nothing 120.9 /
   37.6; producers that gather and dequantize nothing (only the tile handoffs) 105.1 / 33.2; no
   partial-S exchange 126.5 / 41.5. So the gather and dequantization cost about a fifth of the time
   even behind the consumers, and a V4-Pro cluster sharing one dequantized tile could at best move
   131.6 toward 105 (the consumers' chain alone), still above FlashMLA's 100.4 and the 0.9 target:
-  the chain itself has to shorten.
+  the chain itself has to shorten. The cluster was built and measured (same day and GPU): the two
+  CTAs of a token as a cluster of 2, CTA r gathering and dequantizing tiles r, r + 2, ... into its
+  own bf16 buffer and the other's (16-B st.shared::cluster beside each local store), the handoff on
+  mbarriers (full: the producing CTA's release after its producers' named barrier; empty: both CTAs'
+  consumer warps). It passed the csrc GPU tests and took 195.5-200.2 us at V4-Pro CSA 128 x 4K
+  against 129.2-132.7 (HCA 32 x 64K 46.8-47.5 against 34.5-35.4, sliding 128 x 4K 39.6-40.1 against
+  29.7-30.2), one
+  arrival per producer thread or one per tile alike: with two buffers a tile's producer now waits for
+  both CTAs' consumers, and every converted chunk is also a remote store. Not kept.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K
 window + 512 entries 43.0 us (V4's kernel on the same keys re-encoded to 584-B rows: 40.8; FlashMLA
