@@ -149,11 +149,12 @@ def topk_mx4():
 def attention():
     """128 tokens over their window (one split), then 1 token over its window and 2048 listed
     entries (split-KV and the combine), in each (window, entry) format pair the C++ kernels read, at 4
-    heads (small_heads.cu's 8-head CTA) and 64 (sparse_attn.cu), and at 16 and 32 heads for V4's pair;
+    heads (small_heads.cu's 8-head CTA) and 64 (sparse_attn.cu), and at 16, 32 and 128 (two 64-head
+    CTAs a token) heads for V4's pair;
     at 4 heads each also as a context-parallel shard (with lse: the Triton kernel) and two such shards
     merged (attn_merge)."""
     for window_fmt, comp_fmt in (("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288")):
-        for heads in (4, 64) + ((16, 32) if comp_fmt == "fp8_584" else ()):
+        for heads in (4, 64) + ((16, 32, 128) if comp_fmt == "fp8_584" else ()):
             _attention(window_fmt, comp_fmt, heads)
 
 

@@ -87,7 +87,16 @@ tiles and the producers cannot fill ahead; with three tiles (the raw ring cut to
 S exchange to two 8 KiB rounds to stay within 227 KiB) 135.3-137.5 / 43.6-44.8 against 129.1-129.4 /
 42.2-42.3 (3 and 2 raw stages alike). Consistent with the producers setting the pace of a tile
 (taking their work out saved a fifth, above), not the consumers' order of S and softmax; an inference
-from these timings, not an ncu measurement. The 74 csrc GPU tests passed on both forms."""
+from these timings, not an ncu measurement. The 74 csrc GPU tests passed on both forms. Gathering
+each key's data bytes with one bulk (TMA) copy from the key's first producer lane, completing on an
+mbarrier a raw stage, instead of 4-5 16-B cp.async a lane (the scales stay cp.async) passed the 85
+csrc GPU tests and memcheck and took 2-4% off (same run, us: V4-Pro CSA 128 x 4K 129.4 / 127.0
+against 132.4 / 129.8, V4-Pro sliding 128 x 4K 29.1-29.5 against 30.0-30.6, 8 heads CSA 128 x 4K 31.6
+against 32.3, 64 heads sliding 128 x 4K 13.8 against 14.4), but racecheck then reported the 64-head
+kernel's tile-mask handoff (producer thread 0's store of a tile's key mask against the consumers'
+load two tiles earlier, ordered by the EMPTY named barrier) where the kernel as built reports none
+(and small_heads.cu's same pattern reports alike in both). Not kept while that report is not
+accounted for."""
 
 import functools
 
