@@ -95,8 +95,8 @@ against 132.4 / 129.8, V4-Pro sliding 128 x 4K 29.1-29.5 against 30.0-30.6, 8 he
 against 32.3, 64 heads sliding 128 x 4K 13.8 against 14.4), but racecheck then reported the 64-head
 kernel's tile-mask handoff (producer thread 0's store of a tile's key mask against the consumers'
 load two tiles earlier, ordered by the EMPTY named barrier) where the kernel as built reports none
-(and small_heads.cu's same pattern reports alike in both). Not kept while that report is not
-accounted for."""
+(small_heads.cu's hazards, known before, were the same 8 in both builds). Not kept while that report
+is not accounted for."""
 
 import functools
 
