@@ -166,8 +166,14 @@ def fp8_linear(x, weight, scale, out, block: int, cfg: dict | None = None) -> No
            dict(BLOCK=block, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], UE8M0=ue8m0, SPLITS=splits,
                 STAGES=cfg["STAGES"], SOFT=INTERPRET), num_warps=cfg["WARPS"], pdl=True)
     if splits > 1:
-        launch(_reduce_kernel, (triton.cdiv(m * n, REDUCE_ROWS),), (part, out, m, n, out.stride(0)),
-               dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET), pdl=True)
+        reduce_splits(part, out)
+
+
+def reduce_splits(part, out) -> None:
+    """out = the split-order sum of the fp32 partials [splits, M, N] (the GEMM kernels' split-K)."""
+    splits, m, n = part.shape
+    launch(_reduce_kernel, (triton.cdiv(m * n, REDUCE_ROWS),), (part, out, m, n, out.stride(0)),
+           dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET), pdl=True)
 
 
 

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.fp8_linear.reference import ACT_BLOCK
-from dsv4ops.fp8_linear.triton import REDUCE_ROWS, _reduce_kernel, act_quant, output_tile
+from dsv4ops.fp8_linear.triton import act_quant, output_tile, reduce_splits
 from dsv4ops.triton_helpers import (
     INTERPRET,
     e4m3_bits_to_f32,
@@ -220,5 +220,4 @@ def fp8_linear_w8a8(x, weight, scale, out, cfg: dict | None = None) -> None:
                 STAGES=cfg["STAGES"], SOFT=INTERPRET),
            num_warps=cfg["WARPS"], pdl=True)
     if splits > 1:
-        launch(_reduce_kernel, (triton.cdiv(m * n, REDUCE_ROWS),), (part, out, m, n, out.stride(0)),
-               dict(SPLITS=splits, BR=REDUCE_ROWS, SOFT=INTERPRET), pdl=True)
+        reduce_splits(part, out)
