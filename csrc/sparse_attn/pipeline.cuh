@@ -6,8 +6,9 @@
 //
 // The producers work in units of 32 keys (kKeys): a unit's raw rows land in a ring of kStages raw
 // stages, kStages - 1 units ahead, and are dequantized (exactly, rows.cuh) into part `u % kUnits` of
-// bf16 tile `(u / kUnits) % 2`, so a consumer tile holds 32 x kUnits keys. A unit is all window or all
-// entries (the window is rounded up to whole units), so each unit has one format.
+// bf16 tile `(u / kUnits) % kBufs` of a ring of kBufs, so a consumer tile holds 32 x kUnits keys. A
+// unit is all window or all entries (the window is rounded up to whole units), so each unit has one
+// format.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -32,9 +33,9 @@ constexpr int kRawRow = 592;  // raw row in shared memory: the largest, fp8_584'
 [[maybe_unused]] constexpr float kLog2e = 1.4426950408889634f;
 [[maybe_unused]] constexpr float kMaxSlack = 8.f;  // log2 units: see `raise_max`
 
-// Named barriers (0 is __syncthreads): FULL / EMPTY of each bf16 key tile, the producers' own, the
-// consumers' own; 1-4 and 11-15 are the kernels' (sparse_attn.cu, small_heads.cu).
-[[maybe_unused]] constexpr int kFull = 5, kEmpty = 7, kProducerBar = 9, kConsumerBar = 10;
+// Named barriers (0 is __syncthreads): FULL / EMPTY of each bf16 key tile (up to three), the
+// producers' own, the consumers' own; 1-4 and 13-15 are the kernels' (sparse_attn.cu, small_heads.cu).
+[[maybe_unused]] constexpr int kFull = 5, kEmpty = 8, kProducerBar = 11, kConsumerBar = 12;
 
 #ifdef DSV4_SM90_BODY
 using namespace ::dsv4::sm90;
@@ -212,10 +213,10 @@ __device__ __forceinline__ void dequant_unit(Sm& sm, int stage, int buf, int par
 }
 
 // The producer warpgroups over `units` units from key `begin` (a whole number of tiles): gather unit
-// u + kStages - 1 and dequantize unit u into its tile once the consumers have released that tile
-// (EMPTY, all kThreads threads), then hand a tile over when its last unit is in (FULL: the producers
-// arrive, kFullCount - kProducers consumer threads wait).
-template <int WF, int CF, int kStages, int kUnits, int kFullCount, class Sm>
+// u + kStages - 1 and dequantize unit u into its tile (of a ring of kBufs) once the consumers have
+// released that tile (EMPTY, all kThreads threads), then hand a tile over when its last unit is in
+// (FULL: the producers arrive, kFullCount - kProducers consumer threads wait).
+template <int WF, int CF, int kStages, int kUnits, int kBufs, int kFullCount, class Sm>
 __device__ __forceinline__ void produce(Sm& sm, const Params& p, int64_t token, int begin, int end, int units,
                                         int position, int req) {
   const int pt = threadIdx.x - kConsumers;
@@ -236,10 +237,10 @@ __device__ __forceinline__ void produce(Sm& sm, const Params& p, int64_t token, 
     if (next < units) gather_unit<WF, CF>(sm, p, next % kStages, begin + next * kKeys, end, position, req, idx, l);
     cp_commit();
     idx = entry_of(p, token, begin + (next + 1) * kKeys, end, l);
-    const int tile = u / kUnits, part = u % kUnits;
-    if (part == 0 && tile >= 2) bar_sync(kEmpty + (tile & 1), kThreads);  // the consumers are done with tile - 2
-    dequant_unit<WF, CF, kUnits>(sm, u % kStages, tile & 1, part, begin + u * kKeys < p.window_keys, l, pt);
-    if (part == kUnits - 1) bar_arrive(kFull + (tile & 1), kFullCount);
+    const int tile = u / kUnits, part = u % kUnits, buf = tile % kBufs;
+    if (part == 0 && tile >= kBufs) bar_sync(kEmpty + buf, kThreads);  // the consumers are done with tile - kBufs
+    dequant_unit<WF, CF, kUnits>(sm, u % kStages, buf, part, begin + u * kKeys < p.window_keys, l, pt);
+    if (part == kUnits - 1) bar_arrive(kFull + buf, kFullCount);
   }
 }
 

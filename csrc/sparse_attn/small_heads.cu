@@ -55,7 +55,7 @@ static_assert(sizeof(SmallSmem<8>) <= 227 * 1024 && sizeof(SmallSmem<16>) <= 227
 
 // Named barriers beyond pipeline.cuh's: P^T of a tile written (warpgroup 0 -> 1) and read (1 -> 0),
 // warpgroup 0's own, warpgroup 1's own, the final sums (0 -> 1).
-[[maybe_unused]] constexpr int kFullP = 11, kEmptyP = 13, kGroup0Bar = 1, kGroup1Bar = 2, kSumsBar = 3;
+[[maybe_unused]] constexpr int kFullP = 1, kEmptyP = 3, kGroup0Bar = 13, kGroup1Bar = 14, kSumsBar = 15;
 [[maybe_unused]] constexpr int kGroup = 128;  // threads of a warpgroup
 
 #ifdef DSV4_SM90_BODY
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) small_heads_kernel(const __grid_c
     shrink_registers<kProducerRegs>();
     // Both units of every tile: a unit past `end` is zeros (its keys masked, and 0 x a stale NaN
     // would be NaN in P V).
-    produce<WF, CF, kStages<H>, 2, kProducers + kGroup>(sm, p, token, begin, end, 2 * tiles, position, req);
+    produce<WF, CF, kStages<H>, 2, 2, kProducers + kGroup>(sm, p, token, begin, end, 2 * tiles, position, req);
     return;
   }
   grow_registers<kConsumerRegs>();

@@ -16,50 +16,63 @@ past its token's real list (window plus `comp_lens` entries) leaves at once and 
 only the live splits, so the cost follows the real context (HCA 1 x 4K in a cache of 1M positions a
 request: 12.1 us, 10.7 at a 4K `max_context`). The kernels' designs are in their files' headers.
 
-Against FlashMLA on the same pools (H100, 2026-11-26; README Benchmarks) it takes 0.88-0.97x its
-time at batch 1 and at 128 x 4K and longer contexts, and misses on four rows; ncu (base clocks,
-caches flushed) says why:
-- sliding 128 x 4K (1.13x): one wave of 128 CTAs of 4 tiles each, every CTA loading its 64 KiB of q,
-  running its tiles and storing 64 KiB of output in the same phase as the others, so DRAM idles
-  during the tiles and the tensor cores during the loads (DRAM 25%, issue slots 34% busy). A second
-  split per token (two waves) measured 46.3 us against 14.3; what would close it is another CTA's
-  loads under each CTA's tiles (a persistent kernel with two tokens in flight per SM).
-- CSA 32 x 4K (1.12x): 4 splits of 5 tiles fill the wave, and the splits' fp32 partial outputs
-  (16.8 MB written and read back) make the combine a second, memory-latency-bound kernel (long
-  scoreboard 59% of its stalls). Forced split counts 1 / 2 / 3 / 4: 37.7 / 26.5 / 25.0 / 24.6 us;
-  a combine fused into the last split of each token would close it.
-- V4-Pro CSA 128 x 4K (1.28x) and a 4096-token prefill (1.48x): issue-bound on the per-tile chain
-  (S, the partial-S exchange, the softmax, P V, the handoffs): issue slots about half busy, no
-  dominant stall, DRAM 13-37%. The two CTAs of a V4-Pro token each gather and dequantize the same
-  keys (placing them side by side in launch order, so the second read hits L2, changed nothing:
-  128.6 vs 128.1 us). Closing both needs a shorter per-tile chain (the softmax of one tile under the
-  wgmmas of the next, with the producers kept ahead: below, neither simple form of either paid); the
-  prefill also pays each CTA's start in each of its 31 waves.
-  How much each link costs, from build-time experiments (H100, 2026-11-27, graph-timed; V4-Pro CSA
-  128 x 4K / V4-Flash CSA 128 x 4K, us): as built 131.6 / 42.7; producers that gather nothing 120.9 /
-  37.6; producers that gather and dequantize nothing (only the tile handoffs) 105.1 / 33.2; no
-  partial-S exchange 126.5 / 41.5. So the gather and dequantization cost about a fifth of the time
-  even behind the consumers, and a V4-Pro cluster sharing one dequantized tile could at best move
-  131.6 toward 105 (the consumers' chain alone), still above FlashMLA's 100.4 and the 0.9 target:
-  the chain itself has to shorten. The cluster was built and measured (same day and GPU): the two
-  CTAs of a token as a cluster of 2, CTA r gathering and dequantizing tiles r, r + 2, ... into its
-  own bf16 buffer and the other's (16-B st.shared::cluster beside each local store), the handoff on
-  mbarriers (full: the producing CTA's release after its producers' named barrier; empty: both CTAs'
-  consumer warps). It passed the csrc GPU tests and took 195.5-200.2 us at V4-Pro CSA 128 x 4K
-  against 129.2-132.7 (HCA 32 x 64K 46.8-47.5 against 34.5-35.4, sliding 128 x 4K 39.6-40.1 against
-  29.7-30.2), one
-  arrival per producer thread or one per tile alike: with two buffers a tile's producer now waits for
-  both CTAs' consumers, and every converted chunk is also a remote store. Not kept.
+Against FlashMLA on the same pools (H100, 2026-11-27; README Benchmarks) it takes 0.82-0.94x its
+time at batch 1 and at 128 x 4K and longer contexts, and misses on four rows: sliding 128 x 4K (1.04x),
+CSA 32 x 4K (1.09x), V4-Pro CSA 128 x 4K (1.15x) and a 4096-token prefill (1.34x). What bounds them:
+- the per-tile chain of the 64-head kernel. Its consumers split S by dims before 2026-11-27 (each
+  warpgroup half of S, added through shared memory, the softmax run by both, then both halves of
+  P V in step); warpgroup 0 now computes all of S and the softmax and hands P to warpgroup 1, which
+  adds its half of P V while warpgroup 0 is on the next tile, and warpgroup 0 issues its own half of
+  P V in one wgmma group with the next tile's S (csrc/sparse_attn/sparse_attn.cu has the steps and
+  their timings). Same runs, us, before / after: V4-Pro CSA 128 x 4K 129.2-132.6 / 116.2-117.2,
+  V4-Flash CSA 128 x 4K 42.1-43.0 / 38.6-38.7, V4-Pro HCA 32 x 64K 34.7-35.4 / 32.8-33.8, V4-Flash
+  sliding 256 x 16K 34.9-35.6 / 32.7-33.3; over the sweep grid (README) every 64 / 128-head row's
+  median fell (V4-Pro CSA 1.24 -> 1.10, V4-Flash sliding 1.10 -> 1.02). A CTA of one or two tiles
+  (batch 1 and 8, split lists) pays for the hand-off instead, 3-9% slower over the sweep (sliding
+  1 x 4K 9.1 us in the 2026-11-26 side-by-side, 9.7 now; CSA 1 x 4K 11.4 -> 11.5-11.9, same runs):
+  its S runs on one warpgroup and warpgroup 1's P V waits for it.
+  Forced split counts there (60 points, batch 1 and 8) put the split rule within 3% of the fastest at
+  52; it misses by 6-7% at V4-Pro sliding 8 x * (2 splits, 1 faster) and by 11-18% at three HCA
+  points (V4-Flash 1 x 1M, V4-Pro 1 x 256K and 8 x 16K); not refit. ncu of V4-Pro CSA 128 x 4K (base
+  clocks, 149 us there): 8.7 cycles a warp between issues (16 warps: issue slots about half busy),
+  DRAM 40% busy, the shared-memory LSU pipe 60% (the producers' raw-row reads and bf16 stores, the
+  hand-off), so neither memory nor issue alone bounds it; FlashMLA's 64-key tiles read q from shared
+  memory once per 64 keys where ours read it once per 32 (64 KiB a tile, the largest share of the
+  S wgmmas' operand traffic), and 64-key bf16 tiles do not fit beside q and the raw ring in 227 KiB.
+- sliding 128 x 4K (ncu before the restructure, 1.13x then): one wave of 128 CTAs of 4 tiles each,
+  every CTA loading its 64 KiB of q, running its tiles and storing 64 KiB of output in the same phase
+  as the others, so DRAM idles during the tiles and the tensor cores during the loads (DRAM 25%, issue
+  slots 34% busy). A second split per token (two waves) measured 46.3 us against 14.3; what would close
+  it is another CTA's loads under each CTA's tiles (a persistent kernel with two tokens in flight per
+  SM).
+- CSA 32 x 4K: 4 splits of 5 tiles fill the wave, and the splits' fp32 partial outputs (16.8 MB
+  written and read back) make the combine a second, memory-latency-bound kernel (long scoreboard 59%
+  of its stalls). Forced split counts 1 / 2 / 3 / 4 (before the restructure): 37.7 / 26.5 / 25.0 /
+  24.6 us; a combine fused into the last split of each token would close it.
+- V4-Pro: the two CTAs of a token each gather and dequantize the same keys (placing them side by side
+  in launch order, so the second read hits L2, changed nothing: 128.6 vs 128.1 us); the prefill also
+  pays each CTA's start in each of its 31 waves.
+  How much each link cost in the split-S kernel, from build-time experiments (H100, 2026-11-27,
+  graph-timed; V4-Pro CSA 128 x 4K / V4-Flash CSA 128 x 4K, us): as built 131.6 / 42.7; producers that
+  gather nothing 120.9 / 37.6; producers that gather and dequantize nothing (only the tile handoffs)
+  105.1 / 33.2; no partial-S exchange 126.5 / 41.5. A V4-Pro cluster sharing one dequantized tile was
+  built on that kernel and measured (same day and GPU): the two CTAs of a token as a cluster of 2, CTA
+  r gathering and dequantizing tiles r, r + 2, ... into its own bf16 buffer and the other's (16-B
+  st.shared::cluster beside each local store), the handoff on mbarriers (full: the producing CTA's
+  release after its producers' named barrier; empty: both CTAs' consumer warps). It passed the csrc
+  GPU tests and took 195.5-200.2 us at V4-Pro CSA 128 x 4K against 129.2-132.7 (HCA 32 x 64K
+  46.8-47.5 against 34.5-35.4, sliding 128 x 4K 39.6-40.1 against 29.7-30.2), one arrival per
+  producer thread or one per tile alike: with two buffers a tile's producer now waits for both CTAs'
+  consumers, and every converted chunk is also a remote store. Not kept.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
-(csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K
-window + 512 entries 43.0 us (V4's kernel on the same keys re-encoded to 584-B rows: 40.8; FlashMLA
-on them: 47.7; the Triton kernel: 175). Reading 57% of V4's bytes buys no time: ncu (base clocks)
-shows the V4.1 CTA latency-bound like V4's, DRAM 22% busy, SM 44%, 7.8 cycles a warp between issues
-(barrier 1.30, fixed-latency wait 1.27, short scoreboard 1.16 per issue) with one 16-warp CTA an SM.
-Keeping the rows in e4m3 for FP8 wgmmas would need q in e4m3 (V4 and V4.1 run QK in bf16) and is not
-exact for FP4 entries (an e2m1 value times an e4m3 scale has up to 6 significant bits), so the tiles
-stay bf16; the time is the tile chain's, and what would shorten it is the overlap named above (a
-tile's softmax under the next tile's wgmmas, or two tokens in flight an SM).
+(csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
+512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
+47.9; the Triton kernel: 175; 43.0 / 40.8 / 47.7 with the split-S consumers). Reading 57% of V4's bytes
+buys no time: ncu (base clocks, split-S consumers) showed the V4.1 CTA latency-bound like V4's, DRAM 22% busy, SM 44%, 7.8
+cycles a warp between issues (barrier 1.30, fixed-latency wait 1.27, short scoreboard 1.16 per issue)
+with one 16-warp CTA an SM. Keeping the rows in e4m3 for FP8 wgmmas would need q in e4m3 (V4 and V4.1
+run QK in bf16) and is not exact for FP4 entries (an e2m1 value times an e4m3 scale has up to 6
+significant bits), so the tiles stay bf16; the time is the tile chain's (above).
 Tensor-parallel shards (H100, 2026-11-27, README's sweep table): with the 64-head CTA a rank's 8 heads
 cost nearly what 64 do (CSA 128 x 4K 37.0 against 41.9 us); small_heads.cu's CTA, tensor work sized to
 the heads, takes 32.2 / 34.2 / 38.0 us at 8 / 16 / 32 heads, 0.62-0.74x FlashMLA's padded 51.6, and
@@ -76,27 +89,29 @@ tokens with many splits. H100, 2026-11-27, one run, walking / spread: HCA 1 x 1M
 heads, 43.3 -> 17.8 at 16 (130 splits), 44.2 -> 22.0 at 32 (the 64-head CTA), 29.3 -> 23.0 at 64,
 V4-Pro's 128 heads 36.9 -> 25.9 (FlashMLA: 28.7 / 26.7). The walking thread stays where it is as
 fast (2 splits of CSA 64 x 4K at 32 heads: 31.3 us, 36.2 through the spreading kernel).
-Tried and not kept: issuing the next tile's S before waiting for this tile's P V (ptxas then
-serializes every wgmma; 51.2 us against 43.3 at CSA 128 x 4K), and an integer e4m3 -> bf16
-conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers). Issuing
-the next tile's S before this tile's softmax (its wgmmas under the softmax, then P V joining them
-in flight and one wait_group 0, which ptxas keeps asynchronous) was slower in both forms it fits
-(H100, 2026-11-27, same run as the kernel as built, us, V4-Pro CSA 128 x 4K / V4-Flash CSA
-128 x 4K): with the two bf16 tiles 153.8 / 48.4 against 130.5 / 42.3, as the consumers then hold both
-tiles and the producers cannot fill ahead; with three tiles (the raw ring cut to 3 or 2 stages and the
-S exchange to two 8 KiB rounds to stay within 227 KiB) 135.3-137.5 / 43.6-44.8 against 129.1-129.4 /
-42.2-42.3 (3 and 2 raw stages alike). Consistent with the producers setting the pace of a tile
-(taking their work out saved a fifth, above), not the consumers' order of S and softmax; an inference
-from these timings, not an ncu measurement. The 74 csrc GPU tests passed on both forms. Gathering
-each key's data bytes with one bulk (TMA) copy from the key's first producer lane, completing on an
+Tried on the split-S kernel and not kept: issuing the next tile's S before waiting for this tile's
+P V (ptxas then serializes every wgmma; 51.2 us against 43.3 at CSA 128 x 4K), an integer e4m3 ->
+bf16 conversion (bit-exact, 1-5% slower: the conversion math is not what bounds the producers), and
+issuing the next tile's S before this tile's softmax (its wgmmas under the softmax, then P V joining
+them in flight and one wait_group 0, which ptxas keeps asynchronous), slower in both forms it fits
+(H100, 2026-11-27, same run, us, V4-Pro CSA 128 x 4K / V4-Flash CSA 128 x 4K): with the two bf16
+tiles 153.8 / 48.4 against 130.5 / 42.3, as the consumers then hold both tiles and the producers
+cannot fill ahead; with three tiles (the raw ring cut to 3 or 2 stages and the S exchange to two
+8 KiB rounds to stay within 227 KiB) 135.3-137.5 / 43.6-44.8 against 129.1-129.4 / 42.2-42.3. The
+kept form issues the next S after the softmax, beside P V, with three bf16 tiles. Gathering each
+key's data bytes with one bulk (TMA) copy from the key's first producer lane, completing on an
 mbarrier a raw stage, instead of 4-5 16-B cp.async a lane (the scales stay cp.async) passed the 85
-csrc GPU tests and memcheck and took 2-4% off (same run, us: V4-Pro CSA 128 x 4K 129.4 / 127.0
-against 132.4 / 129.8, V4-Pro sliding 128 x 4K 29.1-29.5 against 30.0-30.6, 8 heads CSA 128 x 4K 31.6
-against 32.3, 64 heads sliding 128 x 4K 13.8 against 14.4), but racecheck then reported the 64-head
-kernel's tile-mask handoff (producer thread 0's store of a tile's key mask against the consumers'
-load two tiles earlier, ordered by the EMPTY named barrier) where the kernel as built reports none
-(small_heads.cu's hazards, known before, were the same 8 in both builds). Not kept while that report
-is not accounted for."""
+csrc GPU tests and memcheck and took 2-4% off the split-S kernel (same run, us: V4-Pro CSA 128 x 4K
+129.4 / 127.0 against 132.4 / 129.8, 8 heads CSA 128 x 4K 31.6 against 32.3, 64 heads sliding
+128 x 4K 13.8 against 14.4); not kept then for a racecheck report on its tile-mask hand-off, which
+is the tool's limitation below, and not rebuilt on the current kernel.
+racecheck (CUDA 13.0) reports hazards on both kernels' named-barrier hand-offs (bar.arrive ->
+bar.sync counting fewer threads than the CTA: producers -> warpgroup 0, warpgroup 0 <-> 1) and on the
+consumers' final bar.sync exchange after them; tests/racecheck_named_barriers.cu reproduces both on
+a kernel whose synchronization is correct (the exchange alone: 0 hazards; after such hand-offs:
+reported). memcheck is clean; the GPU tests' run-to-run bitwise checks and bug injections (a hand-off
+read from the other buffer, warpgroup 1's rescale dropped, the next S issued on the wrong tile: each
+fails them) cover the hand-offs."""
 
 import functools
 
