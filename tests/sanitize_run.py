@@ -4,8 +4,10 @@
     compute-sanitizer --tool racecheck python tests/sanitize_run.py
 
 (racecheck reports hazards inside cuBLAS's sm_90 GEMMs, `nvjet_sm90_*`, which the layers' torch
-projections launch: 60 on the H100 with CUDA 13.0. Read its report for dsv4ops kernels:
-`--kernel-name-exclude kns=nvjet` ends in an internal sanitizer error at the first cuBLAS launch.)
+projections launch: 60 on the H100 with CUDA 13.0, and on sparse_attn's named-barrier hand-offs
+between warpgroups, which tests/racecheck_named_barriers.cu reproduces on a correctly synchronized
+kernel. Read its report for the other dsv4ops kernels: `--kernel-name-exclude kns=nvjet` ends in an
+internal sanitizer error at the first cuBLAS launch.)
 
 (prints one line per kernel and path it ran). Paths: the layers' serving steps (qkv_prep,
 compressor_update, indexer_q_prep, indexer_topk, visible_entries, sparse_attn, inv_rope) in FP8 and
