@@ -257,10 +257,14 @@ def test_indexer_topk(k, data):
 @given(kind=st.sampled_from([(4, True), (8, False)]), data=st.data())
 def test_compressor_update_random_chunks(kind, data):
     """Two requests' streams cut into random steps (1-token decode steps, chunks that end mid-block,
-    steps of padding only): every entry equals test_compressor's independent formulation."""
+    steps of padding only): every entry equals test_compressor's independent formulation. The budget
+    is the larger error of two fp32 runs of it, the second over the hidden dim reversed (the same sums
+    in another order): one fp32 run alone can land within an ulp of fp64 by chance."""
     from test_compressor import Stream, _independent, _weights, _xs
 
+    torch.manual_seed(data.draw(st.integers(0, 2**32 - 1)))  # the example's tensors follow its draws
     w = _weights(*kind, d=8)
+    w_reversed = dict(w, kv=w["kv"].flip(-1), gate=w["gate"].flip(-1))
     xs = _xs({0: data.draw(st.integers(1, 30)), 1: data.draw(st.integers(1, 30))})
     stream = Stream(w, xs, blocks_per_request=2)
     chunks = {}
@@ -280,8 +284,8 @@ def test_compressor_update_random_chunks(kind, data):
     for r, x in xs.items():
         if x.shape[0] >= w["ratio"]:
             expect = _independent(x, w, torch.float64)
-            T.assert_close_to_ref(stream.entries(r, expect.shape[0]), expect, _independent(x, w, torch.float32),
-                                  what=f"request {r}")
+            lowp = [_independent(x, w, torch.float32), _independent(x.flip(-1), w_reversed, torch.float32)]
+            T.assert_close_to_ref(stream.entries(r, expect.shape[0]), expect, lowp, what=f"request {r}")
 
 
 def test_every_public_function_takes_an_empty_step():
