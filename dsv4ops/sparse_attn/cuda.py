@@ -26,7 +26,7 @@ CSA 32 x 4K (1.09x), V4-Pro CSA 128 x 4K (1.15x) and a 4096-token prefill (1.34x
   P V in one wgmma group with the next tile's S (csrc/sparse_attn/sparse_attn.cu has the steps and
   their timings). Same runs, us, before / after: V4-Pro CSA 128 x 4K 129.2-132.6 / 116.2-117.2,
   V4-Flash CSA 128 x 4K 42.1-43.0 / 38.6-38.7, V4-Pro HCA 32 x 64K 34.7-35.4 / 32.8-33.8, V4-Flash
-  sliding 256 x 16K 34.9-35.6 / 32.7-33.3; over the sweep grid (README) every 64 / 128-head row's
+  sliding 256 x 16K 34.9-35.6 / 33.1-33.3; over the sweep grid (README) every 64 / 128-head row's
   median fell (V4-Pro CSA 1.24 -> 1.10, V4-Flash sliding 1.10 -> 1.02). A CTA of one or two tiles
   (batch 1 and 8, split lists) pays for the hand-off instead, 3-9% slower over the sweep (sliding
   1 x 4K 9.1 us in the 2026-11-26 side-by-side, 9.7 now; CSA 1 x 4K 11.4 -> 11.5-11.9, same runs):
