@@ -14,7 +14,22 @@ cuBLASLt rows: it refused one token (CUBLAS_STATUS_NOT_SUPPORTED on the H100, is
 cause, not verified: the M-major scale columns of one row are 4 B apart where cuBLASLt wants 16-B
 aligned operands. So its codes and scales are padded to a multiple of ROW_MULTIPLE rows (zero codes)
 and such a GEMM writes a temporary whose first M rows are copied to `out`, as does an `out` whose rows
-have a stride gap. Workspaces are allocated per call from static sizes only (CUDA-graph safe)."""
+have a stride gap. Workspaces are allocated per call from static sizes only (CUDA-graph safe).
+
+A CUDA C++ route for few tokens was built and measured, and is not used (H100, 2026-11-27, graph-timed
+over weight copies larger than the L2). Its GEMM was swap-AB: 64 weight rows per warpgroup as wgmma's M,
+16-128 tokens as N. It used FP8 wgmma per 128-wide block, promoted into fp32 with two block
+accumulators, TMA operand tiles, and split-K as a thread-block cluster whose partials were summed
+through distributed shared memory (no workspace, no reduce kernel). It matched the reference at 468
+configs, but at 128 tokens it was no faster than the routes above. With act_quant, best config, us,
+against the fastest route: V4-Flash q_a 9.1 / 9.0-9.2 (W8A16), kv 7.6 / 7.1, indexer q_b 11.0 / 9.4,
+o_b 24.1 / 24.9. At one token it came within 5% of the routes at most shapes. Measurements:
+- Its cp.async operand loads streamed ~30 GB/s a CTA (q_a, one split: 8 CTAs of 32 blocks of 32 KB,
+  35.7 us); TMA made that 23.3 us.
+- A CTA cost ~4-5 us whatever its blocks: the indexer q_b at 128 tokens took 10.0 us as 128 CTAs and
+  38.3 us as 1024 CTAs of one block. ncu put half of a one-block CTA's stall samples in the cluster
+  reduce: the remote loads and the cluster barrier's release fence.
+- Partials pushed to their owner CTA (st.async on its mbarrier) were slower still: q_a 12.1 us."""
 
 import torch
 

@@ -104,7 +104,10 @@ mbarrier a raw stage, instead of 4-5 16-B cp.async a lane (the scales stay cp.as
 csrc GPU tests and memcheck and took 2-4% off the split-S kernel (same run, us: V4-Pro CSA 128 x 4K
 129.4 / 127.0 against 132.4 / 129.8, 8 heads CSA 128 x 4K 31.6 against 32.3, 64 heads sliding
 128 x 4K 13.8 against 14.4); not kept then for a racecheck report on its tile-mask hand-off, which
-is the tool's limitation below, and not rebuilt on the current kernel.
+is the tool's limitation below. Rebuilt on the current kernel (same call, two rounds, us, cp.async /
+bulk) it passed the 85 tests and cost time on the CSA rows: V4-Pro CSA 128 x 4K 117.4, 118.4 / 119.9,
+122.9, V4-Flash CSA 128 x 4K 38.7, 39.3 / 39.8, 39.9, 8 heads CSA 128 x 4K 32.4, 32.0 / 33.0, 32.3; the
+sliding rows 0-3% faster (256 x 16K 33.5, 34.0 / 33.0, 33.5). Not kept.
 racecheck (CUDA 13.0) reports hazards on both kernels' named-barrier hand-offs (bar.arrive ->
 bar.sync counting fewer threads than the CTA: producers -> warpgroup 0, warpgroup 0 <-> 1) and on the
 consumers' final bar.sync exchange after them; tests/racecheck_named_barriers.cu reproduces both on
