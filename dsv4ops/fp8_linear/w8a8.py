@@ -21,9 +21,10 @@ over weight copies larger than the L2). Its GEMM was swap-AB: 64 weight rows per
 16-128 tokens as N. It used FP8 wgmma per 128-wide block, promoted into fp32 with two block
 accumulators, TMA operand tiles, and split-K as a thread-block cluster whose partials were summed
 through distributed shared memory (no workspace, no reduce kernel). It matched the reference at 468
-configs, but at 128 tokens it was no faster than the routes above. With act_quant, best config, us,
-against the fastest route: V4-Flash q_a 9.1 / 9.0-9.2 (W8A16), kv 7.6 / 7.1, indexer q_b 11.0 / 9.4,
-o_b 24.1 / 24.9. At one token it came within 5% of the routes at most shapes. Measurements:
+configs, but at 128 tokens it beat the routes above only on o_b. With act_quant, best config, us,
+against the fastest route (timed in two other H100 sweeps that day): V4-Flash q_a 9.1 / 9.2-9.4
+(W8A16), kv 7.6 / 7.2 (W8A16), indexer q_b 11.0 / 9.5-9.7, o_b 24.1 / 25.9-26.3 (both the Triton W8A8
+kernel). At one token it came within 5% of the routes at most shapes. Measurements:
 - Its cp.async operand loads streamed ~30 GB/s a CTA (q_a, one split: 8 CTAs of 32 blocks of 32 KB,
   35.7 us); TMA made that 23.3 us.
 - A CTA cost ~4-5 us whatever its blocks: the indexer q_b at 128 tokens took 10.0 us as 128 CTAs and
