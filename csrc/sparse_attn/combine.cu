@@ -2,7 +2,8 @@
 // The merge of the split-KV partials of both sparse_attn kernels (p.splits > 1):
 //   out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + 2^sink)
 // over the live splits (those holding keys of the token's list: the window's tiles and its comp_lens
-// entries; split 0 always); o_s is split s's output normalized by its own sum, lse_s log2 of that sum.
+// entries; split 0 always); o_s is split s's output normalized by its own sum (bf16), lse_s log2 of
+// that sum (fp32).
 //
 // Two kernels. With many (token, head) pairs or few splits, serial_kernel: one CTA a pair, a thread 4
 // dims walking the splits (one load in flight). With few pairs and many splits (a few tokens of HCA at
@@ -32,6 +33,11 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int d = 16; d > 0; d >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, d));
   return x;
 }
+// Four bf16 (in memory order) as floats: a bf16 is the top half of its fp32.
+__device__ __forceinline__ float4 bf16x4_to_float4(uint2 v) {
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) x += __shfl_xor_sync(0xffffffffu, x, d);
@@ -58,18 +64,18 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 3) grouped_kernel(const __grid
     // A round: kLoads splits of this warp, their partials and exponents loaded together. The first
     // round's loads are issued before the largest exponent is known (they do not depend on it).
     const int stride = kLoads * groups;
-    float4 o[kLoads];
+    uint2 o[kLoads];  // 4 bf16
     float l[kLoads];
     // 32-bit offsets from the token-head's first row (splits x heads x 512 < 2^31, checked on the host):
     // 64-bit addresses per load cost the registers that keep four loads in flight.
-    const float* part = p.partial + row0 * kDim + dim;
+    const __nv_bfloat16* part = p.partial + row0 * kDim + dim;
     const float* lse = p.lse + row0;
     auto load = [&](int s0) {
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         const int s = s0 + u * groups;
         const bool in = s < live;
-        o[u] = in ? __ldg(reinterpret_cast<const float4*>(part + s * p.heads * kDim)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        o[u] = in ? __ldg(reinterpret_cast<const uint2*>(part + s * p.heads * kDim)) : make_uint2(0, 0);
         l[u] = in ? __ldg(lse + s * p.heads) : -INFINITY;
       }
     };
@@ -85,7 +91,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 3) grouped_kernel(const __grid
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         const float w = exp2f(l[u] - m);
-        acc.x += w * o[u].x, acc.y += w * o[u].y, acc.z += w * o[u].z, acc.w += w * o[u].w;
+        const float4 v = bf16x4_to_float4(o[u]);
+        acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
       }
       if (s0 + stride < live) load(s0 + stride);
     }
@@ -125,7 +132,7 @@ __global__ void __launch_bounds__(kDim / 4) serial_kernel(const __grid_constant_
     for (int s = 0; s < live; ++s) {
       const int64_t row = row0 + s * p.heads;
       const float w = exp2f(p.lse[row] - m);
-      const float4 o = *reinterpret_cast<const float4*>(p.partial + row * kDim + dim);
+      const float4 o = bf16x4_to_float4(*reinterpret_cast<const uint2*>(p.partial + row * kDim + dim));
       den += w;
       acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
     }

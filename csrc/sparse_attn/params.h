@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Launch parameters of the sm_90 `dsv4::sparse_attn` kernel (byte pools of rows.cuh, bf16 q / out).
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -38,8 +39,8 @@ struct Params {
   const float* sinks;        // [heads]
   void* out;                 // [tokens, heads, 512] bf16, last dim contiguous
   int64_t out_stride_token, out_stride_head;
-  float* partial;  // [tokens * splits * heads, 512] fp32 (splits > 1)
-  float* lse;      // [tokens * splits * heads] log2 of each split's softmax sum (splits > 1)
+  __nv_bfloat16* partial;  // [tokens * splits * heads, 512] bf16 (splits > 1): each split's normalized output
+  float* lse;  // [tokens * splits * heads] log2 of each split's softmax sum (splits > 1)
   int tokens, heads, n_idx, window;
   FastDiv ring_size;
   int window_keys;  // window rounded up to whole 32-key units: a producer unit is all window or all entries

@@ -122,16 +122,25 @@ __device__ __forceinline__ void load_q(uint8_t* tile, const Params& p, int64_t t
   }
 }
 
-// The bf16 output tile (head row r at r * 1024, 16-B chunk c at c ^ (r % 8)) into `out` rows head0 ..,
-// by threads t = 0 .. kStorers - 1: whole 16-B chunks, a row's 1 KiB contiguous (global stores of 4 B
-// each throttled the LSU).
+// The bf16 output tile (head row r at r * 1024, 16-B chunk c at c ^ (r % 8)) of heads head0 .. by
+// threads t = 0 .. kStorers - 1, whole 16-B chunks, a row's 1 KiB contiguous (global stores of 4 B
+// each throttled the LSU): into `out`, or with several splits into the split's bf16 partial rows.
 template <int kRows, int kStorers>
-__device__ __forceinline__ void store_out(const uint8_t* tile, const Params& p, int64_t token, int head0, int t) {
-  auto* out = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
+__device__ __forceinline__ void store_out(const uint8_t* tile, const Params& p, int64_t token, int head0, int split,
+                                          int t) {
+  uint8_t* dst;
+  int64_t row_stride;  // elements between heads
+  if (p.splits == 1) {
+    dst = static_cast<uint8_t*>(p.out) + token * p.out_stride_token * 2;
+    row_stride = p.out_stride_head;
+  } else {
+    dst = reinterpret_cast<uint8_t*>(p.partial) + (token * p.splits + split) * p.heads * kDim * 2;
+    row_stride = kDim;
+  }
   for (int it = t; it < kRows * 64; it += kStorers) {
     const int r = it >> 6, c = it & 63;
     if (head0 + r < p.heads) {
-      *reinterpret_cast<uint4*>(out + ((head0 + r) * p.out_stride_head + c * 8) * 2) =
+      *reinterpret_cast<uint4*>(dst + ((head0 + r) * row_stride + c * 8) * 2) =
           *reinterpret_cast<const uint4*>(tile + r * 1024 + ((c ^ (r & 7)) << 4));
     }
   }

@@ -189,7 +189,7 @@ __device__ __forceinline__ void scores(SmallSmem<H>& sm, const Params& p, int64_
 }
 
 // Warpgroup 1 (threads 128-255): O^T += V^T P^T per tile, then the normalized output: bf16 rows of
-// `out` through shared memory (q's buffer, free once warpgroup 0 is done), or a split's fp32 partial.
+// `out` (or of a split's partial) through shared memory (q's buffer, free once warpgroup 0 is done).
 template <int H>
 __device__ __forceinline__ void values(SmallSmem<H>& sm, const Params& p, int64_t token, int head0, int split,
                                        int tiles) {
@@ -233,27 +233,18 @@ __device__ __forceinline__ void values(SmallSmem<H>& sm, const Params& p, int64_
   float inv[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) inv[j] = sm.inv[head_of(j, lane)];
-  if (p.splits == 1) {
-    // Head row h of the output tile at h * 1024, 16-B chunk c at c ^ (h % 8): the four heads of a
-    // store land in four chunks, so its 32 lanes hit 16 banks.
+  // The output normalized by the sum (a split's by its own) into a bf16 tile in shared memory (q's
+  // buffer: head row h at h * 1024, 16-B chunk c at c ^ (h % 8), so the four heads of a store land in
+  // four chunks and its 32 lanes hit 16 banks); then `out`, or the split's partial rows.
 #pragma unroll
-    for (int x = 0; x < 8 * F; ++x) {
-      const int dim = 64 * (x / F) + 16 * warp + (lane >> 2) + 8 * ((x >> 1) & 1);
-      const int j = 2 * ((x % F) >> 2) + (x & 1), h = head_of(j, lane);
-      *reinterpret_cast<__nv_bfloat16*>(sm.q + h * 1024 + (((dim >> 3) ^ (h & 7)) << 4) + (dim & 7) * 2) =
-          __float2bfloat16_rn(acc[x] * inv[j]);
-    }
-    bar_sync(kGroup1Bar, kGroup);
-    store_out<H, kGroup>(sm.q, p, token, head0, t);
-  } else {
-    // This split's output normalized by its own sum (eight lanes store 32 contiguous bytes).
-#pragma unroll
-    for (int x = 0; x < 8 * F; ++x) {
-      const int dim = 64 * (x / F) + 16 * warp + (lane >> 2) + 8 * ((x >> 1) & 1);
-      const int j = 2 * ((x % F) >> 2) + (x & 1), head = head0 + head_of(j, lane);
-      if (head < p.heads) p.partial[((token * p.splits + split) * p.heads + head) * kDim + dim] = acc[x] * inv[j];
-    }
+  for (int x = 0; x < 8 * F; ++x) {
+    const int dim = 64 * (x / F) + 16 * warp + (lane >> 2) + 8 * ((x >> 1) & 1);
+    const int j = 2 * ((x % F) >> 2) + (x & 1), h = head_of(j, lane);
+    *reinterpret_cast<__nv_bfloat16*>(sm.q + h * 1024 + (((dim >> 3) ^ (h & 7)) << 4) + (dim & 7) * 2) =
+        __float2bfloat16_rn(acc[x] * inv[j]);
   }
+  bar_sync(kGroup1Bar, kGroup);
+  store_out<H, kGroup>(sm.q, p, token, head0, split, t);
 }
 #endif  // DSV4_SM90_BODY
 

@@ -304,34 +304,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     inv[0] = v.x, inv[1] = v.y;
   }
 
+  // The output normalized by the sum (a split's by its own) into a bf16 tile in shared memory (q's
+  // buffer): 16-B chunk c of head row r at r * 1024 + (c ^ (r % 8)) * 16, so the 8 rows of a store hit
+  // 32 banks; then `out`, or the split's partial rows.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int head = head0 + group * 16 + (lane >> 2) + 8 * h;
-    if (head >= p.heads) continue;
-    const int dim0 = half * 256 + 2 * (lane & 3);
-    if (p.splits == 1) {
-      // Into the output tile in shared memory (q's buffer): 16-B chunk c of head row r at r * 1024 +
-      // (c ^ (r % 8)) * 16, so the 8 rows of a store hit 32 banks.
-      const int r = group * 16 + (lane >> 2) + 8 * h;
+    const int r = group * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<uint32_t*>(sm.q + r * 1024 + (((half * 32 + n) ^ (r & 7)) << 4) + 4 * (lane & 3)) =
-            bf16x2(acc[4 * n + 2 * h] * inv[h], acc[4 * n + 2 * h + 1] * inv[h]);
-      }
-    } else {
-      // This split's output normalized by its own sum.
-      float* part = p.partial + ((token * p.splits + split) * p.heads + head) * kDim + dim0;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<float2*>(part + n * 8) =
-            make_float2(acc[4 * n + 2 * h] * inv[h], acc[4 * n + 2 * h + 1] * inv[h]);
-      }
+    for (int n = 0; n < 32; ++n) {
+      *reinterpret_cast<uint32_t*>(sm.q + r * 1024 + (((half * 32 + n) ^ (r & 7)) << 4) + 4 * (lane & 3)) =
+          bf16x2(acc[4 * n + 2 * h] * inv[h], acc[4 * n + 2 * h + 1] * inv[h]);
     }
   }
-  if (p.splits == 1) {
-    bar_sync(kConsumerBar, kConsumers);
-    store_out<kHeads, kConsumers>(sm.q, p, token, head0, threadIdx.x);
-  }
+  bar_sync(kConsumerBar, kConsumers);
+  store_out<kHeads, kConsumers>(sm.q, p, token, head0, split, threadIdx.x);
 #else
   __trap();
 #endif

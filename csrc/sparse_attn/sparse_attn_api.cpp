@@ -80,11 +80,11 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
                  window_block < (int64_t{1} << 31) && comp_block < (int64_t{1} << 31),
              "ring_size / window_block / comp_block: expected positive 32-bit sizes");
   if (splits > 1) {
-    DSV4_CHECK_DTYPE(partial, at::kFloat);
+    DSV4_CHECK_DTYPE(partial, at::kBFloat16);
     DSV4_CHECK_DTYPE(lse, at::kFloat);
     DSV4_CHECK(partial.is_contiguous() && partial.numel() == tokens * splits * heads * kDim && lse.is_contiguous() &&
                    lse.numel() == tokens * splits * heads,
-               "partial / lse: expected the [tokens x splits x heads] (x 512) fp32 workspace");
+               "partial / lse: expected the [tokens x splits x heads] (x 512) bf16 / fp32 workspaces");
     // combine.cu addresses a (token, head)'s splits with 32-bit offsets.
     DSV4_CHECK(splits * heads * kDim < (int64_t{1} << 31), "splits x heads x 512 must stay below 2^31, got ",
                splits, " x ", heads, " x 512");
@@ -117,7 +117,7 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.out = out.mutable_data_ptr();
   p.out_stride_token = out.stride(0);
   p.out_stride_head = out.stride(1);
-  p.partial = splits > 1 ? partial.mutable_data_ptr<float>() : nullptr;
+  p.partial = splits > 1 ? static_cast<__nv_bfloat16*>(partial.mutable_data_ptr()) : nullptr;
   p.lse = splits > 1 ? lse.mutable_data_ptr<float>() : nullptr;
   p.tokens = static_cast<int>(tokens);
   p.heads = static_cast<int>(heads);

@@ -16,9 +16,20 @@ past its token's real list (window plus `comp_lens` entries) leaves at once and 
 only the live splits, so the cost follows the real context (HCA 1 x 4K in a cache of 1M positions a
 request: 12.1 us, 10.7 at a 4K `max_context`). The kernels' designs are in their files' headers.
 
-Against FlashMLA on the same pools (H100, 2026-11-27; README Benchmarks) it takes 0.82-0.94x its
-time at batch 1 and at 128 x 4K and longer contexts, and misses on four rows: sliding 128 x 4K (1.04x),
-CSA 32 x 4K (1.09x), V4-Pro CSA 128 x 4K (1.15x) and a 4096-token prefill (1.34x). What bounds them:
+The splits' partial outputs are bf16, each normalized by its own softmax sum (so bounded by the
+largest |value| of its keys), with fp32 log2-sums: half the bytes of fp32 partials, the traffic that
+made the combine a second, memory-bound kernel. The rounding adds at most half a bf16 ulp of the output
+before the combine's fp32 sum (the bf16 output then rounds once more); agreement with FlashMLA's fp32
+partials stayed at 4.3e-3..5.0e-3 of its largest |output| at the split rows of the side-by-side. H100,
+2026-11-27, the same warm machine, fp32 / bf16 partials at the split count the earlier rule picked, us:
+V4-Flash CSA 32 x 4K 24.3-24.5 / 19.5-20.2, HCA 32 x 64K 24.9-25.0 / 20.6-20.9, CSA 1 x 4K 11.5-11.8 /
+10.9-11.0, sliding 1 x 4K 10.0-10.3 / 9.0-9.4, V4-Pro CSA 32 x 4K 45.2-45.4 / 39.8-40.0, 16 heads HCA
+1 x 1M 17.6-17.8 / 15.7-16.0; over the sweep grid (README) the V4-Flash 64-head CSA median went from
+0.86 to 0.82 of FlashMLA's time (points over 0.9: 15 -> 5), HCA 0.89 -> 0.83 (15 -> 10).
+
+Against FlashMLA on the same pools (H100, 2026-11-27; README Benchmarks) it takes 0.78-0.88x its
+time at batch 1, at CSA 32 x 4K and at 128 x 4K and longer contexts, and misses on three rows: sliding
+128 x 4K (1.01x), V4-Pro CSA 128 x 4K (1.13x) and a 4096-token prefill (1.34x). What bounds them:
 - the per-tile chain of the 64-head kernel. Its consumers split S by dims before 2026-11-27 (each
   warpgroup half of S, added through shared memory, the softmax run by both, then both halves of
   P V in step); warpgroup 0 now computes all of S and the softmax and hands P to warpgroup 1, which
@@ -45,10 +56,9 @@ CSA 32 x 4K (1.09x), V4-Pro CSA 128 x 4K (1.15x) and a 4096-token prefill (1.34x
   slots 34% busy). A second split per token (two waves) measured 46.3 us against 14.3; what would close
   it is another CTA's loads under each CTA's tiles (a persistent kernel with two tokens in flight per
   SM).
-- CSA 32 x 4K: 4 splits of 5 tiles fill the wave, and the splits' fp32 partial outputs (16.8 MB
-  written and read back) make the combine a second, memory-latency-bound kernel (long scoreboard 59%
-  of its stalls). Forced split counts 1 / 2 / 3 / 4 (before the restructure): 37.7 / 26.5 / 25.0 /
-  24.6 us; a combine fused into the last split of each token would close it.
+- CSA 32 x 4K (1.09x with fp32 partials, 0.88x with bf16): 4 splits of 5 tiles fill the wave, and
+  the splits' fp32 partial outputs (16.8 MB written and read back) made the combine a second,
+  memory-latency-bound kernel (long scoreboard 59% of its stalls).
 - V4-Pro: the two CTAs of a token each gather and dequantize the same keys (placing them side by side
   in launch order, so the second read hits L2, changed nothing: 128.6 vs 128.1 us); the prefill also
   pays each CTA's start in each of its 31 waves.
@@ -144,17 +154,18 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
 
 # The split rule's costs per kernel, keyed by its tile's keys: (us a tile of a CTA's chain takes (S,
 # softmax, P V; its start and end about one more), us of the combine, bytes a us of its traffic (each
-# split's fp32 partial written and read, L2-resident at these sizes)).
-# - sparse_attn.cu (64 heads a CTA, 32-key tiles): refit to forced split counts at every point where
-#   the rule splits (V4-Flash 64 heads, V4-Pro 128, batch 1-64 x context 4K-1M, each layer kind: 120
-#   points, H100, 2026-11-27, after combine.cu's spread combine): 2 us, 1 us, 3 TB/s. The constants
-#   before (2 us, 3 us, 4 TB/s) cost 6-11% at CSA 8 x 4K-1M (10 splits of 2 tiles, 16.7-17.3 us,
-#   against 7 of 3: 15.4-16.2) and HCA 8 x 64K (11 splits 17.6 us against 8: 15.9); the refit's choices
-#   came within 5% of the fastest forced count at 118 of the 120 points (mean 0.2% over it, before 0.6%),
-#   its worst HCA 8 x 4K (3 splits 12.5 us against 6: 11.7).
-# - small_heads.cu (64-key tiles): the first fit (V4.1 pools, forced counts 1 / 2 / 4 / 8 at batch
-#   1 / 8 / 32 / 64 / 128 x 4K, the 64-head kernel and the walking combine), not refit.
-SPLIT_COSTS = {KEYS_PER_TILE: (2.0, 1.0, 3e6), 2 * KEYS_PER_TILE: (2.0, 3.0, 4e6)}
+# split's bf16 partial written and read, L2-resident at these sizes)). Refit to forced split counts at
+# every point where the rule splits (V4-Flash at 64 / 32 / 16 / 8 heads and V4-Pro at 128, batch 1-64 x
+# context 4K-1M, each layer kind: 285 points; H100, 2026-11-27, after the partials became bf16):
+# - sparse_attn.cu (64 heads a CTA, 32-key tiles): 1.5 us, 0.5 us, 1.5 TB/s. Within 5% of the fastest
+#   forced count at 144 of 150 points (mean 0.6% over it), the worst HCA 32 x 16K (2 splits 17.1 us
+#   against 5: 15.0). The constants before (2 us, 1 us, 3 TB/s, fit to fp32 partials) on the bf16
+#   kernel: 137 of 150 (mean 1.3%), up to 19% over (sliding 32 x *: 2 splits 13.1-13.4 us against one,
+#   11.3-11.6).
+# - small_heads.cu (64-key tiles): 2 us, 0.5 us, 1 TB/s. Within 5% at 131 of 135 points (mean 0.4%);
+#   the worst 8 heads HCA 64 x 16K (2 splits 15.1 us against 3: 12.0). Before (2 us, 3 us, 4 TB/s, from
+#   a first fit at batch 1-128 x 4K): 114 of 135 (mean 1.5%).
+SPLIT_COSTS = {KEYS_PER_TILE: (1.5, 0.5, 1.5e6), 2 * KEYS_PER_TILE: (2.0, 0.5, 1e6)}
 
 
 def cta_heads(heads: int, tokens: int, sms: int) -> int:
@@ -180,12 +191,12 @@ def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile
     several splits, the combine and its partials' traffic; the smaller count on a tie. CSA 8 x 4K (20
     tiles): 7 splits of 3 tiles, not 10 of 2. HCA 32 x 1M (8320 keys, 132
     SMs): 4 splits, one wave of 65 tiles a CTA (one split per 1024 keys, the Triton kernel's rule,
-    made 3 waves of 29: 211 us). A sliding window of 4 tiles at batch 32 stays whole: 4 splits wrote
-    and read 34 MB of partials (H100, V4.1: 16.7 us against 11.6)."""
+    made 3 waves of 29: 211 us). A sliding window of 4 tiles at batch 32 stays whole: 2 splits took
+    13.1-13.4 us against 11.3-11.6 (H100, bf16 partials)."""
     if ctas >= sms // 2:
         return 1
     tiles = -(-keys // tile)
-    partial = heads * 512 * 4 * 2  # bytes a CTA-split writes and the combine reads
+    partial = heads * 512 * 2 * 2  # bytes a CTA-split writes (bf16) and the combine reads
     tile_us, combine_us, partial_bytes_per_us = SPLIT_COSTS[tile]
 
     def cost(s: int) -> float:
@@ -217,7 +228,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     split_keys = -(-per_split // tile) * tile
     n_split = -(-keys // split_keys)
     if n_split > 1:
-        partial = torch.empty(t * n_split * h, q.shape[-1], dtype=torch.float32, device=q.device)
+        partial = torch.empty(t * n_split * h, q.shape[-1], dtype=torch.bfloat16, device=q.device)
         split_lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
     else:
         partial = split_lse = out  # unused
