@@ -133,7 +133,11 @@ def test_sink_and_rising_scores(heads, prefill, monkeypatch):
     units) tile after tile and the accumulators must be rescaled. A dropped sink or a skipped
     rescale fails here at every head count."""
     _force_cta(monkeypatch, heads)
-    q, wc, cc, pos, req, idx, lens, sinks = _case(heads, prefill)
+    _check(_rising_case(heads, prefill))
+
+
+def _rising_case(heads: int, prefill: bool, entries: int = 512):
+    q, wc, cc, pos, req, idx, lens, sinks = _case(heads, prefill, entries)
     if prefill:
         pos = pos - pos[0]
     lens = torch.where(pos < 16, 0, idx.shape[1]).to(torch.int32)
@@ -141,8 +145,21 @@ def test_sink_and_rising_scores(heads, prefill, monkeypatch):
     keys = torch.empty(idx.numel(), 512, dtype=torch.float32, device="cuda")
     quant_ref.unpack_kv(cc, idx.reshape(-1), keys, FMT)
     score = torch.einsum("td,ted->te", q[:, 0].float(), keys.view(*idx.shape, 512)).where(idx >= 0, -torch.inf)
-    idx = idx.gather(1, score.argsort(1))
-    _check((q, wc, cc, pos, req, idx, lens, sinks))
+    return q, wc, cc, pos, req, idx.gather(1, score.argsort(1)), lens, sinks
+
+
+def test_combine_rounds_rescale(monkeypatch):
+    """The combine's one-CTA-a-(token, head) kernel (8 tokens x 128 heads: 1024 pairs, too many for
+    the spreading one on 132 SMs) over 34 splits a token, more than one round of its loads: with the
+    entries ordered by score, lowest first, each round raises head 0's running max and must rescale
+    what it summed."""
+    monkeypatch.setattr(sparse_attn_cuda, "split_count", lambda ctas, keys, sms, heads=64, tile=32: 40)
+    case = _rising_case(128, prefill=False, entries=2048)
+    keys = 128 + 2048
+    per_split = -(-keys // 40)
+    split_keys = -(-per_split // 32) * 32  # the launcher's: whole 32-key tiles
+    assert -(-keys // split_keys) == 34
+    _check(case)
 
 
 @pytest.mark.parametrize("heads", [64, 16, 128])

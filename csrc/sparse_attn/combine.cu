@@ -6,7 +6,7 @@
 // that sum (fp32).
 //
 // Two kernels. With many (token, head) pairs or few splits, serial_kernel: one CTA a pair, a thread 4
-// dims walking the splits (one load in flight). With few pairs and many splits (a few tokens of HCA at
+// dims walking the splits in rounds of loads. With few pairs and many splits (a few tokens of HCA at
 // long contexts), grouped_kernel: a CTA holds one pair and C of its four 128-dim chunks (a lane 4 dims)
 // with W warps a chunk; the W warps take the splits round robin, kLoads splits' loads in flight at
 // once, and add their sums through shared memory; C shrinks as W grows so that a CTA stays at 16
@@ -112,7 +112,15 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 3) grouped_kernel(const __grid
 #endif
 }
 
-// One CTA per (token, head), a thread 4 dims walking the splits: the kernel for one split group.
+// One CTA per (token, head), a thread 4 dims: the kernel for one split group. The splits come in rounds
+// of kRound whose exponents and partials are loaded together and merged into the running max and sums
+// (rescaled when a round raises the max), so a token of up to kRound live splits costs one round trip
+// to L2 after its row inputs, the same sums in the same order as one pass at the largest exponent.
+// kRound follows the split count (2, 4, else 8; at most 40 registers a thread): rounds of 16 took 96,
+// and at 4 splits (CSA 32 x 4K: 2048 CTAs) the lower occupancy cost more than the round trips saved
+// (H100, 24.3 us against 19.4-19.9); rounds of 4 at 2 splits cost V4-Pro CSA 32 x 4K 40.7-40.9 us
+// against 39.8-39.9 (rounds of 2: 39.0-39.2).
+template <int kRound>
 __global__ void __launch_bounds__(kDim / 4) serial_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
   pdl::wait_prior_grid();  // the splits' partial outputs
@@ -120,21 +128,41 @@ __global__ void __launch_bounds__(kDim / 4) serial_kernel(const __grid_constant_
   const int head = blockIdx.y;
   const int dim = threadIdx.x * 4;
   auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + dim;
+  // Loaded together: none depends on another.
+  const int req = p.req_slots[token], comp_len = p.comp_lens[token];
+  const float sink = p.sinks[head] * kLog2e;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (p.req_slots[token] >= 0) {
-    const float sink = p.sinks[head] * kLog2e;
+  if (req >= 0) {
     const int64_t row0 = token * p.splits * p.heads + head;
-    const int keys = p.window_keys + min(p.comp_lens[token], p.n_idx);
+    const int keys = p.window_keys + min(comp_len, p.n_idx);
     const int live = min(p.splits, (keys + p.split_keys - 1) / p.split_keys);
-    float m = sink;
-    for (int s = 0; s < live; ++s) m = fmaxf(m, p.lse[row0 + s * p.heads]);
-    float den = exp2f(sink - m);
-    for (int s = 0; s < live; ++s) {
-      const int64_t row = row0 + s * p.heads;
-      const float w = exp2f(p.lse[row] - m);
-      const float4 o = bf16x4_to_float4(*reinterpret_cast<const uint2*>(p.partial + row * kDim + dim));
-      den += w;
-      acc.x += w * o.x, acc.y += w * o.y, acc.z += w * o.z, acc.w += w * o.w;
+    const __nv_bfloat16* part = p.partial + row0 * kDim + dim;
+    const float* lse = p.lse + row0;
+    float m = sink, den = 1.f;  // the sink's term e^(sink - m)
+    for (int s0 = 0; s0 < live; s0 += kRound) {
+      float l[kRound];
+      uint2 o[kRound];  // 4 bf16
+#pragma unroll
+      for (int u = 0; u < kRound; ++u) {
+        const int s = s0 + u;
+        const bool in = s < live;
+        // 32-bit offsets (splits x heads x 512 < 2^31, checked on the host), as in grouped_kernel.
+        l[u] = in ? __ldg(lse + s * p.heads) : -INFINITY;
+        o[u] = in ? __ldg(reinterpret_cast<const uint2*>(part + s * p.heads * kDim)) : make_uint2(0, 0);
+      }
+      float mr = m;
+#pragma unroll
+      for (int u = 0; u < kRound; ++u) mr = fmaxf(mr, l[u]);
+      const float c = exp2f(m - mr);
+      den *= c, acc.x *= c, acc.y *= c, acc.z *= c, acc.w *= c;
+#pragma unroll
+      for (int u = 0; u < kRound; ++u) {
+        const float w = exp2f(l[u] - mr);
+        const float4 v = bf16x4_to_float4(o[u]);
+        den += w;
+        acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+      }
+      m = mr;
     }
     acc.x /= den, acc.y /= den, acc.z /= den, acc.w /= den;
   }
@@ -143,7 +171,6 @@ __global__ void __launch_bounds__(kDim / 4) serial_kernel(const __grid_constant_
   __trap();
 #endif
 }
-
 
 }  // namespace
 
@@ -162,7 +189,8 @@ void launch_combine(const Params& p, cudaStream_t stream) {
   if (groups == 1) {
     // H100, 2 splits of CSA 64 x 4K at 32 heads (2048 pairs): 31.3 us here, 36.2 through grouped_kernel
     // with one group (the same occupancy; not understood, not profiled).
-    pdl::launch_pdl(serial_kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
+    auto* kernel = p.splits <= 2 ? serial_kernel<2> : p.splits <= 4 ? serial_kernel<4> : serial_kernel<8>;
+    pdl::launch_pdl(kernel, dim3(p.tokens, p.heads), dim3(kDim / 4), 0, stream, p);
     return;
   }
   const int chunks = groups <= kMaxWarps / kChunks ? kChunks : kMaxWarps / groups;

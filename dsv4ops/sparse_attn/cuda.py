@@ -19,17 +19,19 @@ request: 12.1 us, 10.7 at a 4K `max_context`). The kernels' designs are in their
 The splits' partial outputs are bf16, each normalized by its own softmax sum (so bounded by the
 largest |value| of its keys), with fp32 log2-sums: half the bytes of fp32 partials, the traffic that
 made the combine a second, memory-bound kernel. The rounding adds at most half a bf16 ulp of the output
-before the combine's fp32 sum (the bf16 output then rounds once more); agreement with FlashMLA's fp32
-partials stayed at 4.3e-3..5.0e-3 of its largest |output| at the split rows of the side-by-side. H100,
-2026-11-27, the same warm machine, fp32 / bf16 partials at the split count the earlier rule picked, us:
-V4-Flash CSA 32 x 4K 24.3-24.5 / 19.5-20.2, HCA 32 x 64K 24.9-25.0 / 20.6-20.9, CSA 1 x 4K 11.5-11.8 /
-10.9-11.0, sliding 1 x 4K 10.0-10.3 / 9.0-9.4, V4-Pro CSA 32 x 4K 45.2-45.4 / 39.8-40.0, 16 heads HCA
-1 x 1M 17.6-17.8 / 15.7-16.0; over the sweep grid (README) the V4-Flash 64-head CSA median went from
-0.86 to 0.82 of FlashMLA's time (points over 0.9: 15 -> 5), HCA 0.89 -> 0.83 (15 -> 10).
+before the combine's fp32 sum (the bf16 output then rounds once more); over the sweep grid the largest
+difference from FlashMLA's output (fp32 partials) went from 7.8e-3 to 8.5e-3 of its largest |output|
+(median 4.4e-3 -> 4.7e-3). H100, 2026-11-27, the same warm machine, fp32 / bf16 partials at the split
+count the earlier rule picked, us: V4-Flash CSA 32 x 4K 24.3-24.5 / 19.5-20.2, HCA 32 x 64K 24.9-25.0
+/ 20.6-20.9, CSA 1 x 4K 11.5-11.8 / 10.9-11.0, sliding 1 x 4K 10.0-10.3 / 9.0-9.4, V4-Pro CSA 32 x 4K
+45.2-45.4 / 39.8-40.0, 16 heads HCA 1 x 1M 17.6-17.8 / 15.7-16.0. With the split rule refit to them
+(below) and the combine's rounds of loads (csrc/sparse_attn/combine.cu), the sweep grid's V4-Flash
+64-head CSA median went from 0.86 to 0.82 of FlashMLA's time (points over 0.9: 15 -> 5), HCA 0.89 ->
+0.84 (15 -> 10), sliding 1.02 -> 0.99 (30 -> 22), V4-Pro's 128-head rows 1.09-1.11 -> 1.02-1.04.
 
-Against FlashMLA on the same pools (H100, 2026-11-27; README Benchmarks) it takes 0.78-0.88x its
+Against FlashMLA on the same pools (H100, 2026-11-27; README Benchmarks) it takes 0.77-0.87x its
 time at batch 1, at CSA 32 x 4K and at 128 x 4K and longer contexts, and misses on three rows: sliding
-128 x 4K (1.01x), V4-Pro CSA 128 x 4K (1.13x) and a 4096-token prefill (1.34x). What bounds them:
+128 x 4K (1.01x), V4-Pro CSA 128 x 4K (1.15x) and a 4096-token prefill (1.34x). What bounds them:
 - the per-tile chain of the 64-head kernel. Its consumers split S by dims before 2026-11-27 (each
   warpgroup half of S, added through shared memory, the softmax run by both, then both halves of
   P V in step); warpgroup 0 now computes all of S and the softmax and hands P to warpgroup 1, which
@@ -40,7 +42,8 @@ time at batch 1, at CSA 32 x 4K and at 128 x 4K and longer contexts, and misses 
   sliding 256 x 16K 34.9-35.6 / 33.1-33.3; over the sweep grid (README) every 64 / 128-head row's
   median fell (V4-Pro CSA 1.24 -> 1.10, V4-Flash sliding 1.10 -> 1.02). A CTA of one or two tiles
   (batch 1 and 8, split lists) pays for the hand-off instead, 3-9% slower over the sweep (sliding
-  1 x 4K 9.1 us in the 2026-11-26 side-by-side, 9.7 now; CSA 1 x 4K 11.4 -> 11.5-11.9, same runs):
+  1 x 4K 9.1 us in the 2026-11-26 side-by-side, 9.7 after it, with fp32 partials; CSA 1 x 4K 11.4 ->
+  11.5-11.9, same runs):
   its S runs on one warpgroup and warpgroup 1's P V waits for it.
   Forced split counts there (60 points, batch 1 and 8) put the split rule within 3% of the fastest at
   52; it misses by 6-7% at V4-Pro sliding 8 x * (2 splits, 1 faster) and by 11-18% at three HCA
@@ -56,7 +59,7 @@ time at batch 1, at CSA 32 x 4K and at 128 x 4K and longer contexts, and misses 
   slots 34% busy). A second split per token (two waves) measured 46.3 us against 14.3; what would close
   it is another CTA's loads under each CTA's tiles (a persistent kernel with two tokens in flight per
   SM).
-- CSA 32 x 4K (1.09x with fp32 partials, 0.88x with bf16): 4 splits of 5 tiles fill the wave, and
+- CSA 32 x 4K (1.09x with fp32 partials, 0.87x with bf16): 4 splits of 5 tiles fill the wave, and
   the splits' fp32 partial outputs (16.8 MB written and read back) made the combine a second,
   memory-latency-bound kernel (long scoreboard 59% of its stalls).
 - V4-Pro: the two CTAs of a token each gather and dequantize the same keys (placing them side by side
