@@ -163,8 +163,8 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
 # - sparse_attn.cu (64 heads a CTA, 32-key tiles): 1.5 us, 0.5 us, 1.5 TB/s. Within 5% of the fastest
 #   forced count at 144 of 150 points (mean 0.6% over it), the worst HCA 32 x 16K (2 splits 17.1 us
 #   against 5: 15.0). The constants before (2 us, 1 us, 3 TB/s, fit to fp32 partials) on the bf16
-#   kernel: 137 of 150 (mean 1.3%), up to 19% over (sliding 32 x *: 2 splits 13.1-13.4 us against one,
-#   11.3-11.6).
+#   kernel: 137 of 150 (mean 1.3%), up to 19% over (32 heads HCA 1 x 1M: 131 splits against 53; 32
+#   heads sliding 32 x *: 2 splits 12.0-12.1 us against one, 10.6).
 # - small_heads.cu (64-key tiles): 2 us, 0.5 us, 1 TB/s. Within 5% at 131 of 135 points (mean 0.4%);
 #   the worst 8 heads HCA 64 x 16K (2 splits 15.1 us against 3: 12.0). Before (2 us, 3 us, 4 TB/s, from
 #   a first fit at batch 1-128 x 4K): 114 of 135 (mean 1.5%).
