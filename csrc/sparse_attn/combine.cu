@@ -117,9 +117,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 3) grouped_kernel(const __grid
 // (rescaled when a round raises the max), so a token of up to kRound live splits costs one round trip
 // to L2 after its row inputs, the same sums in the same order as one pass at the largest exponent.
 // kRound follows the split count (2, 4, else 8; at most 40 registers a thread): rounds of 16 took 96,
-// and at 4 splits (CSA 32 x 4K: 2048 CTAs) the lower occupancy cost more than the round trips saved
-// (H100, 24.3 us against 19.4-19.9); rounds of 4 at 2 splits cost V4-Pro CSA 32 x 4K 40.7-40.9 us
-// against 39.8-39.9 (rounds of 2: 39.0-39.2).
+// and at 4 splits (CSA 32 x 4K: 2048 CTAs) cost more than the round trips saved, by the register
+// count the lower occupancy (not profiled; H100, 24.3 us against 19.4-19.9); rounds of 4 at 2 splits
+// cost V4-Pro CSA 32 x 4K 40.7-40.9 us against 39.8-39.9 (rounds of 2: 39.0-39.2).
 template <int kRound>
 __global__ void __launch_bounds__(kDim / 4) serial_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
