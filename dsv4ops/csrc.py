@@ -19,6 +19,8 @@ _SOURCES = ("dsv4ops.cpp", "indexer/score_api.cpp", "indexer/score.cu", "indexer
             "sparse_attn/sparse_attn.cu", "sparse_attn/small_heads.cu", "sparse_attn/combine.cu")
 # Explicit -gencode pairs: without them cpp_extension derives the archs from the visible GPUs, and the
 # `-arch=sm_90a` shorthand was reported to add a plain sm_90 pass. sm_100a needs nvcc >= 12.8.
+# -lineinfo (line tables beside the same machine code) lets compute-sanitizer and ncu name csrc/'s
+# files and lines; tests/racecheck_report.py sorts racecheck's reports by them.
 _GENCODE = ("-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a")
 
 
@@ -61,7 +63,7 @@ def load() -> bool:
                 name="dsv4ops_csrc",
                 sources=[str(_CSRC / s) for s in _SOURCES],
                 extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", *_GENCODE],
+                extra_cuda_cflags=["-O3", "-lineinfo", *_GENCODE],
                 build_directory=str(folder),
                 is_python_module=False,
             )

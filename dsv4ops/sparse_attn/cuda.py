@@ -77,6 +77,16 @@ time at batch 1, at CSA 32 x 4K and at 128 x 4K and longer contexts, and misses 
   46.8-47.5 against 34.5-35.4, sliding 128 x 4K 39.6-40.1 against 29.7-30.2), one arrival per
   producer thread or one per tile alike: with two buffers a tile's producer now waits for both CTAs'
   consumers, and every converted chunk is also a remote store. Not kept.
+ncu of the kernel as built beside FlashMLA's (H100, 2026-11-27, base clocks ~1.44 GHz, one call each):
+V4-Pro CSA 128 x 4K 144.7 us against 126.9 + 4.9 (its combine), issue slots 48% / 31% busy, shared-memory
+LSU wavefronts 61% / 42% of peak (our raw ring: cp.async writes, the dequantization's reads, then bf16
+stores), DRAM 41% / 27% (each of a token's two 64-head CTAs reads its keys), barrier stalls 2.3 / 3.7
+per issue; V4-Flash CSA 128 x 4K 46.7 against 59.8 + 4.3 (LSU 52% / 27%); the 4096-token prefill 1.06 ms,
+LSU 61%, issue 48%, DRAM 15%; 8 heads CSA 128 x 4K 40.8 us, LSU 44%, barrier 3.6 per issue. No unit is
+saturated: the per-tile chain bounds them. What would close V4-Pro and the prefill, by these numbers:
+producers loading rows into registers and storing bf16 (no raw ring: the traffic behind 61% against
+42%, and 55 KiB that would let 64-key tiles fit beside q, reading q once per 64 keys), and one
+gathered tile for both 64-head halves without the remote stores the cluster build paid (above).
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
@@ -125,9 +135,13 @@ racecheck (CUDA 13.0) reports hazards on both kernels' named-barrier hand-offs (
 bar.sync counting fewer threads than the CTA: producers -> warpgroup 0, warpgroup 0 <-> 1) and on the
 consumers' final bar.sync exchange after them; tests/racecheck_named_barriers.cu reproduces both on
 a kernel whose synchronization is correct (the exchange alone: 0 hazards; after such hand-offs:
-reported). memcheck is clean; the GPU tests' run-to-run bitwise checks and bug injections (a hand-off
-read from the other buffer, warpgroup 1's rescale dropped, the next S issued on the wrong tile: each
-fails them) cover the hand-offs."""
+reported). With line info (csrc/ builds with -lineinfo; the SASS of the three sparse_attn files is the
+same without it), every report on tests/sanitize_run.py's 66 paths falls on those lines (H100,
+2026-11-27: 454 hazards, tests/racecheck_report.py names each line's barrier; the other 62 are in
+cuBLAS's nvjet GEMMs). memcheck, synccheck and initcheck are clean on the 32 attention paths; the
+GPU tests' run-to-run bitwise checks and bug injections (a hand-off read from the other buffer,
+warpgroup 1's rescale dropped, the next S issued on the wrong tile: each fails them) cover the
+hand-offs."""
 
 import functools
 
