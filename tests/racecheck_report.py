@@ -18,6 +18,7 @@ more than --print-limit. csrc/ is built with -lineinfo (dsv4ops/csrc.py), so eac
 and line."""
 
 import dataclasses
+import functools
 import pathlib
 import re
 import sys
@@ -73,14 +74,16 @@ def parse(text: str) -> list[list[Access]]:
     return hazards
 
 
+@functools.cache
+def _source_lines(name: str, root: pathlib.Path) -> tuple[str, ...] | None:
+    """The lines of csrc/'s one file called `name` (a report names files without their folder)."""
+    found = sorted(root.rglob(name))
+    return tuple(found[0].read_text().splitlines()) if len(found) == 1 else None
+
+
 def _source_line(access: Access, root: pathlib.Path) -> str | None:
-    if access.file is None:
-        return None
-    found = sorted(root.rglob(pathlib.Path(access.file).name))
-    if len(found) != 1:
-        return None
-    lines = found[0].read_text().splitlines()
-    return lines[access.line - 1] if 0 < access.line <= len(lines) else None
+    lines = _source_lines(pathlib.Path(access.file).name, root) if access.file else None
+    return lines[access.line - 1] if lines and 0 < access.line <= len(lines) else None
 
 
 def classify(accesses: list[Access], root: pathlib.Path = CSRC) -> str:
@@ -109,20 +112,20 @@ def main(argv: list[str]) -> int:
     counts, unexplained = report(text)
     print(f"racecheck: {counts['hand-off']} on named-barrier hand-offs, {counts['third-party']} in other "
           f"libraries' kernels, {counts['unexplained']} unexplained")
-    if _TRUNCATED in text:
-        print(f"incomplete: racecheck says \"{_TRUNCATED}\"; rerun with NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS "
-              "set higher")
-        return 1
-    summary = _SUMMARY.search(text)
-    if summary is None or int(summary[1]) != sum(counts.values()):
-        print(f"incomplete: {sum(counts.values())} hazards printed, the summary says "
-              f"{summary[1] if summary else 'nothing'} (a run cut short, or --print-limit below the count)")
-        return 1
     for accesses in unexplained:
         for a in accesses:
             print(f"  {a.kind} {a.function} {a.file}:{a.line}")
         print()
-    return 1 if unexplained else 0
+    summary = _SUMMARY.search(text)
+    if _TRUNCATED in text:
+        print(f"incomplete: racecheck says \"{_TRUNCATED}\"; rerun with NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS "
+              "set higher")
+    elif summary is None or int(summary[1]) != sum(counts.values()):
+        print(f"incomplete: {sum(counts.values())} hazards printed, the summary says "
+              f"{summary[1] if summary else 'nothing'} (a run cut short, or --print-limit below the count)")
+    else:
+        return 1 if unexplained else 0
+    return 1
 
 
 if __name__ == "__main__":
