@@ -87,6 +87,24 @@ saturated: the per-tile chain bounds them. What would close V4-Pro and the prefi
 producers loading rows into registers and storing bf16 (no raw ring: the traffic behind 61% against
 42%, and 55 KiB that would let 64-key tiles fit beside q, reading q once per 64 keys), and one
 gathered tile for both 64-head halves without the remote stores the cluster build paid (above).
+Both were then built on the kernel as built and measured against it (H100, 2026-11-28, same call, two
+rounds each, us, new / as built), and neither is kept:
+- The pair by st.async: a token's two CTAs a cluster of 2, CTA r's producers converting tiles r, r + 2,
+  ... and sending each 16-B chunk and the tile mask into the other CTA's tile by st.async completing
+  on its mbarrier (full: own producers' arrivals or the peer's bytes; empty: at the producing CTA, one
+  arrival per consumer warpgroup of both; three buffers). It passed the 86 csrc GPU tests and was
+  slower at every V4-Pro point: CSA 128 x 4K 143.8, 143.8 / 116.0, 115.9; CSA 32 x 4K 46.7 / 38.7-39.3;
+  1 x 4K 15.1-15.2 / 13.2-13.3; HCA 128 x 64K 89.0-89.8 / 73.1-73.4; sliding 8 x 4K 13.1 / 11.3-11.7
+  (V4-Flash controls equal). With one tile of slack in the ring, a tile's producer waits for both
+  CTAs' consumers and half the tiles arrive a remote round trip later, on every tile's chain; the
+  gather it saves is not the bound (DRAM 41%). racecheck also reports the st.async mask hand-off.
+- Register-loading producers (each lane's 20 words of a row loaded two 32-key units ahead, no raw
+  ring) with three 64-key bf16 tiles in small_heads.cu's 8- and 16-head CTAs: passed the tests and
+  racecheck, slower: 8 heads CSA 128 x 4K 34.0, 33.6 / 32.5, 31.8; sliding 128 x 4K 10.0, 9.6 / 8.7,
+  8.5; CSA 256 x 64K 67.7, 67.8 / 62.5, 62.7; 16 heads alike. The registers hold two units ahead
+  (~37 KB an SM in flight) where the raw ring held three (~56 KB), at one CTA an SM; the 32-head CTA,
+  which kept the ring but ran the same refactored gather code, was also 1-5% slower in that call, so
+  part of the loss is not the design's.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
@@ -105,7 +123,7 @@ the dequantization, the wgmmas or the gather (build-time experiments) saved 6.9 
 so each is a link of one chain, not the bound: with two key tiles in the ring, the producers refill a
 tile only after its P V, so a tile's dequantization, S and softmax, and P V follow one another (a
 third tile does not fit beside four raw stages). Two CTAs an SM or a deeper bf16 ring would let them
-overlap.
+overlap; a third tile fed by register-loading producers was slower (below, "Register-loading").
 The combine (csrc/sparse_attn/combine.cu) merges a token's splits with one thread walking them while
 (token, head) pairs fill the GPU, and spreads them over a CTA's warps, four loads in flight each, at few
 tokens with many splits. H100, 2026-11-27, one run, walking / spread: HCA 1 x 1M 29.7 -> 14.6 us at 8
