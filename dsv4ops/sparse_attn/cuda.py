@@ -105,6 +105,19 @@ rounds each, us, new / as built), and neither is kept:
   (~37 KB an SM in flight) where the raw ring held three (~56 KB), at one CTA an SM; the 32-head CTA,
   which kept the ring but ran the same refactored gather code, was also 1-5% slower in that call, so
   part of the loss is not the design's.
+Where each role's warps wait, from ncu's warp-state samples per SASS instruction mapped to source
+lines (-lineinfo; H100, 2026-11-28, base clocks, one call, samples of each role's warps): V4-Pro CSA
+128 x 4K: warpgroup 1 85% on barriers, 75% waiting for warpgroup 0's P; warpgroup 0 38% on barriers,
+27% at the next tile's FULL (waiting for the producers) and 12% on its wgmma group; the producers'
+samples are mostly their conversion (short scoreboard 22%, fixed-latency waits 21%, issuing 16%), their
+gathers 9% (long scoreboard); the consumers' q load and output store, each CTA's start and end, 9% of
+all samples. The 4096-token prefill alike (warpgroup 0: 23% at FULL). 8 heads CSA 128 x 4K: warpgroup
+1 92% on barriers, the producers 32% on theirs. So the tiles reach warpgroup 0 late although the ring
+lets the producers start a tile one to two consumer iterations ahead: the conversion's latency, at the
+producers' 64 registers, is on the chain. Moving registers to the producers (setmaxnreg 80, the
+consumers 176; no spill reported) made the 64-head kernel much slower in the same call, V4-Pro CSA
+128 x 4K 166.9-167.0 against 116.1-116.7 us, the prefill 1212-1216 against 840 (8-32 heads, which
+need fewer consumer registers, unchanged): the consumers need their 192.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
