@@ -116,8 +116,9 @@ all samples. The 4096-token prefill alike (warpgroup 0: 23% at FULL). 8 heads CS
 lets the producers start a tile one to two consumer iterations ahead: the conversion's latency, at the
 producers' 64 registers, is on the chain. Moving registers to the producers (setmaxnreg 80, the
 consumers 176; no spill reported) made the 64-head kernel much slower in the same call, V4-Pro CSA
-128 x 4K 166.9-167.0 against 116.1-116.7 us, the prefill 1212-1216 against 840 (8-32 heads, which
-need fewer consumer registers, unchanged): the consumers need their 192.
+128 x 4K 166.9-167.0 against 116.1-116.7 us, the prefill 1212-1216 against 840; the 8-32-head kernel,
+whose producers run the same code with the same split, was unchanged, so the loss is the 64-head
+consumers' at 176 registers (why, not profiled).
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
