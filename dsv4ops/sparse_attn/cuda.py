@@ -95,9 +95,10 @@ rounds each, us, new / as built), and neither is kept:
   arrival per consumer warpgroup of both; three buffers). It passed the 86 csrc GPU tests and was
   slower at every V4-Pro point: CSA 128 x 4K 143.8, 143.8 / 116.0, 115.9; CSA 32 x 4K 46.7 / 38.7-39.3;
   1 x 4K 15.1-15.2 / 13.2-13.3; HCA 128 x 64K 89.0-89.8 / 73.1-73.4; sliding 8 x 4K 13.1 / 11.3-11.7
-  (V4-Flash controls equal). With one tile of slack in the ring, a tile's producer waits for both
-  CTAs' consumers and half the tiles arrive a remote round trip later, on every tile's chain; the
-  gather it saves is not the bound (DRAM 41%). racecheck also reports the st.async mask hand-off.
+  (V4-Flash controls equal). Likely (not profiled): with one tile of slack in the ring, a tile's
+  producer waits for both CTAs' consumers and half the tiles arrive a remote round trip later, on
+  every tile's chain, while the gather it saves is not the bound (DRAM 41%). racecheck also reports
+  the st.async mask hand-off.
 - Register-loading producers (each lane's 20 words of a row loaded two 32-key units ahead, no raw
   ring) with three 64-key bf16 tiles in small_heads.cu's 8- and 16-head CTAs: passed the tests and
   racecheck, slower: 8 heads CSA 128 x 4K 34.0, 33.6 / 32.5, 31.8; sliding 128 x 4K 10.0, 9.6 / 8.7,
@@ -113,8 +114,8 @@ samples are mostly their conversion (short scoreboard 22%, fixed-latency waits 2
 gathers 9% (long scoreboard); the consumers' q load and output store, each CTA's start and end, 9% of
 all samples. The 4096-token prefill alike (warpgroup 0: 23% at FULL). 8 heads CSA 128 x 4K: warpgroup
 1 92% on barriers, the producers 32% on theirs. So the tiles reach warpgroup 0 late although the ring
-lets the producers start a tile one to two consumer iterations ahead: the conversion's latency, at the
-producers' 64 registers, is on the chain. Moving registers to the producers (setmaxnreg 80, the
+lets the producers start a tile one to two consumer iterations ahead: the producers' per-tile work
+(mostly the conversion) is on the chain. Moving registers to the producers (setmaxnreg 80, the
 consumers 176; no spill reported) made the 64-head kernel much slower in the same call, V4-Pro CSA
 128 x 4K 166.9-167.0 against 116.1-116.7 us, the prefill 1212-1216 against 840; the 8-32-head kernel,
 whose producers run the same code with the same split, was unchanged, so the loss is the 64-head
@@ -137,7 +138,7 @@ the dequantization, the wgmmas or the gather (build-time experiments) saved 6.9 
 so each is a link of one chain, not the bound: with two key tiles in the ring, the producers refill a
 tile only after its P V, so a tile's dequantization, S and softmax, and P V follow one another (a
 third tile does not fit beside four raw stages). Two CTAs an SM or a deeper bf16 ring would let them
-overlap; a third tile fed by register-loading producers was slower (below, "Register-loading").
+overlap; a third tile fed by register-loading producers was slower (above, "Register-loading").
 The combine (csrc/sparse_attn/combine.cu) merges a token's splits with one thread walking them while
 (token, head) pairs fill the GPU, and spreads them over a CTA's warps, four loads in flight each, at few
 tokens with many splits. H100, 2026-11-27, one run, walking / spread: HCA 1 x 1M 29.7 -> 14.6 us at 8
