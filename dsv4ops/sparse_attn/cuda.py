@@ -120,6 +120,33 @@ consumers 176; no spill reported) made the 64-head kernel much slower in the sam
 128 x 4K 166.9-167.0 against 116.1-116.7 us, the prefill 1212-1216 against 840; the 8-32-head kernel,
 whose producers run the same code with the same split, was unchanged, so the loss is the 64-head
 consumers' at 176 registers (why, not profiled).
+What the tiles' conversion costs, and what the consumers' chain costs (H100, 2026-11-28, each build
+against the kernel as built in the same call, two rounds, us, new / as built):
+- No conversion at all (the producers gather, the bf16 tiles keep stale bytes; a timing probe, wrong
+  results): V4-Pro CSA 128 x 4K 108.7-110.2 / 115.1-116.9, V4-Flash CSA 128 x 4K 35.5-36.1 / 38.0-38.3,
+  the prefill 809-812 / 842-847, 8 heads CSA 128 x 4K 26.0-26.1 / 31.6-32.1. So at 64 heads no change
+  on the producers' side can take more than 4-7%; at 8-32 heads, up to 18%.
+- Warpgroup 1 converting every tile (tile i + 2 under its P V of tile i) and the producers only
+  gathering (branch wip/wg1-convert): the 86 csrc GPU tests passed; 144.4-144.7 / 115.2-115.8, Flash
+  45.9-46.2 / 38.0-38.9, prefill 1060-1065 / 840-841 (8-32 heads unchanged).
+- The integer e4m3 -> bf16 conversion (above) rebuilt on this kernel: bit-exact (the 86 tests), 3-14%
+  slower (V4-Pro CSA 119.8-120.1 / 116.2-117.0, 8 heads 33.7-34.4 / 31.6, 8 heads sliding 9.2-9.6 /
+  8.4).
+- ncu (base clocks, one call each): the tensor pipe is active 37% of the cycles at V4-Pro CSA
+  128 x 4K, 33% at V4-Flash CSA 128 x 4K (issue slots 45% / 39%).
+- FA3-style ping-pong consumers (branch wip/seesaw): each warpgroup computes S and the softmax of
+  alternate tiles and its half of every tile's P V, handing P and the running max to the other, so one
+  warpgroup's softmax runs while the other's wgmmas do. A softmax under an in-flight 128-register
+  accumulator needs more than the 128 registers a thread of a 512-thread CTA (ptxas then serializes
+  every wgmma), so the CTA has one producer warpgroup (384 threads, 168 registers). It passed the 86
+  csrc GPU tests and was slower: V4-Pro CSA 128 x 4K 139.3-140.4 / 115.7-117.2, Flash 44.0-44.6 /
+  38.1-38.5, prefill 1033-1037 / 840-844. The same build without the conversion took 99.0-99.4 /
+  116.5-116.7, Flash 34.9-35.1 / 38.6-39.0, HCA 32 x 1M 87.9-88.2 / 103.2, prefill 668-670 / 846-852.
+  Without conversion the ping-pong consumers are faster than the kernel as built is (V4-Pro 99 against
+  109 us, prefill 669 against 810, the probe above, an earlier call), so the loss with conversion is
+  the one producer warpgroup's (read from these timings, not profiled). What would close V4-Pro and the
+  prefill is that consumer loop fed at the two producer warpgroups' conversion rate within 384 threads
+  (not built).
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
