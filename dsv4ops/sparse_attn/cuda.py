@@ -137,16 +137,17 @@ against the kernel as built in the same call, two rounds, us, new / as built):
 - FA3-style ping-pong consumers (branch wip/seesaw): each warpgroup computes S and the softmax of
   alternate tiles and its half of every tile's P V, handing P and the running max to the other, so one
   warpgroup's softmax runs while the other's wgmmas do. A softmax under an in-flight 128-register
-  accumulator needs more than the 128 registers a thread of a 512-thread CTA (ptxas then serializes
-  every wgmma), so the CTA has one producer warpgroup (384 threads, 168 registers). It passed the 86
-  csrc GPU tests and was slower: V4-Pro CSA 128 x 4K 139.3-140.4 / 115.7-117.2, Flash 44.0-44.6 /
-  38.1-38.5, prefill 1033-1037 / 840-844. The same build without the conversion took 99.0-99.4 /
+  accumulator needs more than the consumers' 192 registers of the 64 / 192 split (ptxas then
+  serializes every wgmma), so this build has one producer warpgroup (384 threads, 72 / 216). It
+  passed the 86 csrc GPU tests and was slower: V4-Pro CSA 128 x 4K 139.3-140.4 / 115.7-117.2,
+  Flash 44.0-44.6 / 38.1-38.5, prefill 1033-1037 / 840-844. The same build without the conversion took 99.0-99.4 /
   116.5-116.7, Flash 34.9-35.1 / 38.6-39.0, HCA 32 x 1M 87.9-88.2 / 103.2, prefill 668-670 / 846-852.
   Without conversion the ping-pong consumers are faster than the kernel as built is (V4-Pro 99 against
   109 us, prefill 669 against 810, the probe above, an earlier call), so the loss with conversion is
   the one producer warpgroup's (read from these timings, not profiled). What would close V4-Pro and the
-  prefill is that consumer loop fed at the two producer warpgroups' conversion rate within 384 threads
-  (not built).
+  prefill is that consumer loop fed at the two producer warpgroups' conversion rate: with both (512
+  threads) ptxas keeps the wgmmas asynchronous at a 56 / 200 split (nvcc 13.0; branch wip/seesaw512,
+  compiled, not yet run).
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
