@@ -144,10 +144,31 @@ against the kernel as built in the same call, two rounds, us, new / as built):
   116.5-116.7, Flash 34.9-35.1 / 38.6-39.0, HCA 32 x 1M 87.9-88.2 / 103.2, prefill 668-670 / 846-852.
   Without conversion the ping-pong consumers are faster than the kernel as built is (V4-Pro 99 against
   109 us, prefill 669 against 810, the probe above, an earlier call), so the loss with conversion is
-  the one producer warpgroup's (read from these timings, not profiled). What would close V4-Pro and the
-  prefill is that consumer loop fed at the two producer warpgroups' conversion rate: with both (512
-  threads) ptxas keeps the wgmmas asynchronous at a 56 / 200 split (nvcc 13.0; branch wip/seesaw512,
-  compiled, not yet run).
+  the one producer warpgroup's (read from these timings, not profiled).
+- The same consumers with both producer warpgroups (branch wip/seesaw512: 512 threads, setmaxnreg
+  56 / 200, the split at which ptxas keeps the wgmmas asynchronous; at 64 / 192 it serializes them):
+  the 86 tests passed; V4-Pro CSA 128 x 4K 119.3-120.6 / 116.0-116.5, HCA 128 x 64K 74.7-74.9 /
+  73.2-73.6, V4-Flash CSA 128 x 4K 38.7-39.3 / 38.4-38.8, HCA 32 x 1M 106.1-106.2 / 102.5, prefill
+  866-873 / 846, and 1-2% faster where a CTA has few tiles (CSA 32 x 4K 18.9 / 19.2, sliding 128 x 4K
+  12.9 / 13.1, 1 x 4K 8.5 / 8.7). Waiting for each warpgroup's P V before its softmax (one wgmma group
+  in flight) was slower still (120.1-120.2, prefill 885-886). Not kept: fed by two producer warpgroups
+  at 56 registers, the ping-pong consumers (99 us in the 384-thread build without conversion) take 120.
+- What the conversion's arithmetic costs: e4m3 -> f16 and one f16x2 multiply by the scale, stored as
+  the tiles' bits (2 instructions a pair of codes instead of 6 in the SASS; a timing probe, wrong results: the
+  consumers still read bf16). Same call, us, probe / as built: V4-Pro CSA 128 x 4K 117.0-117.9 /
+  116.8-117.7, prefill 844-852 / 843-850, sliding 128 x 4K 13.3-13.4 / 12.9-13.2; on wip/seesaw512
+  113.5-114.5 and 819-827; 8 heads CSA 128 x 4K 30.1-30.2 / 32.2-32.5, 32 heads 36.0 / 37.7-38.0. So
+  at 64 heads the producers' chain is their shared-memory traffic and latency, not their arithmetic
+  (f16 tiles with q and P in f16, exact wherever the scales keep e4m3 x 2^e within f16, would take
+  0-3% there and ~6% at 8-32 heads; not built).
+What would close V4-Pro and the prefill, by these numbers: fewer shared-memory bytes a key, not fewer
+instructions. A 32-key tile moves ~225 KB through shared memory (q 74 KB read by the S wgmmas, the
+raw row written and read 2 x 19 KB, the bf16 tile written and read 2 x 37 KB, V's halves 32 KB, P and
+the hand-offs): at ~1.57 us a tile (116 us over two waves of 37 tile times) that is ~143 GB/s, ~64%
+of an SM's 128 B a cycle at 1.755 GHz (an estimate from the byte count, not a profile).
+64-key tiles halve q's share but need the raw ring's 55 KB (register-loading producers, slower at 8-16
+heads above). FlashMLA's prefill row reads gathered bf16 keys (no conversion): the ping-pong without
+conversion took 669 us, 1.07x its 628.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
