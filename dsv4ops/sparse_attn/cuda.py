@@ -161,13 +161,28 @@ against the kernel as built in the same call, two rounds, us, new / as built):
   at 64 heads the producers' chain is their shared-memory traffic and latency, not their arithmetic
   (f16 tiles with q and P in f16, exact wherever the scales keep e4m3 x 2^e within f16, would take
   0-3% there and ~6% at 8-32 heads; not built).
-What would close V4-Pro and the prefill, by these numbers: fewer shared-memory bytes a key, not fewer
-instructions. A 32-key tile moves ~225 KB through shared memory (q 74 KB read by the S wgmmas, the
-raw row written and read 2 x 19 KB, the bf16 tile written and read 2 x 37 KB, V's halves 32 KB, P and
-the hand-offs): at ~1.57 us a tile (116 us over two waves of 37 tile times) that is ~143 GB/s, ~64%
-of an SM's 128 B a cycle at 1.755 GHz (an estimate from the byte count, not a profile).
-64-key tiles halve q's share but need the raw ring's 55 KB (register-loading producers, slower at 8-16
-heads above). FlashMLA's prefill row reads gathered bf16 keys (no conversion): the ping-pong without
+ncu of the kernels as built at the sweep's worst rows (H100, 2026-11-28, base clocks 1.42-1.60 GHz,
+one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of peak; DRAM, SM %):
+- V4-Pro CSA 128 x 4K (256 CTAs, 1.94 waves): 145 us, LSU 61 / reads 21 / writes 8, DRAM 41, SM 44,
+  8.1 cycles a warp between issues; V4-Pro HCA 128 x 1M: 882 us, 70 / 24 / 9, DRAM 43, SM 49, 7.9; the
+  4096-token prefill (31 waves): 1.06 ms, 61 / 21 / 9, DRAM 15, SM 47, 7.7. The busiest unit is the
+  LSU's shared-memory pipe (the raw ring's copies and reads, the bf16 stores, the hand-offs), under
+  its peak, and the banks are far from theirs: no unit is saturated; the per-tile chain bounds these
+  rows (above), and fewer instructions a tile (the probe) do not shorten it. By the layout (derived,
+  not measured), the raw ring's 592-B rows put a warp's four keys at bank offsets 0 / 80 / 32 / 112,
+  so each 8-B code load takes 3 wavefronts where 2 would do: ~10% of the producers' wavefronts.
+- V4-Flash sliding 256 x 64K (worst 64-head sliding row, 1.08): 37.4 us, 256 CTAs of 4 tiles in 1.94
+  waves, LSU 32, DRAM 32, SM 30, 9.3 cycles between issues: each CTA's q load and output store are
+  not under any other CTA's tiles; a persistent CTA taking a second token (its gather started under
+  the first's last tiles) would overlap them (not built: q's 72 KiB cannot be double-buffered beside
+  the tiles and the raw ring).
+- V4-Flash HCA 8 x 16K (worst 64-head HCA row, 1.13): 40 CTAs (8 tokens x 5 splits, 0.30
+  waves) 12.9 us, then the combine 6.8 us (512 CTAs of one (token, head), 0.65 waves, 12.7 cycles
+  between issues), DRAM 4% / 9%: both latency-bound at too few keys to fill the GPU.
+- 8 heads sliding 64 x 256K (worst 8-head shard row, 0.73 of FlashMLA's padded time): 64 CTAs (0.48
+  waves) of 2 tiles, 12.9 us, DRAM 12%, SM 14%; the split rule keeps one split (a second costs the
+  combine).
+FlashMLA's prefill row reads gathered bf16 keys (no conversion): the ping-pong consumers without
 conversion took 669 us, 1.07x its 628.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
