@@ -158,7 +158,7 @@ against the kernel as built in the same call, two rounds, us, new / as built):
   consumers still read bf16). Same call, us, probe / as built: V4-Pro CSA 128 x 4K 117.0-117.9 /
   116.8-117.7, prefill 844-852 / 843-850, sliding 128 x 4K 13.3-13.4 / 12.9-13.2; on wip/seesaw512
   113.5-114.5 and 819-827; 8 heads CSA 128 x 4K 30.1-30.2 / 32.2-32.5, 32 heads 36.0 / 37.7-38.0. So
-  at 64 heads the producers' chain is their shared-memory traffic and latency, not their arithmetic
+  at 64 heads the producers' arithmetic is not what makes the chain long (ncu below)
   (f16 tiles with q and P in f16, exact wherever the scales keep e4m3 x 2^e within f16, would take
   0-3% there and ~6% at 8-32 heads; not built).
 ncu of the kernels as built at the sweep's worst rows (H100, 2026-11-28, base clocks 1.42-1.60 GHz,
