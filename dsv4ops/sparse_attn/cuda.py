@@ -178,7 +178,17 @@ one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of pea
   the tiles and the raw ring).
 - V4-Flash HCA 8 x 16K (worst 64-head HCA row, 1.13): 40 CTAs (8 tokens x 5 splits, 0.30
   waves) 12.9 us, then the combine 6.8 us (512 CTAs of one (token, head), 0.65 waves, 12.7 cycles
-  between issues), DRAM 4% / 9%: both latency-bound at too few keys to fill the GPU.
+  between issues), DRAM 4% / 9%: both latency-bound at too few keys to fill the GPU. What the
+  combine costs in the graph, measured by not launching it (a timing probe, wrong results; same call,
+  two rounds, us, with / without): V4-Flash HCA 8 x 16K 13.0-13.7 / 8.7-8.9, CSA 8 x 4K 15.1-16.2 /
+  10.6-10.7, CSA 1 x 4K 10.9-11.1 / 7.1-7.5, HCA 1 x 1M 19.3-19.5 / 11.9-12.2, CSA 32 x 4K 19.0-19.3 /
+  14.7-15.0, CSA 8 x 256K 14.8 / 10.3-10.5, sliding 8 x 4K 9.7 / 7.1, 8 heads HCA 8 x 16K 8.3-8.5 /
+  6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: 22-38% of every split point's time, the second
+  kernel's launch, wait and loads after the splits' last store. What would close the small-batch
+  rows is the merge inside the split kernel, the issue's "combine fused into each token's last split"
+  spread over the token's CTAs (a cooperative launch keeps them co-resident when the split rule fills
+  one wave; each CTA merges its share of the heads once a per-token count shows every split stored);
+  not built.
 - 8 heads sliding 64 x 256K (worst 8-head shard row, 0.73 of FlashMLA's padded time): 64 CTAs (0.48
   waves) of 2 tiles, 12.9 us, DRAM 12%, SM 14%; the split rule keeps one split (a second costs the
   combine).
