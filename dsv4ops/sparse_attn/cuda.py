@@ -184,11 +184,18 @@ one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of pea
   10.6-10.7, CSA 1 x 4K 10.9-11.1 / 7.1-7.5, HCA 1 x 1M 19.3-19.5 / 11.9-12.2, CSA 32 x 4K 19.0-19.3 /
   14.7-15.0, CSA 8 x 256K 14.8 / 10.3-10.5, sliding 8 x 4K 9.7 / 7.1, 8 heads HCA 8 x 16K 8.3-8.5 /
   6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: 22-38% of every split point's time, the second
-  kernel's launch, wait and loads after the splits' last store. What would close the small-batch
-  rows is the merge inside the split kernel, the issue's "combine fused into each token's last split"
-  spread over the token's CTAs (a cooperative launch keeps them co-resident when the split rule fills
-  one wave; each CTA merges its share of the heads once a per-token count shows every split stored);
-  not built.
+  kernel's launch, wait and loads after the splits' last store. The merge inside the split kernel
+  was built (branch wip/cluster-merge): a token's at most 8 splits one thread-block cluster, each CTA
+  staging its normalized bf16 output and log2-sums in its shared memory, split r merging heads r,
+  r + S, ... over distributed shared memory between two cluster barriers (no partials in global
+  memory, no second kernel). The 86 csrc GPU tests passed; same call, us, merged / as built: HCA
+  8 x 16K 12.1-12.2 / 13.0-13.1, CSA 8 x 4K 13.9 / 14.7-15.0, CSA 8 x 256K 13.9-14.1 / 14.7-14.8,
+  CSA 1 x 4K 10.6-10.7 / 10.8, V4-Pro HCA 8 x 16K 12.4 / 13.8-14.1; slower at CSA 32 x 4K 31.8-31.9
+  / 19.0-19.2 (32 clusters of 4 CTAs of a whole SM each) and sliding 8 x 4K 10.6-11.0 / 9.6-9.7.
+  So the merge keeps ~3 us of the combine's ~4.3 at HCA 8 x 16K: most of that cost is the wait for a
+  token's last split and the merge's own loads and stores, not the second launch. Not kept: it would
+  need a rule for when clusters of whole-SM CTAs pack, and it closes 6-11% of rows that miss by up
+  to 13%.
 - 8 heads sliding 64 x 256K (worst 8-head shard row, 0.73 of FlashMLA's padded time): 64 CTAs (0.48
   waves) of 2 tiles, 12.9 us, DRAM 12%, SM 14%; the split rule keeps one split (a second costs the
   combine).
