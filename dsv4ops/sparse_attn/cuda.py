@@ -193,7 +193,8 @@ one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of pea
   CSA 1 x 4K 10.6-10.7 / 10.8, V4-Pro HCA 8 x 16K 12.4 / 13.8-14.1; slower at CSA 32 x 4K 31.8-31.9
   / 19.0-19.2 (32 clusters of 4 CTAs of a whole SM each) and sliding 8 x 4K 10.6-11.0 / 9.6-9.7.
   So the merge keeps ~3 us of the combine's ~4.3 at HCA 8 x 16K: most of that cost is the wait for a
-  token's last split and the merge's own loads and stores, not the second launch. Not kept: it would
+  token's last split and the merge's own loads and stores, not the second launch (read from these
+  timings, not profiled). Not kept: it would
   need a rule for when clusters of whole-SM CTAs pack, and it closes 6-11% of rows that miss by up
   to 13%.
 - 8 heads sliding 64 x 256K (worst 8-head shard row, 0.73 of FlashMLA's padded time): 64 CTAs (0.48
