@@ -194,9 +194,12 @@ one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of pea
   / 19.0-19.2 (32 clusters of 4 CTAs of a whole SM each) and sliding 8 x 4K 10.6-11.0 / 9.6-9.7.
   So the merge keeps ~3 us of the combine's ~4.3 at HCA 8 x 16K: most of that cost is the wait for a
   token's last split and the merge's own loads and stores, not the second launch (read from these
-  timings, not profiled). Not kept: it would
-  need a rule for when clusters of whole-SM CTAs pack, and it closes 6-11% of rows that miss by up
-  to 13%.
+  timings, not profiled). With the merge in clusters only while the grid's clusters fit the device at
+  once (cudaOccupancyMaxActiveClusters), a later call: CSA 32 x 4K 18.9-19.3 / 18.9-19.0 (the combine
+  again), HCA 8 x 16K 11.9-12.0 / 12.9, CSA 8 x 4K 13.9-14.1 / 14.8, sliding 8 x 4K 10.5-10.6 / 9.6-9.7
+  (splits of one tile; not profiled: each CTA reads ~64 KB of its peers' outputs over distributed
+  shared memory whatever the split count). Not on main: 5-8% at some small-batch rows against 9% lost
+  at others, before a sweep of the split rule with it.
 - 8 heads sliding 64 x 256K (worst 8-head shard row, 0.73 of FlashMLA's padded time): 64 CTAs (0.48
   waves) of 2 tiles, 12.9 us, DRAM 12%, SM 14%; the split rule keeps one split (a second costs the
   combine).
