@@ -150,7 +150,7 @@ against the kernel as built in the same call, two rounds, us, new / as built):
   the 86 tests passed; V4-Pro CSA 128 x 4K 119.3-120.6 / 116.0-116.5, HCA 128 x 64K 74.7-74.9 /
   73.2-73.6, V4-Flash CSA 128 x 4K 38.7-39.3 / 38.4-38.8, HCA 32 x 1M 106.1-106.2 / 102.5, prefill
   866-873 / 846, and 1-2% faster where a CTA has few tiles (CSA 32 x 4K 18.9 / 19.2, sliding 128 x 4K
-  12.9 / 13.1, 1 x 4K 8.5 / 8.7). Waiting for each warpgroup's P V before its softmax (one wgmma group
+  12.9 / 13.1, sliding 1 x 4K 8.5 / 8.7). Waiting for each warpgroup's P V before its softmax (one wgmma group
   in flight) was slower still (120.1-120.2, prefill 885-886). Not kept: fed by two producer warpgroups
   at 56 registers, the ping-pong consumers (99 us in the 384-thread build without conversion) take 120.
 - What the conversion's arithmetic costs: e4m3 -> f16 and one f16x2 multiply by the scale, stored as
@@ -183,8 +183,8 @@ one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of pea
   two rounds, us, with / without): V4-Flash HCA 8 x 16K 13.0-13.7 / 8.7-8.9, CSA 8 x 4K 15.1-16.2 /
   10.6-10.7, CSA 1 x 4K 10.9-11.1 / 7.1-7.5, HCA 1 x 1M 19.3-19.5 / 11.9-12.2, CSA 32 x 4K 19.0-19.3 /
   14.7-15.0, CSA 8 x 256K 14.8 / 10.3-10.5, sliding 8 x 4K 9.7 / 7.1, 8 heads HCA 8 x 16K 8.3-8.5 /
-  6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: 22-38% of every split point's time, the second
-  kernel's launch, wait and loads after the splits' last store. The merge inside the split kernel
+  6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: merging the splits after their last stores costs
+  22-38% of every split point's time. The merge inside the split kernel
   was built (branch wip/cluster-merge): a token's at most 8 splits one thread-block cluster, each CTA
   staging its normalized bf16 output and log2-sums in its shared memory, split r merging heads r,
   r + S, ... over distributed shared memory between two cluster barriers (no partials in global
