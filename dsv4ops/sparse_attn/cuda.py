@@ -145,22 +145,22 @@ against the kernel as built in the same call, two rounds, us, new / as built):
   Without conversion the ping-pong consumers are faster than the kernel as built is (V4-Pro 99 against
   109 us, prefill 669 against 810, the probe above, an earlier call), so the loss with conversion is
   the one producer warpgroup's (read from these timings, not profiled).
-- The same consumers with both producer warpgroups (branch wip/seesaw512: 512 threads, setmaxnreg
-  56 / 200, the split at which ptxas keeps the wgmmas asynchronous; at 64 / 192 it serializes them):
-  the 86 tests passed; V4-Pro CSA 128 x 4K 119.3-120.6 / 116.0-116.5, HCA 128 x 64K 74.7-74.9 /
-  73.2-73.6, V4-Flash CSA 128 x 4K 38.7-39.3 / 38.4-38.8, HCA 32 x 1M 106.1-106.2 / 102.5, prefill
-  866-873 / 846, and 1-2% faster where a CTA has few tiles (CSA 32 x 4K 18.9 / 19.2, sliding 128 x 4K
-  12.9 / 13.1, sliding 1 x 4K 8.5 / 8.7). Waiting for each warpgroup's P V before its softmax (one wgmma group
-  in flight) was slower still (120.1-120.2, prefill 885-886). Not kept: fed by two producer warpgroups
-  at 56 registers, the ping-pong consumers (99 us in the 384-thread build without conversion) take 120.
-- What the conversion's arithmetic costs: e4m3 -> f16 and one f16x2 multiply by the scale, stored as
-  the tiles' bits (2 instructions a pair of codes instead of 6 in the SASS; a timing probe, wrong results: the
-  consumers still read bf16). Same call, us, probe / as built: V4-Pro CSA 128 x 4K 117.0-117.9 /
+- The same consumers with both producer warpgroups (branch wip/seesaw512: 512 threads, setmaxnreg 56 /
+  200, the split at which ptxas keeps the wgmmas asynchronous; at 64 / 192 it serializes them): the 86
+  tests passed; V4-Pro CSA 128 x 4K 119.3-120.6 / 116.0-116.5, HCA 128 x 64K 74.7-74.9 / 73.2-73.6,
+  V4-Flash CSA 128 x 4K 38.7-39.3 / 38.4-38.8, HCA 32 x 1M 106.1-106.2 / 102.5, prefill 866-873 / 846,
+  and 1-2% faster where a CTA has few tiles (CSA 32 x 4K 18.9 / 19.2, sliding 128 x 4K 12.9 / 13.1,
+  sliding 1 x 4K 8.5 / 8.7). Waiting for each warpgroup's P V before its softmax (one wgmma group in
+  flight) was slower still (120.1-120.2, prefill 885-886). Not kept: fed by two producer warpgroups at
+  56 registers, the ping-pong consumers (99 us in the 384-thread build without conversion) take 120.
+- What the conversion's arithmetic costs: e4m3 -> f16 and one f16x2 multiply by the scale, stored as the
+  tiles' bits (2 instructions a pair of codes instead of 6 in the SASS; a timing probe, wrong results:
+  the consumers still read bf16). Same call, us, probe / as built: V4-Pro CSA 128 x 4K 117.0-117.9 /
   116.8-117.7, prefill 844-852 / 843-850, sliding 128 x 4K 13.3-13.4 / 12.9-13.2; on wip/seesaw512
-  113.5-114.5 and 819-827; 8 heads CSA 128 x 4K 30.1-30.2 / 32.2-32.5, 32 heads 36.0 / 37.7-38.0. So
-  at 64 heads the producers' arithmetic is not what makes the chain long (ncu below)
-  (f16 tiles with q and P in f16, exact wherever the scales keep e4m3 x 2^e within f16, would take
-  0-3% there and ~6% at 8-32 heads; not built).
+  113.5-114.5 and 819-827; 8 heads CSA 128 x 4K 30.1-30.2 / 32.2-32.5, 32 heads 36.0 / 37.7-38.0. So at
+  64 heads the producers' arithmetic is not what makes the chain long (ncu below) (f16 tiles with q and
+  P in f16, exact wherever the scales keep e4m3 x 2^e within f16, would take 0-3% there and ~6% at 8-32
+  heads; not built).
 ncu of the kernels as built at the sweep's worst rows (H100, 2026-11-28, base clocks 1.42-1.60 GHz,
 one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of peak; DRAM, SM %):
 - V4-Pro CSA 128 x 4K (256 CTAs, 1.94 waves): 145 us, LSU 61 / reads 21 / writes 8, DRAM 41, SM 44,
@@ -178,31 +178,30 @@ one call each; shared-memory LSU wavefronts / bank reads / bank writes, % of pea
   the tiles and the raw ring).
 - V4-Flash HCA 8 x 16K (worst 64-head HCA row, 1.13): 40 CTAs (8 tokens x 5 splits, 0.30
   waves) 12.9 us, then the combine 6.8 us (512 CTAs of one (token, head), 0.65 waves, 12.7 cycles
-  between issues), DRAM 4% / 9%: both latency-bound at too few keys to fill the GPU. What the
-  combine costs in the graph, measured by not launching it (a timing probe, wrong results; same call,
-  two rounds, us, with / without): V4-Flash HCA 8 x 16K 13.0-13.7 / 8.7-8.9, CSA 8 x 4K 15.1-16.2 /
-  10.6-10.7, CSA 1 x 4K 10.9-11.1 / 7.1-7.5, HCA 1 x 1M 19.3-19.5 / 11.9-12.2, CSA 32 x 4K 19.0-19.3 /
-  14.7-15.0, CSA 8 x 256K 14.8 / 10.3-10.5, sliding 8 x 4K 9.7 / 7.1, 8 heads HCA 8 x 16K 8.3-8.5 /
-  6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: merging the splits after their last stores costs
-  22-38% of every split point's time. The merge inside the split kernel
-  was built (branch wip/cluster-merge): a token's at most 8 splits one thread-block cluster, each CTA
-  staging its normalized bf16 output and log2-sums in its shared memory, split r merging heads r,
-  r + S, ... over distributed shared memory between two cluster barriers (no partials in global
-  memory, no second kernel). The 86 csrc GPU tests passed; same call, us, merged / as built: HCA
-  8 x 16K 12.1-12.2 / 13.0-13.1, CSA 8 x 4K 13.9 / 14.7-15.0, CSA 8 x 256K 13.9-14.1 / 14.7-14.8,
-  CSA 1 x 4K 10.6-10.7 / 10.8, V4-Pro HCA 8 x 16K 12.4 / 13.8-14.1; slower at CSA 32 x 4K 31.8-31.9
-  / 19.0-19.2 (32 clusters of 4 CTAs of a whole SM each) and sliding 8 x 4K 10.6-11.0 / 9.6-9.7.
-  So the merge keeps ~3 us of the combine's ~4.3 at HCA 8 x 16K: most of that cost is the wait for a
-  token's last split and the merge's own loads and stores, not the second launch (read from these
-  timings, not profiled). With the merge in clusters only while the grid's clusters fit the device at
-  once (cudaOccupancyMaxActiveClusters), a later call: CSA 32 x 4K 18.9-19.3 / 18.9-19.0 (the combine
-  again), HCA 8 x 16K 11.9-12.0 / 12.9, CSA 8 x 4K 13.9-14.1 / 14.8, sliding 8 x 4K 10.5-10.6 / 9.6-9.7
-  (splits of one tile; not profiled: each CTA reads ~64 KB of its peers' outputs over distributed
-  shared memory whatever the split count). Not on main: 5-8% at some small-batch rows against 9% lost
-  at others, before a sweep of the split rule with it.
+  between issues), DRAM 4% / 9%: both latency-bound at too few keys to fill the GPU.
 - 8 heads sliding 64 x 256K (worst 8-head shard row, 0.73 of FlashMLA's padded time): 64 CTAs (0.48
   waves) of 2 tiles, 12.9 us, DRAM 12%, SM 14%; the split rule keeps one split (a second costs the
   combine).
+What the split combine costs in the graph, measured by not launching it (a timing probe, wrong results;
+same call, two rounds, us, with / without): V4-Flash HCA 8 x 16K 13.0-13.7 / 8.7-8.9, CSA 8 x 4K
+15.1-16.2 / 10.6-10.7, CSA 1 x 4K 10.9-11.1 / 7.1-7.5, HCA 1 x 1M 19.3-19.5 / 11.9-12.2, CSA 32 x 4K
+19.0-19.3 / 14.7-15.0, CSA 8 x 256K 14.8 / 10.3-10.5, sliding 8 x 4K 9.7 / 7.1, 8 heads HCA 8 x 16K
+8.3-8.5 / 6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: merging the splits after their last stores
+costs 22-38% of every split point's time. The merge inside the split kernel was built (branch
+wip/cluster-merge): a token's at most 8 splits one thread-block cluster, each CTA staging its normalized
+bf16 output and log2-sums in its shared memory, split r merging heads r, r + S, ... over distributed
+shared memory between two cluster barriers (no partials in global memory, no second kernel). The 86 csrc
+GPU tests passed; same call, us, merged / as built: HCA 8 x 16K 12.1-12.2 / 13.0-13.1, CSA 8 x 4K 13.9 /
+14.7-15.0, CSA 8 x 256K 13.9-14.1 / 14.7-14.8, CSA 1 x 4K 10.6-10.7 / 10.8, V4-Pro HCA 8 x 16K 12.4 /
+13.8-14.1; slower at CSA 32 x 4K 31.8-31.9 / 19.0-19.2 (32 clusters of 4 CTAs of a whole SM each) and
+sliding 8 x 4K 10.6-11.0 / 9.6-9.7. So the merge keeps ~3 us of the combine's ~4.3 at HCA 8 x 16K: most
+of that cost is the wait for a token's last split and the merge's own loads and stores, not the second
+launch (read from these timings, not profiled). With the merge in clusters only while the grid's
+clusters fit the device at once (cudaOccupancyMaxActiveClusters), a later call: CSA 32 x 4K 18.9-19.3 /
+18.9-19.0 (the combine again), HCA 8 x 16K 11.9-12.0 / 12.9, CSA 8 x 4K 13.9-14.1 / 14.8, sliding 8 x 4K
+10.5-10.6 / 9.6-9.7 (splits of one tile; not profiled: each CTA reads ~64 KB of its peers' outputs over
+distributed shared memory whatever the split count). Not on main: 5-8% at some small-batch rows against
+9% lost at others, before a sweep of the split rule with it.
 FlashMLA's prefill row reads gathered bf16 keys (no conversion): the ping-pong consumers without
 conversion took 669 us, 1.07x its 628.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
