@@ -151,8 +151,9 @@ def topk_mx4():
 
 
 def attention():
-    """128 tokens over their window (one split), then 1 token over its window and 2048 listed
-    entries (split-KV and the combine), in each (window, entry) format pair the C++ kernels read, at 4
+    """128 tokens over their window (one split), 1 token over its window and 2048 listed entries
+    (split-KV and the combine), then 8 tokens over 512 (sparse_attn.cu at 64 / 128 heads merges their
+    splits in clusters), in each (window, entry) format pair the C++ kernels read, at 4
     heads (small_heads.cu's 8-head CTA) and 64 (sparse_attn.cu), and at 16, 32 and 128 (two 64-head
     CTAs a token) heads for V4's pair;
     at 4 heads each also as a context-parallel shard (with lse: the Triton kernel) and two such shards
@@ -167,7 +168,7 @@ def _attention(window_fmt: str, comp_fmt: str, heads: int):
     win = _fp8_pool(ring // 64, 512, window_fmt)
     comp = _fp8_pool(64, 512, comp_fmt)
     sinks = torch.randn(heads, device=DEV)
-    for t, entries in ((128, 0), (1, 2048)):
+    for t, entries in ((128, 0), (1, 2048), (8, 512)):
         pos = torch.arange(1000, 1000 + t, dtype=I32, device=DEV) if t > 1 else torch.tensor([5000], dtype=I32,
                                                                                             device=DEV)
         comp_idx = torch.randint(0, 64 * 64, (t, entries), dtype=I32, device=DEV)

@@ -1,10 +1,11 @@
 """GPU (sm_90): the CUDA C++ sparse_attn kernels (csrc/sparse_attn/, launcher
 dsv4ops/sparse_attn/cuda.py) against the float64 reference within the bf16 budget (a bf16 run of the
 reference), through their launcher (the arch table selects it on sm_90, so the op-level tiers run it
-too). Decode tokens of separate requests (split-KV and the combine kernel) and a prefill chunk (one
-split), windows cut short below position 127, -1 entries and shortened comp_lens, padding tokens,
-draft-block window ends, both kernels (64 heads a CTA, and 8 / 16 / 32 for tensor-parallel shards)
-and head counts that leave a CTA partly empty; outputs poisoned with NaN before the call."""
+too). Decode tokens of separate requests (split-KV: the splits merged in their cluster or by the
+combine kernel) and a prefill chunk (one split), windows cut short below position 127, -1 entries
+and shortened comp_lens, padding tokens, draft-block window ends, both kernels (64 heads a CTA, and
+8 / 16 / 32 for tensor-parallel shards) and head counts that leave a CTA partly empty; outputs
+poisoned with NaN before the call."""
 
 import builders
 import pytest
@@ -58,7 +59,7 @@ def test_matches_the_reference(heads, cta, prefill, monkeypatch):
     case = _case(heads, prefill)
     t = case[0].shape[0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # decode runs the split-KV path (partials + combine kernel), prefill the single-split one
+    # decode runs the split-KV path (the 64-head kernel merges in clusters), prefill the single-split one
     splits = sparse_attn_cuda.split_count(t * -(-heads // cta), 128 + 512, sms, min(heads, cta),
                                           sparse_attn_cuda.tile_keys(cta))
     assert (splits > 1) == (not prefill)
@@ -108,6 +109,22 @@ def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypat
     case = [x[keep] if i not in (1, 2, 7) else x for i, x in enumerate(case)]
     case[6] = torch.full_like(case[6], 8192)
     _check(tuple(case))
+
+
+@pytest.mark.parametrize("heads", [64, 72, 128])
+@pytest.mark.parametrize("splits", [2, 5, 8])
+def test_splits_merge_in_their_cluster(heads, splits, monkeypatch):
+    """8 tokens (one padding) of 896 entries (1024 keys) in 2, 5 or 8 splits of 4 or more tiles: few
+    clusters of at most 8 CTAs, so the 64-head kernel merges each token's splits in its cluster over
+    distributed shared memory (no combine kernel; 72 heads: a CTA of 8 live heads). Entries ordered by
+    head 0's score, lowest first, so the later splits hold the max and the first queries' sink weighs;
+    cut comp_lens leave splits with no key (-inf log2-sums, nothing staged)."""
+    _force_cta(monkeypatch, 64)
+    monkeypatch.setattr(sparse_attn_cuda, "split_count", lambda ctas, keys, sms, heads=64, tile=32: splits)
+    keys = 128 + 896
+    split_keys = -(-keys // splits // 32) * 32
+    assert -(-keys // split_keys) == splits and split_keys >= 64
+    _check(_rising_case(heads, prefill=False, entries=896))
 
 
 @pytest.mark.parametrize("heads,cta", [(64, 64), (32, 32)])

@@ -26,22 +26,39 @@ __device__ __forceinline__ void launch_dependents() {
 }
 
 // kCooperative: also a cooperative launch (every CTA resident at once, for grid-wide barriers).
+// `cluster` other than 1 x 1 x 1: thread-block clusters of that shape (co-scheduled CTAs that read
+// each other's shared memory).
 template <bool kCooperative = false, typename... Params, typename... Args>
-cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       Args&&... args) {
+cudaError_t launch_pdl_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, dim3 cluster, size_t smem,
+                                cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attributes[2]{};
-  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[0].val.programmaticStreamSerializationAllowed = 1;
-  attributes[1].id = cudaLaunchAttributeCooperative;
-  attributes[1].val.cooperative = 1;
+  cudaLaunchAttribute attributes[3]{};
+  unsigned n = 0;
+  attributes[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[n++].val.programmaticStreamSerializationAllowed = 1;
+  if (kCooperative) {
+    attributes[n].id = cudaLaunchAttributeCooperative;
+    attributes[n++].val.cooperative = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attributes[n].id = cudaLaunchAttributeClusterDimension;
+    attributes[n].val.clusterDim.x = cluster.x;
+    attributes[n].val.clusterDim.y = cluster.y;
+    attributes[n++].val.clusterDim.z = cluster.z;
+  }
   config.attrs = attributes;
-  config.numAttrs = kCooperative ? 2 : 1;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+template <bool kCooperative = false, typename... Params, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  return launch_pdl_clusters<kCooperative>(kernel, grid, block, dim3(1, 1, 1), smem, stream,
+                                           std::forward<Args>(args)...);
 }
 
 }  // namespace dsv4::pdl

@@ -47,11 +47,12 @@ struct Params {
   int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
   int splits;
   int cta_heads;     // heads per CTA: 64 (sparse_attn.cu) or 8 / 16 / 32 (small_heads.cu)
+  int cluster_merge; // set by launch(): a token's splits are one cluster and merge in the kernel
   float scale_log2;  // softmax scale x log2(e)
 };
 
 bool serves_formats(int window_fmt, int comp_fmt);
-// The main kernel, then (p.splits > 1) the merge of the splits' partials.
+// The main kernel, then (p.splits > 1, unless the kernel merged them) the merge of the splits' partials.
 void launch(const Params& p, cudaStream_t stream);
 void launch_small_heads(const Params& p, cudaStream_t stream);  // small_heads.cu: the main kernel alone
 void launch_combine(const Params& p, cudaStream_t stream);      // combine.cu

@@ -9,8 +9,10 @@ kernel to a trap, and sm_100 runs the Triton kernel.
 The C++ kernels take a token x 64 heads (csrc/sparse_attn/sparse_attn.cu) or x 8 / 16 / 32 heads
 (small_heads.cu, a tensor-parallel rank's share: `cta_heads`) x one split of its key list per CTA
 (one CTA per SM: 218-226 KiB of shared memory); a batch that would leave SMs idle splits each list
-(`split_count`), and a second kernel merges the splits' partial outputs with the sink (workspace
-allocated per call from static sizes, so the call stays CUDA-graph safe). The split count fills one
+(`split_count`), and the splits' partial outputs are merged with the sink: by the 64-head kernel
+itself, over distributed shared memory, when a token's splits fit one thread-block cluster (below),
+else by a second kernel (workspace allocated per call from static sizes, so the call stays CUDA-graph
+safe). The split count fills one
 wave of CTAs (HCA 32 x 1M: 4 splits of 65 tiles); it is sized by the key list's width, but a split
 past its token's real list (window plus `comp_lens` entries) leaves at once and the combine reads
 only the live splits, so the cost follows the real context (HCA 1 x 4K in a cache of 1M positions a
@@ -187,21 +189,22 @@ same call, two rounds, us, with / without): V4-Flash HCA 8 x 16K 13.0-13.7 / 8.7
 15.1-16.2 / 10.6-10.7, CSA 1 x 4K 10.9-11.1 / 7.1-7.5, HCA 1 x 1M 19.3-19.5 / 11.9-12.2, CSA 32 x 4K
 19.0-19.3 / 14.7-15.0, CSA 8 x 256K 14.8 / 10.3-10.5, sliding 8 x 4K 9.7 / 7.1, 8 heads HCA 8 x 16K
 8.3-8.5 / 6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: merging the splits after their last stores
-costs 22-38% of every split point's time. The merge inside the split kernel was built (branch
-wip/cluster-merge): a token's at most 8 splits one thread-block cluster, each CTA staging its normalized
-bf16 output and log2-sums in its shared memory, split r merging heads r, r + S, ... over distributed
-shared memory between two cluster barriers (no partials in global memory, no second kernel). The 86 csrc
-GPU tests passed; same call, us, merged / as built: HCA 8 x 16K 12.1-12.2 / 13.0-13.1, CSA 8 x 4K 13.9 /
-14.7-15.0, CSA 8 x 256K 13.9-14.1 / 14.7-14.8, CSA 1 x 4K 10.6-10.7 / 10.8, V4-Pro HCA 8 x 16K 12.4 /
-13.8-14.1; slower at CSA 32 x 4K 31.8-31.9 / 19.0-19.2 (32 clusters of 4 CTAs of a whole SM each) and
-sliding 8 x 4K 10.6-11.0 / 9.6-9.7. So the merge keeps ~3 us of the combine's ~4.3 at HCA 8 x 16K: most
-of that cost is the wait for a token's last split and the merge's own loads and stores, not the second
-launch (read from these timings, not profiled). With the merge in clusters only while the grid's
-clusters fit the device at once (cudaOccupancyMaxActiveClusters), a later call: CSA 32 x 4K 18.9-19.3 /
-18.9-19.0 (the combine again), HCA 8 x 16K 11.9-12.0 / 12.9, CSA 8 x 4K 13.9-14.1 / 14.8, sliding 8 x 4K
-10.5-10.6 / 9.6-9.7 (splits of one tile; not profiled: each CTA reads ~64 KB of its peers' outputs over
-distributed shared memory whatever the split count). Not on main: 5-8% at some small-batch rows against
-9% lost at others, before a sweep of the split rule with it.
+costs 22-38% of every split point's time. The 64-head kernel merges them itself where it can
+(sparse_attn.cu `merge_splits`): a token's at most 8 splits one thread-block cluster, each CTA staging
+its normalized bf16 output and log2-sums in its shared memory, split r merging heads r, r + S, ... over
+distributed shared memory between two cluster barriers (no partials in global memory, no second kernel),
+when each split holds 2 tiles or more and the grid's clusters fit the device at once
+(cudaOccupancyMaxActiveClusters; 32 clusters of 4 whole-SM CTAs did not: CSA 32 x 4K 31.8 us against
+19.0 with the combine). Same call, two rounds, us, merged / the combine (H100, 2026-11-28): HCA 8 x 16K
+11.4-11.6 / 12.9-13.3, CSA 8 x 4K 13.8-14.1 / 14.7-15.0, CSA 8 x 256K 13.8-14.1 / 14.8-15.0, V4-Pro HCA 8 x
+16K 11.7-12.2 / 13.9-14.1, V4-Pro CSA 32 x 4K 34.9-36.2 / 39.3-39.9; slower at HCA 8 x 4K (2 splits of 3
+and 2 tiles) 11.5 / 10.8-10.9, one round. What the merge costs, HCA 8 x 16K: the two cluster barriers
+alone (a timing probe, wrong results) 8.5-8.6, near the 8.7-8.9 without any merge; the merge's loads
+(~64 KB a CTA from its peers, whatever the split count) the other ~3 us; 16-B loads took 0.6 us less
+than 8-B ones; reading its own split from its own shared memory instead of over the cluster was slower
+(12.2 against 11.4, one round). Splits of one tile keep the combine (sliding 8 x 4K, 4 splits: 10.5-10.6
+merged with 8-B loads against 9.6-9.7). The split rule's costs (SPLIT_COSTS) are the combine's, not
+refit to the merge.
 FlashMLA's prefill row reads gathered bf16 keys (no conversion): the ping-pong consumers without
 conversion took 669 us, 1.07x its 628.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
