@@ -211,11 +211,11 @@ V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 2
 (csrc/sparse_attn/rows.cuh) into the same bf16 tiles, so the consumers' chain is V4's: 128 x 4K window +
 512 entries 40.6 us (V4's kernel on the same keys re-encoded to 584-B rows: 38.1; FlashMLA on them:
 47.9; the Triton kernel: 175; 43.0 / 40.8 / 47.7 with the split-S consumers). Reading 57% of V4's bytes
-buys no time: ncu (base clocks, split-S consumers) showed the V4.1 CTA latency-bound like V4's, DRAM 22% busy, SM 44%, 7.8
-cycles a warp between issues (barrier 1.30, fixed-latency wait 1.27, short scoreboard 1.16 per issue)
-with one 16-warp CTA an SM. Keeping the rows in e4m3 for FP8 wgmmas would need q in e4m3 (V4 and V4.1
-run QK in bf16) and is not exact for FP4 entries (an e2m1 value times an e4m3 scale has up to 6
-significant bits), so the tiles stay bf16; the time is the tile chain's (above).
+buys no time: ncu (base clocks, split-S consumers) showed the V4.1 CTA latency-bound like V4's, DRAM 22%
+busy, SM 44%, 7.8 cycles a warp between issues (barrier 1.30, fixed-latency wait 1.27, short scoreboard
+1.16 per issue) with one 16-warp CTA an SM. Keeping the rows in e4m3 for FP8 wgmmas would need q in e4m3
+(V4 and V4.1 run QK in bf16) and is not exact for FP4 entries (an e2m1 value times an e4m3 scale has up
+to 6 significant bits), so the tiles stay bf16; the time is the tile chain's (above).
 Tensor-parallel shards (H100, 2026-11-27, README's sweep table): with the 64-head CTA a rank's 8 heads
 cost nearly what 64 do (CSA 128 x 4K 37.0 against 41.9 us); small_heads.cu's CTA, tensor work sized to
 the heads, takes 32.2 / 34.2 / 38.0 us at 8 / 16 / 32 heads, 0.62-0.74x FlashMLA's padded 51.6, and
