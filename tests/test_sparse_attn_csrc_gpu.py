@@ -130,8 +130,8 @@ def test_splits_merge_in_their_cluster(heads, splits, monkeypatch):
 @pytest.mark.parametrize("heads,cta", [(64, 64), (32, 32)])
 def test_forty_tokens_few_splits(heads, cta, monkeypatch):
     """40 tokens of one request from position 0: 2 to 4 splits a token over 40 CTAs, merged by the
-    combine's one-CTA-a-(token, head) kernel; the first queries see a few window keys, so their sink
-    weighs."""
+    combine's one-CTA-a-(token, head) kernel (small_heads.cu), or in their clusters where the 64-head
+    kernel's fit the device at once; the first queries see a few window keys, so their sink weighs."""
     _force_cta(monkeypatch, cta)
     q, wc, cc, pos, req, idx, lens, sinks = (x[:40] if i not in (1, 2, 7) else x
                                              for i, x in enumerate(_case(heads, prefill=True)))
