@@ -195,16 +195,16 @@ its normalized bf16 output and log2-sums in its shared memory, split r merging h
 distributed shared memory between two cluster barriers (no partials in global memory, no second kernel),
 when each split holds 2 tiles or more and the grid's clusters fit the device at once
 (cudaOccupancyMaxActiveClusters; 32 clusters of 4 whole-SM CTAs did not: CSA 32 x 4K 31.8 us against
-19.0 with the combine). Same call, two rounds, us, merged / the combine (H100, 2026-11-28): HCA 8 x 16K
-11.4-11.6 / 12.9-13.3, CSA 8 x 4K 13.8-14.1 / 14.7-15.0, CSA 8 x 256K 13.8-14.1 / 14.8-15.0, V4-Pro HCA 8 x
-16K 11.7-12.2 / 13.9-14.1, V4-Pro CSA 32 x 4K 34.9-36.2 / 39.3-39.9; slower at HCA 8 x 4K (2 splits of 3
-and 2 tiles) 11.5 / 10.8-10.9, one round. What the merge costs, HCA 8 x 16K: the two cluster barriers
-alone (a timing probe, wrong results) 8.5-8.6, near the 8.7-8.9 without any merge; the merge's loads
-(~64 KB a CTA from its peers, whatever the split count) the other ~3 us; 16-B loads took 0.6 us less
-than 8-B ones; reading its own split from its own shared memory instead of over the cluster was slower
-(12.2 against 11.4, one round). Splits of one tile keep the combine (sliding 8 x 4K, 4 splits: 10.5-10.6
-merged with 8-B loads against 9.6-9.7). The split rule's costs (SPLIT_COSTS) are the combine's, not
-refit to the merge.
+19.0 with the combine). Merged / the combine, us, each build timed beside the other in the same calls
+(H100, 2026-11-28, three calls): HCA 8 x 16K 11.4-11.6 / 12.9-13.3, CSA 8 x 4K 13.8-14.1 / 14.7-15.0,
+CSA 8 x 256K 13.8-14.1 / 14.8-15.1, V4-Pro HCA 8 x 16K 11.7-12.2 / 13.8-14.1, V4-Pro CSA 32 x 4K
+34.9-36.2 / 39.1-39.9; slower at HCA 8 x 4K (2 splits of 3 and 2 tiles) 11.5 / 10.8-10.9, one round.
+What the merge costs, HCA 8 x 16K: the two cluster barriers alone (a timing probe, wrong results)
+8.5-8.6, near the 8.7-8.9 without any merge; the merge's loads (~64 KB a CTA from its peers, whatever
+the split count) the other ~3 us; 16-B loads took 0.6 us less than 8-B ones; reading its own split from
+its own shared memory instead of over the cluster was slower (12.2 against 11.4, one round). Splits of
+one tile keep the combine (sliding 8 x 4K, 4 splits: 10.5-10.6 merged with 8-B loads against 9.6-9.7).
+The split rule's costs (SPLIT_COSTS) are the combine's, not refit to the merge.
 FlashMLA's prefill row reads gathered bf16 keys (no conversion): the ping-pong consumers without
 conversion took 669 us, 1.07x its 628.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
