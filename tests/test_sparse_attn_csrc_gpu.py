@@ -116,7 +116,9 @@ def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypat
 def test_splits_merge_in_their_cluster(heads, splits, monkeypatch):
     """8 tokens (one padding) of 896 entries (1024 keys) in 2, 5 or 8 splits of 4 or more tiles: few
     clusters of at most 8 CTAs, so the 64-head kernel merges each token's splits in its cluster over
-    distributed shared memory (no combine kernel; 72 heads: a CTA of 8 live heads). Entries ordered by
+    distributed shared memory (no combine kernel; 72 heads: a CTA of 8 live heads). At 72 and 128
+    heads, 16 clusters of 8 whole-SM CTAs need not fit the device at once: there the launch keeps the
+    combine (H100: with the merge's sink dropped, those two cases alone passed). Entries ordered by
     head 0's score, lowest first, so the later splits hold the max and the first queries' sink weighs;
     cut comp_lens leave splits with no key (-inf log2-sums, nothing staged)."""
     _force_cta(monkeypatch, 64)
