@@ -118,9 +118,9 @@ def test_splits_merge_in_their_cluster(heads, splits, monkeypatch):
     clusters of at most 8 CTAs, so the 64-head kernel merges each token's splits in its cluster over
     distributed shared memory (no combine kernel; 72 heads: a CTA of 8 live heads). At 72 and 128
     heads, 16 clusters of 8 whole-SM CTAs need not fit the device at once: there the launch keeps the
-    combine (H100: with the merge's sink dropped, those two cases alone passed). Entries ordered by
-    head 0's score, lowest first, so the later splits hold the max and the first queries' sink weighs;
-    cut comp_lens leave splits with no key (-inf log2-sums, nothing staged)."""
+    combine. Entries ordered by head 0's score, lowest first, so the later splits hold the max and the
+    first queries' sink weighs; cut comp_lens leave splits with no key (-inf log2-sums, nothing
+    staged)."""
     _force_cta(monkeypatch, 64)
     monkeypatch.setattr(sparse_attn_cuda, "split_count", lambda ctas, keys, sms, heads=64, tile=32: splits)
     keys = 128 + 896
