@@ -20,7 +20,10 @@ TORCH_LIBRARY(dsv4_csrc, m) {
       "sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor window_ends, Tensor req_slots, "
       "Tensor comp_idx, Tensor comp_lens, Tensor sinks, Tensor(a!) out, Tensor(b!) partial, Tensor(c!) lse, "
       "float scale, int window, int ring_size, int window_fmt, int comp_fmt, int window_block, "
-      "int comp_block, int window_page_bytes, int comp_page_bytes, int window_keys, int split_keys, int splits, int cta_heads) -> ()");
+      "int comp_block, int window_page_bytes, int comp_page_bytes, int window_keys, int split_keys, int splits, int cta_heads, "
+      "bool cluster_merge) -> ()");
+  // No tensor to dispatch on: one kernel for every key, on the current CUDA device.
+  m.def("cluster_capacity(int cta_heads, int splits) -> int", &dsv4::sparse_attn::cluster_capacity_cuda);
   m.def(
       "topk_score(Tensor q, Tensor weights, Tensor positions, Tensor req_slots, Tensor cache, Tensor block_table, "
       "Tensor cand, Tensor(a!) workspace, int t0, int tokens, int row_words, int programs, int n_entries, int ratio, "

@@ -152,10 +152,10 @@ def topk_mx4():
 
 def attention():
     """128 tokens over their window (one split), 1 token over its window and 2048 listed entries
-    (split-KV and the combine), then 8 tokens over 512 (sparse_attn.cu at 64 / 128 heads merges their
-    splits in clusters), in each (window, entry) format pair the C++ kernels read, at 4
-    heads (small_heads.cu's 8-head CTA) and 64 (sparse_attn.cu), and at 16, 32 and 128 (two 64-head
-    CTAs a token) heads for V4's pair;
+    (split-KV and the combine), then 8 tokens over 512 (split-KV: the combine at 4 heads, at more the
+    splits merged in their clusters), in each (window, entry) format pair the C++ kernels read, at 4
+    heads (small_heads.cu's 8-head CTA) and 64 (sparse_attn.cu), and at 16 (small_heads.cu's 16-head
+    CTA), 32 and 128 (two 64-head CTAs a token) heads for V4's pair;
     at 4 heads each also as a context-parallel shard (with lse: the Triton kernel) and two such shards
     merged (attn_merge)."""
     for window_fmt, comp_fmt in (("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288")):

@@ -242,29 +242,58 @@ def test_split_rule_fills_the_sms_once():
     assert split_rule(8, 128, 32, 132) == 4  # never a split without a whole tile
 
 
-def test_csrc_split_count_fills_one_wave():
-    from dsv4ops.sparse_attn.cuda import split_count
+# H100 (132 SMs): clusters of s whole-SM CTAs the device holds at once (dsv4ops.sparse_attn.cuda.cluster_capacity).
+H100_CLUSTERS = (0, 0, 66, 39, 30, 22, 17, 15, 15)
 
-    assert split_count(128, 640, 132) == 1  # CSA 128 x 4K: the CTAs already fill the GPU
-    assert split_count(1, 640, 132) == 20  # CSA 1 x 4K: one 32-key tile per split
-    assert split_count(32, 640, 132) == 4  # CSA 32 x 4K: 128 CTAs, 5 tiles each
-    assert split_count(32, 128 + 8192, 132) == 4  # HCA 32 x 1M: one wave of 65 tiles, not 3 waves of 29
-    assert split_count(8, 128, 132) == 4  # never a split without a whole tile
-    assert split_count(32, 128, 132) == 1  # a 4-tile window at batch 32: the partials cost more than they save
-    assert split_count(1, 128, 132) == 4
-    assert split_count(8, 640, 132) == 7  # CSA 8 x 4K: 7 splits of 3 tiles (H100 15.4 us) beat 10 of 2 (16.7)
+
+def test_csrc_split_plan_fills_one_wave():
+    from dsv4ops.sparse_attn.cuda import split_plan
+
+    assert split_plan(128, 640, 132) == (1, False)  # CSA 128 x 4K: the CTAs already fill the GPU
+    assert split_plan(1, 640, 132) == (20, False)  # CSA 1 x 4K: one 32-key tile per split
+    assert split_plan(32, 640, 132) == (4, False)  # CSA 32 x 4K: 128 CTAs, 5 tiles each
+    assert split_plan(32, 128 + 8192, 132) == (4, False)  # HCA 32 x 1M: one wave of 65 tiles, not 3 waves of 29
+    assert split_plan(8, 128, 132) == (4, False)  # never a split without a whole tile
+    assert split_plan(32, 128, 132) == (1, False)  # a 4-tile window at batch 32: the partials cost more than they save
+    assert split_plan(1, 128, 132) == (4, False)
+    assert split_plan(8, 640, 132) == (7, False)  # CSA 8 x 4K: 7 splits of 3 tiles (H100 15.4 us) beat 10 of 2 (16.7)
+    # every count survives the launcher's rounding to whole tiles (7 splits of 22 tiles would be 6 of 4)
+    for ctas in (1, 3, 8, 17, 40):
+        for keys in (128, 192, 704, 1152, 2240, 128 + 8192):
+            for heads, tile in ((64, 32), (8, 64)):
+                n, _ = split_plan(ctas, keys, 132, heads, tile, H100_CLUSTERS)
+                tiles = -(-keys // tile)
+                assert -(-tiles // -(-tiles // n)) == n, (ctas, keys, heads, n)
+
+
+def test_csrc_split_plan_merges_in_clusters_that_fit():
+    """Where 2-8 splits' clusters all fit the device at once, the plan weighs their merge in the
+    cluster (its CTAs read (S - 1) / S of their heads' rows from their peers) against the combine."""
+    from dsv4ops.sparse_attn.cuda import split_plan
+
+    # CSA 8 x 4K at 64 heads: 7 splits merged (H100 13.7 us; 5 with the combine 16.1)
+    assert split_plan(8, 640, 132, clusters=H100_CLUSTERS) == (7, True)
+    # CSA 32 x 4K: 32 clusters of 3 fit, 32 of 4 do not (30): 3 merged (H100 19.0 us, 4 with the combine 19.2)
+    assert split_plan(32, 640, 132, clusters=H100_CLUSTERS) == (3, True)
+    assert split_plan(32, 640, 132) == (4, False)  # no cluster capacity known: the combine
+    assert split_plan(32, 640, 132, clusters=H100_CLUSTERS[:3]) == (2, True)  # 32 clusters of 2 only
+    assert split_plan(1, 640, 132, clusters=H100_CLUSTERS) == (20, False)  # more splits than a cluster holds
+    assert split_plan(128, 640, 132, clusters=H100_CLUSTERS) == (1, False)
+    # 8 heads, sliding 64 x 4K: two splits of one 64-key tile merge (H100 7.7 us against one split's 8.7)
+    assert split_plan(64, 128, 132, 8, 64) == (1, False)
+    assert split_plan(64, 128, 132, 8, 64, H100_CLUSTERS) == (2, True)
 
 
 def test_csrc_heads_per_cta_and_tile_keys():
     """Tensor-parallel head shards take small_heads.cu's CTA of 8 / 16 / 32 heads (64-key tiles);
     more than 32 heads take 64-head CTAs (32-key tiles), and so do 17-32 heads of few tokens."""
-    from dsv4ops.sparse_attn.cuda import cta_heads, split_count, tile_keys
+    from dsv4ops.sparse_attn.cuda import cta_heads, split_plan, tile_keys
 
     assert [cta_heads(h, 128, 132) for h in (1, 8, 9, 16, 24, 32, 33, 64, 128)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
     # a few tokens: 17-32 heads take the 64-head CTA (its start and end are shorter)
     assert [cta_heads(h, 32, 132) for h in (8, 16, 32)] == [8, 16, 64]
     assert cta_heads(32, 33, 132) == 32
     assert [tile_keys(c) for c in (8, 16, 32, 64)] == [64, 64, 64, 32]
-    assert split_count(1, 640, 132, 8, 64) == 10  # CSA 1 x 4K at 8 heads: one 64-key tile per split
+    assert split_plan(1, 640, 132, 8, 64) == (10, False)  # CSA 1 x 4K at 8 heads: one 64-key tile per split
     # CSA 32 x 4K at 16 heads: 4 splits of 3 tiles fill the wave (H100: 17.8 us; 2 splits 20.7, 5: 22.7)
-    assert split_count(32, 640, 132, 16, 64) == 4
+    assert split_plan(32, 640, 132, 16, 64) == (4, False)

@@ -13,6 +13,7 @@ import torch
 
 from dsv4ops import testing
 from dsv4ops.sparse_attn import cuda as sparse_attn_cuda
+from dsv4ops.quant import formats
 from dsv4ops.quant import reference as quant_ref
 from dsv4ops.sparse_attn import reference as sparse_attn_ref
 
@@ -59,9 +60,10 @@ def test_matches_the_reference(heads, cta, prefill, monkeypatch):
     case = _case(heads, prefill)
     t = case[0].shape[0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # decode runs the split-KV path (the 64-head kernel merges in clusters), prefill the single-split one
-    splits = sparse_attn_cuda.split_count(t * -(-heads // cta), 128 + 512, sms, min(heads, cta),
-                                          sparse_attn_cuda.tile_keys(cta))
+    # decode runs the split-KV path (merged in clusters or by the combine, as the rule picks), prefill the
+    # single-split one
+    splits, _ = sparse_attn_cuda.split_plan(t * -(-heads // cta), 128 + 512, sms, min(heads, cta),
+                                            sparse_attn_cuda.tile_keys(cta))
     assert (splits > 1) == (not prefill)
     _check(case)
 
@@ -93,7 +95,7 @@ def test_lists_much_wider_than_their_lengths(heads):
     case[6] = (torch.arange(lens.numel(), device=lens.device, dtype=lens.dtype) * 37) % 301
     t = case[0].shape[0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert sparse_attn_cuda.split_count(t, 128 + 8192, sms) > 8
+    assert sparse_attn_cuda.split_plan(t, 128 + 8192, sms)[0] > 8
     _check(tuple(case))
 
 
@@ -103,7 +105,7 @@ def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypat
     52-65 here), so the combine's warps each merge several rounds of splits (a count no multiple of its
     warps)."""
     _force_cta(monkeypatch, heads)
-    monkeypatch.setattr(sparse_attn_cuda, "split_count", lambda ctas, keys, sms, heads=64, tile=32: 130)
+    monkeypatch.setattr(sparse_attn_cuda, "split_plan", lambda *args, **kwargs: (130, False))
     case = _case(heads, prefill=False, entries=8192)
     keep = torch.tensor([5, 7], device="cuda")  # positions 1000 and 70000
     case = [x[keep] if i not in (1, 2, 7) else x for i, x in enumerate(case)]
@@ -111,35 +113,60 @@ def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypat
     _check(tuple(case))
 
 
-@pytest.mark.parametrize("heads", [64, 72, 128])
-@pytest.mark.parametrize("splits", [2, 5, 8])
-def test_splits_merge_in_their_cluster(heads, splits, monkeypatch):
-    """8 tokens (one padding) of 896 entries (1024 keys) in 2, 5 or 8 splits of 4 or more tiles: few
-    clusters of at most 8 CTAs, so the 64-head kernel merges each token's splits in its cluster over
-    distributed shared memory (no combine kernel; 72 heads: a CTA of 8 live heads). At 72 and 128
-    heads, 16 clusters of 8 whole-SM CTAs need not fit the device at once: there the launch keeps the
-    combine. Entries ordered by head 0's score, lowest first, so the later splits hold the max and the
-    first queries' sink weighs; cut comp_lens leave splits with no key (-inf log2-sums, nothing
-    staged)."""
-    _force_cta(monkeypatch, 64)
-    monkeypatch.setattr(sparse_attn_cuda, "split_count", lambda ctas, keys, sms, heads=64, tile=32: splits)
-    keys = 128 + 896
-    split_keys = -(-keys // splits // 32) * 32
-    assert -(-keys // split_keys) == splits and split_keys >= 64
+# (heads, heads a CTA, splits): the 64-head kernel's 32-key tiles in 2, 5 or 8 splits; small_heads.cu's
+# 64-key tiles in 2, 3 or 8 (5 would round to 4 splits of 4 tiles).
+@pytest.mark.parametrize("heads,cta,splits", [(h, 64, s) for h in (64, 72, 128) for s in (2, 5, 8)]
+                         + [(h, c, s) for h, c in ((8, 8), (16, 16), (24, 32)) for s in (2, 3, 8)])
+def test_splits_merge_in_their_cluster(heads, cta, splits, monkeypatch):
+    """8 tokens (one padding) of 896 entries (1024 keys) in 2 to 8 splits of 2 tiles or more, each
+    token's splits merged in its cluster over distributed shared memory (no combine kernel; 72 heads: a
+    CTA of 8 live heads, 24: a 32-head CTA of 24; at 72 and 128 heads the 16 clusters of 8 need not fit
+    the device at once, and wait for each other's SMs). Entries ordered by head 0's score, lowest
+    first, so the later splits hold the max and the first queries' sink weighs; cut comp_lens leave
+    splits with no key (-inf log2-sums, nothing staged)."""
+    _force_cta(monkeypatch, cta)
+    monkeypatch.setattr(sparse_attn_cuda, "split_plan", lambda *args, **kwargs: (splits, True))
+    keys, tile = 128 + 896, sparse_attn_cuda.tile_keys(cta)
+    split_keys = -(-keys // splits // tile) * tile
+    assert -(-keys // split_keys) == splits and split_keys >= 2 * tile
     _check(_rising_case(heads, prefill=False, entries=896))
 
 
 @pytest.mark.parametrize("heads,cta", [(64, 64), (32, 32)])
-def test_forty_tokens_few_splits(heads, cta, monkeypatch):
-    """40 tokens of one request from position 0: 2 to 4 splits a token over 40 CTAs, merged by the
-    combine's one-CTA-a-(token, head) kernel (small_heads.cu), or in their clusters where the 64-head
-    kernel's fit the device at once; the first queries see a few window keys, so their sink weighs."""
+@pytest.mark.parametrize("merge", [False, True], ids=["combine", "cluster"])
+def test_forty_tokens_few_splits(heads, cta, merge, monkeypatch):
+    """40 tokens of one request from position 0: the rule's 2 to 4 splits a token over 40 CTAs, merged
+    by the combine's one-CTA-a-(token, head) kernel or in their clusters (forced either way); the first
+    queries see a few window keys, so their sink weighs."""
     _force_cta(monkeypatch, cta)
+    plan = sparse_attn_cuda.split_plan
+    monkeypatch.setattr(sparse_attn_cuda, "split_plan", lambda *args, **kwargs: (plan(*args, **kwargs)[0], merge))
     q, wc, cc, pos, req, idx, lens, sinks = (x[:40] if i not in (1, 2, 7) else x
                                              for i, x in enumerate(_case(heads, prefill=True)))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert 1 < sparse_attn_cuda.split_count(40, 128 + 512, sms, heads, sparse_attn_cuda.tile_keys(cta)) <= 4
+    assert 1 < plan(40, 128 + 512, sms, heads, sparse_attn_cuda.tile_keys(cta))[0] <= 4
     _check((q, wc, cc, pos - pos[0], req, idx, lens, sinks))
+
+
+def test_cluster_capacity_and_its_checks():
+    """The device's capacity for clusters of 2-8 whole-SM CTAs of each kernel falls as the clusters
+    grow and never exceeds the SMs they need; a cluster merge of more splits than a portable cluster
+    holds is refused before any launch."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cta in (8, 16, 32, 64):
+        cap = sparse_attn_cuda.cluster_capacity(torch.cuda.current_device(), cta)
+        assert len(cap) == sparse_attn_cuda.MAX_CLUSTER_SPLITS + 1 and cap[:2] == (0, 0)
+        assert all(0 < cap[s] * s <= sms and cap[s] >= cap[s + 1] for s in range(2, len(cap) - 1)), cap
+    with pytest.raises(RuntimeError, match="splits: expected 1 to 8"):
+        torch.ops.dsv4_csrc.cluster_capacity(64, 9)
+    q, wc, cc, pos, req, idx, lens, sinks = _case(64, prefill=False)
+    q = q.bfloat16()
+    out = torch.full_like(q, float("nan"))
+    page = formats.get(FMT).page_bytes(BS)
+    with pytest.raises(RuntimeError, match="cluster_merge: expected 2 to 8 splits"):
+        torch.ops.dsv4_csrc.sparse_attn(q, wc, cc, pos, req, idx, lens, sinks, out, out, out, 512**-0.5, WINDOW,
+                                        RING, 0, 0, BS, BS, page, page, 128, 64, 10, 64, True)
+    assert out.isnan().all(), "nothing launched"
 
 
 @pytest.mark.parametrize("heads", [64, 8, 16, 32, 128])
@@ -172,7 +199,7 @@ def test_combine_rounds_rescale(monkeypatch):
     the spreading one on 132 SMs) over 34 splits a token, more than one round of its loads: with the
     entries ordered by score, lowest first, each round raises head 0's running max and must rescale
     what it summed."""
-    monkeypatch.setattr(sparse_attn_cuda, "split_count", lambda ctas, keys, sms, heads=64, tile=32: 40)
+    monkeypatch.setattr(sparse_attn_cuda, "split_plan", lambda *args, **kwargs: (40, False))
     case = _rising_case(128, prefill=False, entries=2048)
     keys = 128 + 2048
     per_split = -(-keys // 40)

@@ -23,6 +23,9 @@ struct FastDiv {
 #endif
 };
 
+// Splits a token's cluster may hold: a portable cluster's CTAs. More splits keep the combine kernel.
+constexpr int kMaxClusterSplits = 8;
+
 struct Params {
   const void* q;  // [tokens, heads, 512] bf16, last dim contiguous
   int64_t q_stride_token, q_stride_head;
@@ -47,14 +50,17 @@ struct Params {
   int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
   int splits;
   int cta_heads;     // heads per CTA: 64 (sparse_attn.cu) or 8 / 16 / 32 (small_heads.cu)
-  int cluster_merge; // set by launch(): a token's splits are one cluster and merge in the kernel
+  int cluster_merge; // a token's 2 to 8 splits are one cluster and merge in the kernel (cluster_merge.cuh)
   float scale_log2;  // softmax scale x log2(e)
 };
 
 bool serves_formats(int window_fmt, int comp_fmt);
-// The main kernel, then (p.splits > 1, unless the kernel merged them) the merge of the splits' partials.
+// Clusters of `splits` CTAs of the kernel with `cta_heads` heads a CTA that the device holds at once.
+int cluster_capacity(int cta_heads, int splits);
+int cluster_capacity_small(int cta_heads, int splits);  // small_heads.cu
+// The main kernel, then (p.splits > 1, unless p.cluster_merge) the merge of the splits' partials.
 void launch(const Params& p, cudaStream_t stream);
-void launch_small_heads(const Params& p, cudaStream_t stream);  // small_heads.cu: the main kernel alone
+void launch_small_heads(const Params& p, cudaStream_t stream);  // small_heads.cu: the same for 8 / 16 / 32 heads
 void launch_combine(const Params& p, cudaStream_t stream);      // combine.cu
 
 }  // namespace dsv4::sparse_attn

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "../common/pdl.cuh"
+#include "cluster_merge.cuh"
 #include "pipeline.cuh"
 
 namespace dsv4::sparse_attn {
@@ -45,6 +46,7 @@ struct SmallSmem {
   float red[2][4][H];  // warpgroup 0's per-warp head maxima of a tile; the sums at the end
   float alpha[2][H];   // the heads' rescale factors of a tile, warpgroup 0 -> 1
   float inv[H];        // 1 / each head's softmax sum, warpgroup 0 -> 1 at the end
+  float lse[H];        // each head's log2-sum, for the cluster's merge (cluster_merge.cuh)
   int moved[2];        // whether any head's running max moved in a tile
   uint8_t valid[kStages<H>][kKeys];
   uint32_t mask[2][2];  // valid keys of each bf16 tile, by unit
@@ -179,9 +181,12 @@ __device__ __forceinline__ void scores(SmallSmem<H>& sm, const Params& p, int64_
       const int h = head_of(j, lane);
       const float sum = red[h] + red[H + h] + red[2 * H + h] + red[3 * H + h];
       sm.inv[h] = 1.f / (sum > 0.f ? sum : 1.f);
-      // A split's log2 of its softmax sum (-inf: no key), for the combine.
-      if (p.splits > 1 && head0 + h < p.heads) {
-        p.lse[(token * p.splits + split) * p.heads + head0 + h] = sum > 0.f ? row_max[j] + log2f(sum) : -INFINITY;
+      // A split's log2 of its softmax sum (-inf: no key), for the cluster's merge or the combine.
+      const float lse = sum > 0.f ? row_max[j] + log2f(sum) : -INFINITY;
+      if (p.cluster_merge) {
+        sm.lse[h] = lse;
+      } else if (p.splits > 1 && head0 + h < p.heads) {
+        p.lse[(token * p.splits + split) * p.heads + head0 + h] = lse;
       }
     }
   }
@@ -244,11 +249,12 @@ __device__ __forceinline__ void values(SmallSmem<H>& sm, const Params& p, int64_
         __float2bfloat16_rn(acc[x] * inv[j]);
   }
   bar_sync(kGroup1Bar, kGroup);
-  store_out<H, kGroup>(sm.q, p, token, head0, split, t);
+  if (!p.cluster_merge) store_out<H, kGroup>(sm.q, p, token, head0, split, t);
 }
 #endif  // DSV4_SM90_BODY
 
-template <int H, int WF, int CF>
+// kMerge = p.cluster_merge, an instantiation of its own (as sparse_attn.cu's).
+template <int H, int WF, int CF, bool kMerge>
 __global__ void __launch_bounds__(kThreads, 1) small_heads_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
   extern __shared__ __align__(128) uint8_t smem[];
@@ -267,14 +273,28 @@ __global__ void __launch_bounds__(kThreads, 1) small_heads_kernel(const __grid_c
     end = min(begin + p.split_keys, p.window_keys + min(p.comp_lens[token], p.n_idx));
   }
   const int tiles = end > begin ? (end - begin + kTileKeys - 1) / kTileKeys : 0;
-  // A split past the token's real list leaves at once (the combine reads only the live splits).
-  if (tiles == 0 && p.splits > 1) return;
+  // A split past the token's real list leaves at once (the combine reads only the live splits). In a
+  // cluster it stays for the merge, with no key.
+  if (tiles == 0 && p.splits > 1) {
+    if constexpr (kMerge) {
+      if (threadIdx.x < H) sm.lse[threadIdx.x] = -INFINITY;
+      if (warp < kConsumers / 32) {
+        merge_splits<H, kConsumers>(sm.q, sm.lse, p, token, head0, threadIdx.x);
+      } else {
+        merge_barriers();
+      }
+    }
+    return;
+  }
 
   if (warp >= kConsumers / 32) {
     shrink_registers<kProducerRegs>();
     // Both units of every tile: a unit past `end` is zeros (its keys masked, and 0 x a stale NaN
     // would be NaN in P V).
     produce<WF, CF, kStages<H>, 2, 2, kProducers + kGroup>(sm, p, token, begin, end, 2 * tiles, position, req);
+    // The consumers merge (on the producers' path the merge made ptxas spill inside the gather loop,
+    // 8-24 B at their 64 registers).
+    if constexpr (kMerge) merge_barriers();
     return;
   }
   grow_registers<kConsumerRegs>();
@@ -283,6 +303,8 @@ __global__ void __launch_bounds__(kThreads, 1) small_heads_kernel(const __grid_c
   } else {
     values<H>(sm, p, token, head0, split, tiles);
   }
+  // Warpgroup 1 staged the normalized output in q's buffer, warpgroup 0 the log2-sums.
+  if constexpr (kMerge) merge_splits<H, kConsumers>(sm.q, sm.lse, p, token, head0, threadIdx.x);
 #else
   __trap();
 #endif
@@ -291,14 +313,29 @@ __global__ void __launch_bounds__(kThreads, 1) small_heads_kernel(const __grid_c
 template <int H>
 void launch_heads(const Params& p, cudaStream_t stream) {
   with_formats(p.window_fmt, p.comp_fmt, [&](auto wf, auto cf) {
-    auto* kernel = small_heads_kernel<H, decltype(wf)::value, decltype(cf)::value>;
+    auto* kernel = p.cluster_merge ? small_heads_kernel<H, decltype(wf)::value, decltype(cf)::value, true>
+                                   : small_heads_kernel<H, decltype(wf)::value, decltype(cf)::value, false>;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(SmallSmem<H>)));
     const dim3 grid(p.tokens, (p.heads + H - 1) / H, p.splits);
-    pdl::launch_pdl(kernel, grid, dim3(kThreads), sizeof(SmallSmem<H>), stream, p);
+    pdl::launch_pdl_clusters(kernel, grid, dim3(kThreads), dim3(1, 1, p.cluster_merge ? p.splits : 1),
+                             sizeof(SmallSmem<H>), stream, p);
+    if (p.splits > 1 && !p.cluster_merge) launch_combine(p, stream);
   });
 }
 
+template <int H>
+int capacity(int splits) {
+  // Every format pair's kernel has the same threads and shared memory.
+  auto* kernel = small_heads_kernel<H, kFp8_584, kFp8_584, true>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(SmallSmem<H>)));
+  return max_clusters(reinterpret_cast<const void*>(kernel), splits, sizeof(SmallSmem<H>));
+}
+
 }  // namespace
+
+int cluster_capacity_small(int cta_heads, int splits) {
+  return cta_heads == 8 ? capacity<8>(splits) : cta_heads == 16 ? capacity<16>(splits) : capacity<32>(splits);
+}
 
 void launch_small_heads(const Params& p, cudaStream_t stream) {
   if (p.cta_heads == 8) {

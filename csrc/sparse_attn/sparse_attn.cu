@@ -42,6 +42,7 @@
 #include <tuple>
 
 #include "../common/pdl.cuh"
+#include "cluster_merge.cuh"
 #include "pipeline.cuh"
 
 namespace dsv4::sparse_attn {
@@ -69,9 +70,6 @@ struct Smem {
   uint32_t mask[kBufs][1];  // valid keys of each bf16 tile
 };
 static_assert(sizeof(Smem) <= 227 * 1024, "shared memory of one CTA on sm_90");
-// Splits a token's cluster may hold (merge_splits): a portable cluster's CTAs. More splits keep the
-// combine kernel.
-constexpr int kMaxClusterSplits = 8;
 
 // Named barriers 1-4: tile b's handoff written (kHandoffFull + b: warpgroup 0 -> 1) and read
 // (kHandoffEmpty + b: 1 -> 0); pipeline.cuh has the others.
@@ -222,61 +220,16 @@ __device__ __forceinline__ void value_tiles(Smem& sm, int tiles, float (&acc)[12
   }
 }
 
-// The splits of a token as one cluster (p.cluster_merge; launch: cluster 1 x 1 x splits, so a CTA's
-// rank is its split): each CTA has staged its split's normalized output in q's buffer (bf16, the
-// swizzled rows store_out reads) and its heads' log2-sums in sm.inv's first 64 floats (-inf: no key).
-// After a cluster barrier, all kThreads threads of split r merge heads r, r + S, ... of every split,
-// the combine's sum out = sum_s 2^lse_s o_s / (sum_s 2^lse_s + 2^sink), 8 dims a thread (64 threads a
-// head, one 16-B load a split); a second barrier keeps each CTA's shared memory alive until its peers
-// have read it. No partial output leaves the SMs and no second kernel runs. H100, V4-Flash HCA 8 x 16K,
-// graph-timed us: the combine kernel 13.3, this merge 11.5-11.6 (8-B loads: 12.1-12.2), the two
-// barriers alone 8.5-8.6 (a timing probe): what is left is the ~64 KB a CTA reads from its peers.
-__device__ __forceinline__ void merge_splits(Smem& sm, const Params& p, int64_t token, int head0) {
-  cluster_sync();
-  const int splits = p.splits;
-  const uint32_t rank = cluster_rank();
-  const uint32_t q_base = smem_addr(sm.q), lse_base = smem_addr(sm.inv);
-  const int chunk = threadIdx.x & 63;  // 16-B chunk of a 1024-B row: dims 8 chunk .. 8 chunk + 7
-  for (int h = rank + splits * (threadIdx.x >> 6); h < kHeads && head0 + h < p.heads; h += splits * (kThreads / 64)) {
-    const int head = head0 + h;
-    const uint32_t at = q_base + h * 1024 + ((chunk ^ (h & 7)) << 4);
-    float l[kMaxClusterSplits];
-    uint4 o[kMaxClusterSplits];  // 8 bf16
-    const float sink = p.sinks[head] * kLog2e;
-    float m = sink;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      if (s < splits) {
-        l[s] = ld_peer_f32(peer_addr(lse_base + 4 * h, s));
-        o[s] = ld_peer_u4(peer_addr(at, s));
-        m = fmaxf(m, l[s]);
-      }
-    }
-    float den = exp2f(sink - m), acc[8] = {};
-#pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
-      // A split with no key staged nothing (its weight is 0, its bytes may be anything).
-      if (s < splits && l[s] > -INFINITY) {
-        const float e = exp2f(l[s] - m);
-        const uint32_t w[4] = {o[s].x, o[s].y, o[s].z, o[s].w};
-        den += e;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[2 * i] += e * __uint_as_float(w[i] << 16);
-          acc[2 * i + 1] += e * __uint_as_float(w[i] & 0xffff0000u);
-        }
-      }
-    }
-    const float inv = 1.f / den;
-    auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + 8 * chunk;
-    *reinterpret_cast<uint4*>(out) = make_uint4(bf16x2(acc[0] * inv, acc[1] * inv), bf16x2(acc[2] * inv, acc[3] * inv),
-                                                bf16x2(acc[4] * inv, acc[5] * inv), bf16x2(acc[6] * inv, acc[7] * inv));
-  }
-  cluster_sync();
+// The cluster's merge (cluster_merge.cuh) by all kThreads threads: the normalized output staged in q's
+// buffer, the heads' log2-sums in sm.inv's first 64 floats.
+__device__ __forceinline__ void merge(Smem& sm, const Params& p, int64_t token, int head0) {
+  merge_splits<kHeads, kThreads>(sm.q, reinterpret_cast<const float*>(sm.inv), p, token, head0, threadIdx.x);
 }
 #endif  // DSV4_SM90_BODY
 
-template <int WF, int CF>
+// kMerge = p.cluster_merge: an instantiation of its own, so the kernel that merges nothing holds no
+// cluster instruction (cluster_merge.cuh has what that cost at one split).
+template <int WF, int CF, bool kMerge>
 __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_constant__ Params p) {
 #ifdef DSV4_SM90_BODY
   extern __shared__ __align__(128) uint8_t smem[];
@@ -303,16 +256,17 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
   // cost follows comp_lens, not the list's width (HCA at 1M max_context has 8192 entries a token). In
   // a cluster it stays for the merge, with no key.
   if (tiles == 0 && p.splits > 1) {
-    if (!p.cluster_merge) return;
-    if (threadIdx.x < kHeads) reinterpret_cast<float*>(sm.inv)[threadIdx.x] = -INFINITY;
-    merge_splits(sm, p, token, head0);
+    if constexpr (kMerge) {
+      if (threadIdx.x < kHeads) reinterpret_cast<float*>(sm.inv)[threadIdx.x] = -INFINITY;
+      merge(sm, p, token, head0);
+    }
     return;
   }
 
   if (warp >= kConsumers / 32) {
     shrink_registers<kProducerRegs>();
     produce<WF, CF, kRawStages, 1, kBufs, kProducers + kGroup>(sm, p, token, begin, end, tiles, position, req);
-    if (p.cluster_merge) merge_splits(sm, p, token, head0);
+    if constexpr (kMerge) merge(sm, p, token, head0);
     return;
   }
   grow_registers<kConsumerRegs>();
@@ -356,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
       // A split's log2 of its softmax sum (-inf: no key), for the combine or the cluster's merge.
       const int head = head0 + group * 16 + (lane >> 2) + 8 * h;
       lse[h] = sum > 0.f ? row_max[h] + log2f(sum) : -INFINITY;
-      if (p.splits > 1 && !p.cluster_merge && head < p.heads && (lane & 3) == 0) {
+      if (p.splits > 1 && !kMerge && head < p.heads && (lane & 3) == 0) {
         p.lse[(token * p.splits + split) * p.heads + head] = lse[h];
       }
     }
@@ -384,13 +338,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_kernel(const __grid_c
     }
   }
   bar_sync(kConsumerBar, kConsumers);
-  if (p.cluster_merge) {
+  if constexpr (kMerge) {
     // sm.inv's reads by warpgroup 1 are before the barrier above.
     if (half == 0 && (lane & 3) == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) reinterpret_cast<float*>(sm.inv)[group * 16 + (lane >> 2) + 8 * h] = lse[h];
     }
-    merge_splits(sm, p, token, head0);
+    merge(sm, p, token, head0);
     return;
   }
   store_out<kHeads, kConsumers>(sm.q, p, token, head0, split, threadIdx.x);
@@ -407,11 +361,7 @@ bool serves_formats(int window_fmt, int comp_fmt) {
          (window_fmt == kFp8_528 && (comp_fmt == kFp8_528 || comp_fmt == kFp4_288));
 }
 
-namespace {
-// Clusters of `splits` CTAs of this kernel that the device holds at once. Clusters of whole-SM CTAs
-// pack by GPC, not by SM count: 32 clusters of 4 did not fit the H100's 132 SMs at once (CSA 32 x 4K
-// 31.8 us merged in clusters against 19.0 with the combine). Cached per device, kernel and size.
-int max_clusters(const void* kernel, int splits) {
+int max_clusters(const void* kernel, int splits, int smem) {
   static std::mutex mutex;
   static std::map<std::tuple<int, const void*, int>, int> cache;
   int device = 0;
@@ -422,7 +372,7 @@ int max_clusters(const void* kernel, int splits) {
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(1, 1, splits);
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = sizeof(Smem);
+  config.dynamicSmemBytes = smem;
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = 1;
@@ -437,35 +387,34 @@ int max_clusters(const void* kernel, int splits) {
   }
   return cache[key] = n;
 }
-}  // namespace
+
+int cluster_capacity(int cta_heads, int splits) {
+  if (cta_heads < kHeads) return cluster_capacity_small(cta_heads, splits);
+  // Every format pair's kernel has the same threads and shared memory.
+  auto* kernel = sparse_attn_kernel<kFp8_584, kFp8_584, true>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(Smem)));
+  return max_clusters(reinterpret_cast<const void*>(kernel), splits, sizeof(Smem));
+}
 
 void launch(const Params& p, cudaStream_t stream) {
   if (p.cta_heads < kHeads) {
     launch_small_heads(p, stream);
-  } else {
-    with_formats(p.window_fmt, p.comp_fmt, [&](auto wf, auto cf) {
-      auto* kernel = sparse_attn_kernel<decltype(wf)::value, decltype(cf)::value>;
-      // Per call (a host-side attribute, no stream work): the opt-in above 48 KiB is per device. A
-      // failure surfaces as the launch error, which the caller checks.
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(Smem)));
-      const dim3 grid(p.tokens, (p.heads + kHeads - 1) / kHeads, p.splits);
-      // With programmatic dependent launch (common/pdl.cuh; a launch error is the caller's
-      // cudaGetLastError). H100, V4-Flash, with / without: sliding 1 x 4K 9.2 / 10.1 us, CSA 1 x 4K
-      // 11.5 / 12.5, CSA 32 x 4K 24.3 / 25.4, V4-Pro CSA 128 x 4K 128.1 / 130.0.
-      // A token's splits merge in the kernel when they fit one cluster, hold 2 tiles or more, and the
-      // grid's clusters fit the device at once; else the combine kernel merges them. Splits of one tile
-      // (sliding 8 x 4K: 4 of 32 keys) took 10.5-10.6 us merged in clusters against 9.6-9.7 with the
-      // combine (H100, 8-B loads): each CTA still reads ~64 KB of its peers for one tile's work.
-      Params c = p;
-      c.cluster_merge = p.splits > 1 && p.splits <= kMaxClusterSplits && p.split_keys >= 2 * kKeys &&
-                        int64_t{grid.x} * grid.y <= max_clusters(reinterpret_cast<const void*>(kernel), p.splits);
-      pdl::launch_pdl_clusters(kernel, grid, dim3(kThreads), dim3(1, 1, c.cluster_merge ? p.splits : 1),
-                               sizeof(Smem), stream, c);
-      if (p.splits > 1 && !c.cluster_merge) launch_combine(p, stream);
-    });
     return;
   }
-  if (p.splits > 1) launch_combine(p, stream);
+  with_formats(p.window_fmt, p.comp_fmt, [&](auto wf, auto cf) {
+    auto* kernel = p.cluster_merge ? sparse_attn_kernel<decltype(wf)::value, decltype(cf)::value, true>
+                                   : sparse_attn_kernel<decltype(wf)::value, decltype(cf)::value, false>;
+    // Per call (a host-side attribute, no stream work): the opt-in above 48 KiB is per device. A
+    // failure surfaces as the launch error, which the caller checks.
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(Smem)));
+    const dim3 grid(p.tokens, (p.heads + kHeads - 1) / kHeads, p.splits);
+    // With programmatic dependent launch (common/pdl.cuh; a launch error is the caller's
+    // cudaGetLastError). H100, V4-Flash, with / without: sliding 1 x 4K 9.2 / 10.1 us, CSA 1 x 4K
+    // 11.5 / 12.5, CSA 32 x 4K 24.3 / 25.4, V4-Pro CSA 128 x 4K 128.1 / 130.0.
+    pdl::launch_pdl_clusters(kernel, grid, dim3(kThreads), dim3(1, 1, p.cluster_merge ? p.splits : 1), sizeof(Smem),
+                             stream, p);
+    if (p.splits > 1 && !p.cluster_merge) launch_combine(p, stream);
+  });
 }
 
 }  // namespace dsv4::sparse_attn

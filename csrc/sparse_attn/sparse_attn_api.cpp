@@ -49,7 +49,7 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
                       at::Tensor& lse, double scale, int64_t window,
                       int64_t ring_size, int64_t window_fmt, int64_t comp_fmt, int64_t window_block, int64_t comp_block,
                       int64_t window_page_bytes, int64_t comp_page_bytes, int64_t window_keys, int64_t split_keys,
-                      int64_t splits, int64_t cta_heads) {
+                      int64_t splits, int64_t cta_heads, bool cluster_merge) {
   DSV4_CHECK_CUDA(q);
   DSV4_CHECK(serves_formats(static_cast<int>(window_fmt), static_cast<int>(comp_fmt)),
              "window_fmt / comp_fmt: expected a pair of rows.cuh formats the kernel reads, got ",
@@ -79,7 +79,10 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   DSV4_CHECK(ring_size > 0 && ring_size < (int64_t{1} << 31) && window_block > 0 && comp_block > 0 &&
                  window_block < (int64_t{1} << 31) && comp_block < (int64_t{1} << 31),
              "ring_size / window_block / comp_block: expected positive 32-bit sizes");
-  if (splits > 1) {
+  DSV4_CHECK(!cluster_merge || (splits >= 2 && splits <= kMaxClusterSplits),
+             "cluster_merge: expected 2 to ", kMaxClusterSplits, " splits (a portable cluster), got ", splits);
+  const bool combine = splits > 1 && !cluster_merge;  // the workspaces of the combine kernel
+  if (combine) {
     DSV4_CHECK_DTYPE(partial, at::kBFloat16);
     DSV4_CHECK_DTYPE(lse, at::kFloat);
     DSV4_CHECK(partial.is_contiguous() && partial.numel() == tokens * splits * heads * kDim && lse.is_contiguous() &&
@@ -117,8 +120,8 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.out = out.mutable_data_ptr();
   p.out_stride_token = out.stride(0);
   p.out_stride_head = out.stride(1);
-  p.partial = splits > 1 ? static_cast<__nv_bfloat16*>(partial.mutable_data_ptr()) : nullptr;
-  p.lse = splits > 1 ? lse.mutable_data_ptr<float>() : nullptr;
+  p.partial = combine ? static_cast<__nv_bfloat16*>(partial.mutable_data_ptr()) : nullptr;
+  p.lse = combine ? lse.mutable_data_ptr<float>() : nullptr;
   p.tokens = static_cast<int>(tokens);
   p.heads = static_cast<int>(heads);
   p.n_idx = static_cast<int>(comp_idx.size(1));
@@ -128,9 +131,18 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   p.split_keys = static_cast<int>(split_keys);
   p.splits = static_cast<int>(splits);
   p.cta_heads = static_cast<int>(cta_heads);
+  p.cluster_merge = cluster_merge;
   p.scale_log2 = static_cast<float>(scale * M_LOG2E);
   launch(p, c10::cuda::getCurrentCUDAStream(q.get_device()).stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int64_t cluster_capacity_cuda(int64_t cta_heads, int64_t splits) {
+  DSV4_CHECK(cta_heads == 8 || cta_heads == 16 || cta_heads == 32 || cta_heads == 64,
+             "cta_heads: expected 8, 16, 32 or 64, got ", cta_heads);
+  DSV4_CHECK(splits >= 1 && splits <= kMaxClusterSplits, "splits: expected 1 to ", kMaxClusterSplits, ", got ",
+             splits);
+  return cluster_capacity(static_cast<int>(cta_heads), static_cast<int>(splits));
 }
 
 }  // namespace dsv4::sparse_attn

@@ -9,11 +9,10 @@ kernel to a trap, and sm_100 runs the Triton kernel.
 The C++ kernels take a token x 64 heads (csrc/sparse_attn/sparse_attn.cu) or x 8 / 16 / 32 heads
 (small_heads.cu, a tensor-parallel rank's share: `cta_heads`) x one split of its key list per CTA
 (one CTA per SM: 218-226 KiB of shared memory); a batch that would leave SMs idle splits each list
-(`split_count`), and the splits' partial outputs are merged with the sink: by the 64-head kernel
-itself, over distributed shared memory, when a token's splits fit one thread-block cluster (below),
-else by a second kernel (workspace allocated per call from static sizes, so the call stays CUDA-graph
-safe). The split count fills one
-wave of CTAs (HCA 32 x 1M: 4 splits of 65 tiles); it is sized by the key list's width, but a split
+(`split_plan`), and the splits' partial outputs are merged with the sink: by the kernel itself, over
+distributed shared memory, where a token's splits form one thread-block cluster (below), else by a
+second kernel (workspace allocated per call from static sizes, so the call stays CUDA-graph safe).
+The split count fills one wave of CTAs (HCA 32 x 1M: 4 splits of 65 tiles); it is sized by the key list's width, but a split
 past its token's real list (window plus `comp_lens` entries) leaves at once and the combine reads
 only the live splits, so the cost follows the real context (HCA 1 x 4K in a cache of 1M positions a
 request: 12.1 us, 10.7 at a 4K `max_context`). The kernels' designs are in their files' headers.
@@ -189,22 +188,28 @@ same call, two rounds, us, with / without): V4-Flash HCA 8 x 16K 13.0-13.7 / 8.7
 15.1-16.2 / 10.6-10.7, CSA 1 x 4K 10.9-11.1 / 7.1-7.5, HCA 1 x 1M 19.3-19.5 / 11.9-12.2, CSA 32 x 4K
 19.0-19.3 / 14.7-15.0, CSA 8 x 256K 14.8 / 10.3-10.5, sliding 8 x 4K 9.7 / 7.1, 8 heads HCA 8 x 16K
 8.3-8.5 / 6.2-6.3, V4-Pro HCA 8 x 16K 14.0-14.4 / 9.5-9.6: merging the splits after their last stores
-costs 22-38% of every split point's time. The 64-head kernel merges them itself where it can
-(sparse_attn.cu `merge_splits`): a token's at most 8 splits one thread-block cluster, each CTA staging
-its normalized bf16 output and log2-sums in its shared memory, split r merging heads r, r + S, ... over
-distributed shared memory between two cluster barriers (no partials in global memory, no second kernel),
-when each split holds 2 tiles or more and the grid's clusters fit the device at once
-(cudaOccupancyMaxActiveClusters; 32 clusters of 4 whole-SM CTAs did not: CSA 32 x 4K 31.8 us against
-19.0 with the combine). Merged / the combine, us, each build timed beside the other in the same calls
-(H100, 2026-11-28, three calls): HCA 8 x 16K 11.4-11.6 / 12.9-13.3, CSA 8 x 4K 13.8-14.1 / 14.7-15.0,
+costs 22-38% of every split point's time. Both kernels merge them themselves where the split plan
+says so (csrc/sparse_attn/cluster_merge.cuh): a token's at most 8 splits one thread-block cluster, each
+CTA staging its normalized bf16 output and log2-sums in its shared memory, split r merging heads r,
+r + S, ... over distributed shared memory between two cluster barriers (no partials in global memory,
+no second kernel), planned only where the grid's clusters fit the device at once
+(cudaOccupancyMaxActiveClusters, `cluster_capacity`; 32 clusters of 4 whole-SM CTAs did not: CSA
+32 x 4K 31.8 us against 19.0 with the combine). At 64 heads, merged / the combine, us, each build timed
+beside the other in the same calls (H100, 2026-11-28, three calls): HCA 8 x 16K 11.4-11.6 / 12.9-13.3, CSA 8 x 4K 13.8-14.1 / 14.7-15.0,
 CSA 8 x 256K 13.8-14.1 / 14.8-15.1, V4-Pro HCA 8 x 16K 11.7-12.2 / 13.8-14.1, V4-Pro CSA 32 x 4K
 34.9-36.2 / 39.1-39.9; slower at HCA 8 x 4K (2 splits of 3 and 2 tiles) 11.5 / 10.8-10.9, one round.
 What the merge costs, HCA 8 x 16K: the two cluster barriers alone (a timing probe, wrong results)
 8.5-8.6, near the 8.7-8.9 without any merge; the merge's loads (~64 KB a CTA from its peers, whatever
 the split count) the other ~3 us; 16-B loads took 0.6 us less than 8-B ones; reading its own split from
 its own shared memory instead of over the cluster was slower (12.2 against 11.4, one round). Splits of
-one tile keep the combine (sliding 8 x 4K, 4 splits: 10.5-10.6 merged with 8-B loads against 9.6-9.7).
-The split rule's costs (SPLIT_COSTS) are the combine's, not refit to the merge.
+one tile cost about what the combine does at 64 heads (sliding 8 x 4K, 4 splits: 9.6 merged, 9.5 with it).
+In small_heads.cu a CTA reads only its H heads' rows from its peers, and the consumers merge while the
+producers pass the barriers (on the producers' path the merge made ptxas spill 8-24 B in their gather
+loop): 8 heads HCA 8 x 16K 7.4 us merged against 8.2 with the combine, 16 heads 8.3 / 9.4, 8 heads
+sliding 64 x 4K in 2 splits 7.7 against one split's 8.7 (forced counts, one call). The split plan
+weighs both merges (SPLIT_COSTS); against the rule before, at the 245 sweep points where they differ
+(H100, same call, two rounds each): 137 faster by over 3%, 15 slower (the worst V4-Pro HCA 32 x 4K at
+128 heads, 14.3 against 12.8 us, which the final constants no longer merge), geometric mean 0.96.
 FlashMLA's prefill row reads gathered bf16 keys (no conversion): the ping-pong consumers without
 conversion took 669 us, 1.07x its 628.
 V4.1's rows (H100, 2026-11-27): the producers dequantize 528-B window rows and 288-B FP4 entries
@@ -291,18 +296,29 @@ def serves(q, window_cache, comp_cache, comp_idx, window_fmt: str, comp_fmt: str
 
 # The split rule's costs per kernel, keyed by its tile's keys: (us a tile of a CTA's chain takes (S,
 # softmax, P V; its start and end about one more), us of the combine, bytes a us of its traffic (each
-# split's bf16 partial written and read, L2-resident at these sizes)). Refit to forced split counts at
-# every point where the rule splits (V4-Flash at 64 / 32 / 16 / 8 heads and V4-Pro at 128, batch 1-64 x
-# context 4K-1M, each layer kind: 285 points; H100, 2026-11-27, after the partials became bf16):
-# - sparse_attn.cu (64 heads a CTA, 32-key tiles): 1.5 us, 0.5 us, 1.5 TB/s. Within 5% of the fastest
-#   forced count at 144 of 150 points (mean 0.6% over it), the worst HCA 32 x 16K (2 splits 17.1 us
-#   against 5: 15.0). The constants before (2 us, 1 us, 3 TB/s, fit to fp32 partials) on the bf16
-#   kernel: 137 of 150 (mean 1.3%), up to 19% over (32 heads HCA 1 x 1M: 131 splits against 53; 32
-#   heads sliding 32 x *: 2 splits 12.0-12.1 us against one, 10.6).
-# - small_heads.cu (64-key tiles): 2 us, 0.5 us, 1 TB/s. Within 5% at 131 of 135 points (mean 0.4%);
-#   the worst 8 heads HCA 64 x 16K (2 splits 15.1 us against 3: 12.0). Before (2 us, 3 us, 4 TB/s, from
-#   a first fit at batch 1-128 x 4K): 114 of 135 (mean 1.5%).
-SPLIT_COSTS = {KEYS_PER_TILE: (1.5, 0.5, 1.5e6), 2 * KEYS_PER_TILE: (2.0, 0.5, 1e6)}
+# split's bf16 partial written and read, L2-resident at these sizes), us of the merge in a cluster,
+# bytes a us a CTA reads from its peers there ((S - 1) / S of its heads' 1-KiB rows), us more for such
+# a grid on over 7/8 of the SMs). Fit to forced split counts, 1-6 and 8, each with the combine and
+# merged in its cluster, beside the rule's count (V4-Flash at 64 / 32 / 16 / 8 heads and V4-Pro at
+# 128 / 16, batch 1 / 8 / 32 / 64 x sliding 4K, CSA 4K and HCA 4K-1M: 168 points), and to an A/B of a
+# first fit against the rule before at the 245 sweep points where they differed (H100, 2026-11-28),
+# each point scored by its pick's time over the fastest measured:
+# - sparse_attn.cu (64 heads a CTA, 32-key tiles): 1.25 us, 1.5 us, 2 TB/s, 1 us, 20 GB/s (~11 B a
+#   cycle an SM: distributed shared memory), 1.5 us. Within 3% at 123 of 127 points (mean 0.3%); the
+#   worst V4-Flash HCA 1 x 256K at 32 heads (70 splits 13.6 us, 35: 12.5) and V4-Pro HCA 8 x 256K at
+#   128 heads (6 splits merged 25.5-26.0, 8 with the combine 24.4-24.8). The last term is
+#   empirical: with splits of 3 tiles, 64 clusters of 2 took 14.2-14.3 us at HCA 64 x 4K against one
+#   split's 12.8-12.9 (likely the clusters waiting for the SMs the previous kernel's tail holds under
+#   PDL; not profiled), while CSA 64 x 4K's splits of 10 tiles merged in 24.2 against 32.5. The
+#   constants before (1.5 us, 0.5 us, 1.5 TB/s, fit to the combine, the launch merging 2-8 splits of
+#   2 tiles or more wherever their clusters fit): 100 of 127 (mean 2.2%), up to 13.5% over.
+# - small_heads.cu (64-key tiles): 2 us, 0.5 us, 1 TB/s (as before), 0 us, 20 GB/s, 1.5 us: 282 of 286
+#   (mean 0.2%), the worst 16 heads HCA 1 x 4K (3 splits merged 9.1 us, with the combine 8.7); with the
+#   combine alone (as before): 141 of 286 (mean 4.2%), up to 19% over. Its
+#   CTAs read only their H heads' rows, so the merge wins at splits of one tile too (8 heads sliding
+#   64 x 4K: 2 splits merged 7.7 us, one split 8.7).
+SPLIT_COSTS = {KEYS_PER_TILE: (1.25, 1.5, 2e6, 1.0, 2e4, 1.5), 2 * KEYS_PER_TILE: (2.0, 0.5, 1e6, 0.0, 2e4, 1.5)}
+MAX_CLUSTER_SPLITS = 8  # csrc/sparse_attn/params.h kMaxClusterSplits: a portable cluster's CTAs
 
 
 def cta_heads(heads: int, tokens: int, sms: int) -> int:
@@ -320,28 +336,48 @@ def tile_keys(cta: int) -> int:
     return KEYS_PER_TILE if cta == HEADS_PER_CTA else 2 * KEYS_PER_TILE
 
 
+@functools.cache
+def cluster_capacity(device: int, cta: int) -> tuple[int, ...]:
+    """Clusters of s CTAs (index s; 0 below 2) of the kernel with `cta` heads a CTA that `device` holds
+    at once (csrc/sparse_attn/cluster_merge.cuh `max_clusters`)."""
+    csrc.load()
+    with torch.cuda.device(device):
+        return (0, 0) + tuple(torch.ops.dsv4_csrc.cluster_capacity(cta, s) for s in range(2, MAX_CLUSTER_SPLITS + 1))
+
+
 @functools.cache  # launch-time Python: up to a few hundred candidate counts per shape
-def split_count(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile: int = KEYS_PER_TILE) -> int:
-    """Splits of each key list for `ctas` CTAs (of `heads` heads) of one split each: none once they
-    fill half the SMs (a second split would only add a wave and the combine), else the count with the
-    least modelled time (SPLIT_COSTS): whole waves of (tiles of a split + one) x a tile's time, plus, for
-    several splits, the combine and its partials' traffic; the smaller count on a tie. CSA 8 x 4K (20
-    tiles): 7 splits of 3 tiles, not 10 of 2. HCA 32 x 1M (8320 keys, 132
-    SMs): 4 splits, one wave of 65 tiles a CTA (one split per 1024 keys, the Triton kernel's rule,
-    made 3 waves of 29: 211 us). A sliding window of 4 tiles at batch 32 stays whole: 2 splits took
-    13.1-13.4 us against 11.3-11.6 (H100, bf16 partials)."""
+def split_plan(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile: int = KEYS_PER_TILE,
+               clusters: tuple[int, ...] = ()) -> tuple[int, bool]:
+    """(splits of each key list, whether a token's splits merge in their cluster) for `ctas` CTAs (of
+    `heads` heads) of one split each: none once they fill half the SMs (a second split would only add
+    a wave and a merge), else the count with the least modelled time (SPLIT_COSTS): whole waves of
+    (tiles of a split + one) x a tile's time, plus, for several splits, the cheaper merge: in their
+    clusters, where 2-8 splits' clusters all fit the device at once (`clusters`: cluster_capacity),
+    or by the combine kernel with its partials' traffic. Counts the launcher's rounding to whole
+    tiles would change are not candidates; the smaller count on a tie. CSA 8 x 4K (20 tiles) at 64
+    heads: 7 splits of 3 tiles merged in their clusters. HCA 32 x 1M (8320 keys, 132 SMs): 4 splits
+    through the combine, one wave of 65 tiles a CTA (one split per 1024 keys, the Triton kernel's
+    rule, made 3 waves of 29: 211 us). A sliding window of 4 tiles at batch 32 stays whole at 64 heads:
+    2 splits took 13.1-13.4 us with the combine against 11.3-11.6 (H100, bf16 partials)."""
     if ctas >= sms // 2:
-        return 1
+        return 1, False
     tiles = -(-keys // tile)
-    partial = heads * 512 * 2 * 2  # bytes a CTA-split writes (bf16) and the combine reads
-    tile_us, combine_us, partial_bytes_per_us = SPLIT_COSTS[tile]
+    rows = heads * 512 * 2  # bytes of a CTA-split's bf16 output
+    tile_us, combine_us, partial_bytes_per_us, merge_us, peer_bytes_per_us, full_us = SPLIT_COSTS[tile]
 
-    def cost(s: int) -> float:
+    def cost(s: int) -> tuple[float, bool]:
         chain = -(-ctas * s // sms) * (-(-tiles // s) + 1) * tile_us
-        return chain + (combine_us + ctas * s * partial / partial_bytes_per_us if s > 1 else 0.0)
+        if s == 1:
+            return chain, False
+        combine = combine_us + ctas * s * 2 * rows / partial_bytes_per_us  # written, then read back
+        merge = merge_us + (s - 1) / s * rows / peer_bytes_per_us + (full_us if ctas * s > sms * 7 // 8 else 0.0)
+        if s <= MAX_CLUSTER_SPLITS and s < len(clusters) and ctas <= clusters[s] and merge < combine:
+            return chain + merge, True
+        return chain + combine, False
 
-    return min(range(1, tiles + 1), key=lambda s: (cost(s), s))
-
+    counts = [s for s in range(1, tiles + 1) if -(-tiles // -(-tiles // s)) == s]
+    best = min(counts, key=lambda s: (cost(s)[0], s))
+    return best, cost(best)[1]
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
@@ -360,11 +396,13 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     tile = tile_keys(cta)
     window_keys = -(-window // KEYS_PER_TILE) * KEYS_PER_TILE
     keys = window_keys + comp_idx.shape[1]
-    n_split = split_count(t * -(-h // cta), keys, sms, min(h, cta), tile)
-    per_split = -(-keys // n_split)
-    split_keys = -(-per_split // tile) * tile
+    ctas = t * -(-h // cta)
+    clusters = cluster_capacity(q.device.index, cta) if ctas < sms // 2 else ()
+    n_split, merge = split_plan(ctas, keys, sms, min(h, cta), tile, clusters)
+    split_keys = -(-keys // n_split // tile) * tile
     n_split = -(-keys // split_keys)
-    if n_split > 1:
+    merge = merge and n_split > 1
+    if n_split > 1 and not merge:  # the combine's workspaces
         partial = torch.empty(t * n_split * h, q.shape[-1], dtype=torch.bfloat16, device=q.device)
         split_lse = torch.empty(t * n_split * h, dtype=torch.float32, device=q.device)
     else:
@@ -373,4 +411,5 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     torch.ops.dsv4_csrc.sparse_attn(q, window_cache, comp_cache, ends, req_slots, comp_idx.contiguous(), comp_lens,
                                     sinks, out, partial, split_lse, scale, window, ring_size, ROW_FORMATS[window_fmt],
                                     ROW_FORMATS[comp_fmt], wb, cb, formats.get(window_fmt).page_bytes(wb),
-                                    formats.get(comp_fmt).page_bytes(cb), window_keys, split_keys, n_split, cta)
+                                    formats.get(comp_fmt).page_bytes(cb), window_keys, split_keys, n_split, cta,
+                                    merge)
