@@ -379,6 +379,7 @@ def split_plan(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile:
     best = min(counts, key=lambda s: (cost(s)[0], s))
     return best, cost(best)[1]
 
+
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
