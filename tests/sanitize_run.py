@@ -155,7 +155,7 @@ def attention():
     (split-KV and the combine), then 8 tokens over 512 (split-KV: the combine at 4 heads, at more the
     splits merged in their clusters), in each (window, entry) format pair the C++ kernels read, at 4
     heads (small_heads.cu's 8-head CTA) and 64 (sparse_attn.cu), and at 16 (small_heads.cu's 16-head
-    CTA), 32 and 128 (two 64-head CTAs a token) heads for V4's pair;
+    CTA), 32 (a 64-head CTA with padding rows) and 128 (two 64-head CTAs a token) heads for V4's pair;
     at 4 heads each also as a context-parallel shard (with lse: the Triton kernel) and two such shards
     merged (attn_merge)."""
     for window_fmt, comp_fmt in (("fp8_584", "fp8_584"), ("fp8_584", "fp4_288"), ("fp8_528", "fp4_288")):

@@ -285,15 +285,13 @@ def test_csrc_split_plan_merges_in_clusters_that_fit():
 
 
 def test_csrc_heads_per_cta_and_tile_keys():
-    """Tensor-parallel head shards take small_heads.cu's CTA of 8 / 16 / 32 heads (64-key tiles);
-    more than 32 heads take 64-head CTAs (32-key tiles), and so do 17-32 heads of few tokens."""
+    """Tensor-parallel head shards of up to 16 heads take small_heads.cu's CTA of 8 / 16 heads (64-key
+    tiles), at any token count; more heads take 64-head CTAs (32-key tiles), 17-32 heads one with
+    padding rows."""
     from dsv4ops.sparse_attn.cuda import cta_heads, split_plan, tile_keys
 
-    assert [cta_heads(h, 128, 132) for h in (1, 8, 9, 16, 24, 32, 33, 64, 128)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
-    # a few tokens: 17-32 heads take the 64-head CTA (its start and end are shorter)
-    assert [cta_heads(h, 32, 132) for h in (8, 16, 32)] == [8, 16, 64]
-    assert cta_heads(32, 33, 132) == 32
-    assert [tile_keys(c) for c in (8, 16, 32, 64)] == [64, 64, 64, 32]
+    assert [cta_heads(h) for h in (1, 8, 9, 16, 17, 24, 32, 33, 64, 128)] == [8, 8, 16, 16, 64, 64, 64, 64, 64, 64]
+    assert [tile_keys(c) for c in (8, 16, 64)] == [64, 64, 32]
     assert split_plan(1, 640, 132, 8, 64) == (10, False)  # CSA 1 x 4K at 8 heads: one 64-key tile per split
     # CSA 32 x 4K at 16 heads: 4 splits of 3 tiles fill the wave (H100: 17.8 us; 2 splits 20.7, 5: 22.7)
     assert split_plan(32, 640, 132, 16, 64) == (4, False)

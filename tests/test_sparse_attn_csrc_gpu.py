@@ -4,7 +4,8 @@ reference), through their launcher (the arch table selects it on sm_90, so the o
 too). Decode tokens of separate requests (split-KV: the splits merged in their cluster or by the
 combine kernel) and a prefill chunk (one split), windows cut short below position 127, -1 entries
 and shortened comp_lens, padding tokens, draft-block window ends, both kernels (64 heads a CTA, and
-8 / 16 / 32 for tensor-parallel shards) and head counts that leave a CTA partly empty; outputs
+8 / 16 for tensor-parallel shards; 17-32 heads on the 64-head one) and head counts that leave a CTA
+partly empty; outputs
 poisoned with NaN before the call."""
 
 import builders
@@ -47,13 +48,13 @@ def _check(case, ends=None, fmt=FMT):
 def _force_cta(monkeypatch, cta: int):
     """Runs every head count on the kernel with `cta` heads a CTA (128 heads: two 64-head CTAs a
     token), whatever the launch rule picks."""
-    monkeypatch.setattr(sparse_attn_cuda, "cta_heads", lambda heads, tokens, sms: min(cta, 64))
+    monkeypatch.setattr(sparse_attn_cuda, "cta_heads", lambda heads: cta)
 
 
-# (heads, heads a CTA): 64 and 128 on sparse_attn.cu's 64-head CTAs; 8, 16, 32 and 24 (a CTA of 32
-# partly empty) on small_heads.cu; 32 also on a 64-head CTA (the rule's pick at few tokens); 72: a
-# 64-head CTA and a mostly empty one.
-@pytest.mark.parametrize("heads,cta", [(64, 64), (128, 64), (8, 8), (16, 16), (24, 32), (32, 32), (32, 64), (72, 64)])
+# (heads, heads a CTA): 64 and 128 on sparse_attn.cu's 64-head CTAs, 32 and 24 on one with padding
+# rows (the rule's pick for 17-32 heads); 8, 16 and 12 (a CTA of 16 partly empty) on small_heads.cu;
+# 72: a 64-head CTA and a mostly empty one.
+@pytest.mark.parametrize("heads,cta", [(64, 64), (128, 64), (8, 8), (16, 16), (12, 16), (32, 64), (24, 64), (72, 64)])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 def test_matches_the_reference(heads, cta, prefill, monkeypatch):
     _force_cta(monkeypatch, cta)
@@ -79,10 +80,9 @@ def test_draft_block_window_ends(heads):
     _check(case, ends=ends)
 
 
-@pytest.mark.parametrize("heads", [64, 32, 128])
-def test_long_entry_lists_split_many_ways(heads, monkeypatch):
+@pytest.mark.parametrize("heads", [64, 16, 128])
+def test_long_entry_lists_split_many_ways(heads):
     """HCA-like: 4096 entries per token, few tokens: many splits merged by the combine kernel."""
-    _force_cta(monkeypatch, heads)
     _check(_case(heads, prefill=False, entries=4096))
 
 
@@ -99,12 +99,11 @@ def test_lists_much_wider_than_their_lengths(heads):
     _check(tuple(case))
 
 
-@pytest.mark.parametrize("heads", [64, 16, 32, 128])
+@pytest.mark.parametrize("heads", [64, 16, 8, 128])
 def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypatch):
     """HCA 1M-like: two tokens, full 8192-entry lists in 130 splits a token (forced: the rule picks
     52-65 here), so the combine's warps each merge several rounds of splits (a count no multiple of its
     warps)."""
-    _force_cta(monkeypatch, heads)
     monkeypatch.setattr(sparse_attn_cuda, "split_plan", lambda *args, **kwargs: (130, False))
     case = _case(heads, prefill=False, entries=8192)
     keep = torch.tensor([5, 7], device="cuda")  # positions 1000 and 70000
@@ -115,24 +114,28 @@ def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypat
 
 # (heads, heads a CTA, splits): the 64-head kernel's 32-key tiles in 2, 5 or 8 splits; small_heads.cu's
 # 64-key tiles in 2, 3 or 8 (5 would round to 4 splits of 4 tiles).
-@pytest.mark.parametrize("heads,cta,splits", [(h, 64, s) for h in (64, 72, 128) for s in (2, 5, 8)]
-                         + [(h, c, s) for h, c in ((8, 8), (16, 16), (24, 32)) for s in (2, 3, 8)])
-def test_splits_merge_in_their_cluster(heads, cta, splits, monkeypatch):
+@pytest.mark.parametrize("heads,cta,splits", [(h, 64, s) for h in (64, 32, 72, 128) for s in (2, 5, 8)]
+                         + [(h, c, s) for h, c in ((8, 8), (16, 16), (12, 16)) for s in (2, 3, 8)])
+@pytest.mark.parametrize("scores", ["rising", "spread"])
+def test_splits_merge_in_their_cluster(heads, cta, splits, scores, monkeypatch):
     """8 tokens (one padding) of 896 entries (1024 keys) in 2 to 8 splits of 2 tiles or more, each
-    token's splits merged in its cluster over distributed shared memory (no combine kernel; 72 heads: a
-    CTA of 8 live heads, 24: a 32-head CTA of 24; at 72 and 128 heads the 16 clusters of 8 need not fit
-    the device at once, and wait for each other's SMs). Entries ordered by head 0's score, lowest
-    first, so the later splits hold the max and the first queries' sink weighs; cut comp_lens leave
-    splits with no key (-inf log2-sums, nothing staged)."""
+    token's splits merged in its cluster over distributed shared memory (no combine kernel; 32 heads: a
+    64-head CTA of 32, 72 heads: a CTA of 8 live heads, 12: a 16-head CTA of 12; at 72 and 128 heads the 16 clusters of 8 need not fit
+    the device at once, and wait for each other's SMs). Cut comp_lens leave splits with no key (-inf
+    log2-sums, nothing staged). "rising": q scaled by 16 and the entries ordered by head 0's score,
+    lowest first, so the later splits hold the max and the first queries' sink weighs; "spread": q as
+    drawn, so every split carries a share of each head's softmax and a split's weight taken wrong in
+    the merge moves the output at every head count (the rising scores leave the first split next to
+    nothing to weigh)."""
     _force_cta(monkeypatch, cta)
     monkeypatch.setattr(sparse_attn_cuda, "split_plan", lambda *args, **kwargs: (splits, True))
     keys, tile = 128 + 896, sparse_attn_cuda.tile_keys(cta)
     split_keys = -(-keys // splits // tile) * tile
     assert -(-keys // split_keys) == splits and split_keys >= 2 * tile
-    _check(_rising_case(heads, prefill=False, entries=896))
+    _check(_rising_case(heads, False, 896) if scores == "rising" else _case(heads, False, 896))
 
 
-@pytest.mark.parametrize("heads,cta", [(64, 64), (32, 32)])
+@pytest.mark.parametrize("heads,cta", [(64, 64), (16, 16)])
 @pytest.mark.parametrize("merge", [False, True], ids=["combine", "cluster"])
 def test_forty_tokens_few_splits(heads, cta, merge, monkeypatch):
     """40 tokens of one request from position 0: the rule's 2 to 4 splits a token over 40 CTAs, merged
@@ -150,15 +153,17 @@ def test_forty_tokens_few_splits(heads, cta, merge, monkeypatch):
 
 def test_cluster_capacity_and_its_checks():
     """The device's capacity for clusters of 2-8 whole-SM CTAs of each kernel falls as the clusters
-    grow and never exceeds the SMs they need; a cluster merge of more splits than a portable cluster
-    holds is refused before any launch."""
+    grow and never exceeds the SMs they need; a CTA size no kernel is built for, and a cluster merge of
+    more splits than a portable cluster holds, are refused before any launch."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cta in (8, 16, 32, 64):
+    for cta in (8, 16, 64):
         cap = sparse_attn_cuda.cluster_capacity(torch.cuda.current_device(), cta)
         assert len(cap) == sparse_attn_cuda.MAX_CLUSTER_SPLITS + 1 and cap[:2] == (0, 0)
         assert all(0 < cap[s] * s <= sms and cap[s] >= cap[s + 1] for s in range(2, len(cap) - 1)), cap
     with pytest.raises(RuntimeError, match="splits: expected 1 to 8"):
         torch.ops.dsv4_csrc.cluster_capacity(64, 9)
+    with pytest.raises(RuntimeError, match="cta_heads: expected 8, 16 or 64"):
+        torch.ops.dsv4_csrc.cluster_capacity(32, 2)
     q, wc, cc, pos, req, idx, lens, sinks = _case(64, prefill=False)
     q = q.bfloat16()
     out = torch.full_like(q, float("nan"))
@@ -171,14 +176,13 @@ def test_cluster_capacity_and_its_checks():
 
 @pytest.mark.parametrize("heads", [64, 8, 16, 32, 128])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
-def test_sink_and_rising_scores(heads, prefill, monkeypatch):
+def test_sink_and_rising_scores(heads, prefill):
     """Queries at positions below 16 see at most 16 window keys and no entry (the prefill chunk starts
     at position 0), so the sink holds much of their softmax: in the main kernel at one split
     (prefill), in the combine with several (decode). q is scaled by 16 and the other queries' entries
     are ordered by head 0's score, lowest first, so the running max passes its slack (8 in log2
     units) tile after tile and the accumulators must be rescaled. A dropped sink or a skipped
     rescale fails here at every head count."""
-    _force_cta(monkeypatch, heads)
     _check(_rising_case(heads, prefill))
 
 
@@ -223,9 +227,9 @@ def test_other_formats_run_the_triton_kernel():
     _check(case, fmt="exact")
 
 
-@pytest.mark.parametrize("heads", [64, 32])
+@pytest.mark.parametrize("heads", [64, 16])
 @pytest.mark.parametrize("tokens", [16, 132], ids=["split", "one-split"])
-def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens, heads, monkeypatch):
+def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens, heads):
     """Each token sees one key (position 0, no entries), q = 0 and no sink (-inf): its softmax weight
     is exactly 1, so its output is that key's row, and the kernel's e4m3 x UE8M0 -> bf16 conversion
     must equal the reference unpack bit for bit: every e4m3 code but the NaNs, subnormals included,
@@ -233,7 +237,6 @@ def test_one_key_returns_its_dequantized_row_bit_for_bit(tokens, heads, monkeypa
     from dsv4ops.quant import formats
     from dsv4ops.quant.reference import unpack_kv
 
-    _force_cta(monkeypatch, heads)
     f = formats.get(FMT)
     slots = torch.arange(tokens, dtype=torch.int32, device="cuda") * RING  # request r's position 0
     wc = builders.fill_pool(builders.page_pool(tokens * RING // BS, BS, 512, builders.FP8, device="cuda"), 512,
@@ -294,8 +297,7 @@ def _check_formats(case, window_fmt, comp_fmt, ends=None):
 @pytest.mark.parametrize("window_fmt,comp_fmt", PAIRS)
 @pytest.mark.parametrize("heads", [64, 8, 16, 32, 128])
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
-def test_low_bit_formats_match_the_reference(window_fmt, comp_fmt, heads, prefill, monkeypatch):
-    _force_cta(monkeypatch, heads)
+def test_low_bit_formats_match_the_reference(window_fmt, comp_fmt, heads, prefill):
     _check_formats(_pools(_case(heads, prefill), window_fmt, comp_fmt), window_fmt, comp_fmt)
 
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // The merge of a token's splits inside both sm_90 sparse_attn kernels (sparse_attn.cu, 64 heads a
-// CTA; small_heads.cu, 8 / 16 / 32): the token's splits are one thread-block cluster (launch: cluster
+// CTA; small_heads.cu, 8 / 16): the token's splits are one thread-block cluster (launch: cluster
 // 1 x 1 x splits, so a CTA's rank is its split), and each CTA has staged its split's normalized bf16
 // output in a tile of its shared memory (head row r at r * 1024, 16-B chunk c at c ^ (r % 8): the
 // tile store_out reads) and its heads' log2-sums beside it (-inf: no key, nothing staged). Between

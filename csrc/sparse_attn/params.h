@@ -49,7 +49,7 @@ struct Params {
   int window_keys;  // window rounded up to whole 32-key units: a producer unit is all window or all entries
   int split_keys;   // keys of the list [window | entries] per split, a whole number of tiles
   int splits;
-  int cta_heads;     // heads per CTA: 64 (sparse_attn.cu) or 8 / 16 / 32 (small_heads.cu)
+  int cta_heads;     // heads per CTA: 64 (sparse_attn.cu) or 8 / 16 (small_heads.cu)
   int cluster_merge; // a token's 2 to 8 splits are one cluster and merge in the kernel (cluster_merge.cuh)
   float scale_log2;  // softmax scale x log2(e)
 };
@@ -60,7 +60,7 @@ int cluster_capacity(int cta_heads, int splits);
 int cluster_capacity_small(int cta_heads, int splits);  // small_heads.cu
 // The main kernel, then (p.splits > 1, unless p.cluster_merge) the merge of the splits' partials.
 void launch(const Params& p, cudaStream_t stream);
-void launch_small_heads(const Params& p, cudaStream_t stream);  // small_heads.cu: the same for 8 / 16 / 32 heads
+void launch_small_heads(const Params& p, cudaStream_t stream);  // small_heads.cu: the same for 8 / 16 heads
 void launch_combine(const Params& p, cudaStream_t stream);      // combine.cu
 
 }  // namespace dsv4::sparse_attn

@@ -1,14 +1,20 @@
 // SPDX-License-Identifier: MIT
-// sm_90 kernel of `dsv4::sparse_attn` for 8, 16 or 32 heads a CTA: a tensor-parallel rank's share of
-// V4-Flash's 64 query heads (TP8 / TP4 / TP2) or V4-Pro's 128 (TP16 / TP8). sparse_attn.cu's 64-head
-// CTA runs them as 64 rows of which 8 are real, so its tensor work and its per-tile chain do not
-// shrink with the heads; this kernel sizes the tensor work to the heads by swapping the operands
+// sm_90 kernel of `dsv4::sparse_attn` for 8 or 16 heads a CTA: a tensor-parallel rank's share of
+// V4-Flash's 64 query heads (TP8 / TP4) or V4-Pro's 128 (TP16 / TP8). sparse_attn.cu's 64-head CTA
+// runs them as 64 rows of which 8 are real, so its tensor work and its per-tile chain do not shrink
+// with the heads; this kernel sizes the tensor work to the heads by swapping the operands
 // (the keys become wgmma's M of 64, the heads its N):
 //   S^T [64 keys x H] = K [64 x 512] q^T                 (A = the key tile, B = q, both K-major)
 //   O^T [512 x H]    += V^T [512 x 64 keys] P^T [64 x H]  (A = the same key tile read MN-major,
 //                                                          B = P^T, written to shared memory)
 // so a 64-key tile costs 32 + 32 wgmmas of m64nHk16: at 8 heads an eighth of the 64-head kernel's
-// tensor work on the same keys, at 32 heads half.
+// tensor work on the same keys.
+// A 32-head instantiation (three raw stages beside its buffers) was slower than sparse_attn.cu's
+// 64-head CTA running the 32 heads with 32 rows of padding at every point measured, 24-512 tokens
+// (H200, 2026-11-28, us, 32-head / 64-head CTA: CSA 128 x 4K 37.1 / 34.6, 512 x 4K 138.6 / 130.5,
+// sliding 256 x 4K 23.5 / 21.3, HCA 512 x 4K 61.3 / 51.8), so 17-32 heads run on that one; at 16
+// heads this kernel wins on sliding layers (256 x 4K 18.3 / 20.3) and is within 5% at most CSA and
+// HCA points (8-14% either way at four of 24), at 8 heads it wins at every point (4-47%).
 //
 // One CTA = one token x H heads x one split of its key list; warpgroups by role:
 //   - producers (warps 8-15, pipeline.cuh): two 32-key units a 64-key bf16 tile, two tiles;
@@ -33,26 +39,23 @@ namespace dsv4::sparse_attn {
 namespace {
 
 constexpr int kTileKeys = 2 * kKeys;  // wgmma's M
-// Raw stages: four (three units ahead) where they fit, three beside 32 heads' buffers.
-template <int H>
-constexpr int kStages = H == 32 ? 3 : 4;
+constexpr int kRawStages = 4;  // three 32-key units gathered ahead of the one being converted
 
 template <int H>
 struct SmallSmem {
   alignas(1024) uint8_t q[H * kDim * 2];             // 8 blocks of [H heads][128 B]; the output tile at the end
   alignas(1024) uint8_t k[2][kTileKeys * kDim * 2];  // 8 blocks of [64 keys][128 B]
   alignas(1024) uint8_t pt[2][H * 128];              // P^T: [H heads][64 keys] bf16, 128-B swizzle
-  alignas(128) uint8_t raw[kStages<H>][kKeys * kRawRow];
+  alignas(128) uint8_t raw[kRawStages][kKeys * kRawRow];
   float red[2][4][H];  // warpgroup 0's per-warp head maxima of a tile; the sums at the end
   float alpha[2][H];   // the heads' rescale factors of a tile, warpgroup 0 -> 1
   float inv[H];        // 1 / each head's softmax sum, warpgroup 0 -> 1 at the end
   float lse[H];        // each head's log2-sum, for the cluster's merge (cluster_merge.cuh)
   int moved[2];        // whether any head's running max moved in a tile
-  uint8_t valid[kStages<H>][kKeys];
+  uint8_t valid[kRawStages][kKeys];
   uint32_t mask[2][2];  // valid keys of each bf16 tile, by unit
 };
-static_assert(sizeof(SmallSmem<8>) <= 227 * 1024 && sizeof(SmallSmem<16>) <= 227 * 1024 &&
-                  sizeof(SmallSmem<32>) <= 227 * 1024,
+static_assert(sizeof(SmallSmem<8>) <= 227 * 1024 && sizeof(SmallSmem<16>) <= 227 * 1024,
               "shared memory of one CTA on sm_90");
 
 // Named barriers beyond pipeline.cuh's: P^T of a tile written (warpgroup 0 -> 1) and read (1 -> 0),
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__(kThreads, 1) small_heads_kernel(const __grid_c
     shrink_registers<kProducerRegs>();
     // Both units of every tile: a unit past `end` is zeros (its keys masked, and 0 x a stale NaN
     // would be NaN in P V).
-    produce<WF, CF, kStages<H>, 2, 2, kProducers + kGroup>(sm, p, token, begin, end, 2 * tiles, position, req);
+    produce<WF, CF, kRawStages, 2, 2, kProducers + kGroup>(sm, p, token, begin, end, 2 * tiles, position, req);
     // The consumers merge (on the producers' path the merge made ptxas spill inside the gather loop,
     // 8-24 B at their 64 registers).
     if constexpr (kMerge) merge_barriers();
@@ -334,16 +337,14 @@ int capacity(int splits) {
 }  // namespace
 
 int cluster_capacity_small(int cta_heads, int splits) {
-  return cta_heads == 8 ? capacity<8>(splits) : cta_heads == 16 ? capacity<16>(splits) : capacity<32>(splits);
+  return cta_heads == 8 ? capacity<8>(splits) : capacity<16>(splits);
 }
 
 void launch_small_heads(const Params& p, cudaStream_t stream) {
   if (p.cta_heads == 8) {
     launch_heads<8>(p, stream);
-  } else if (p.cta_heads == 16) {
-    launch_heads<16>(p, stream);
   } else {
-    launch_heads<32>(p, stream);
+    launch_heads<16>(p, stream);
   }
 }
 

@@ -6,7 +6,7 @@
 //
 // One CTA = one token x 64 heads x one split of the token's key list [window | entries], four
 // warpgroups specialized by role (the producers and the tile handoff are pipeline.cuh's, shared with
-// small_heads.cu, the kernel for 8 / 16 / 32 heads a CTA). K = V is one shared 512-d head (MQA), so
+// small_heads.cu, the kernel for 8 / 16 heads a CTA). K = V is one shared 512-d head (MQA), so
 // a key tile of 32 keys is gathered and dequantized once for all 64 heads:
 //   - two producer warpgroups (warps 8-15) issue cp.async for the raw rows (a slot's data and scale
 //     bytes) into a 3-stage ring, two tiles ahead, and dequantize each landed tile (exactly, see

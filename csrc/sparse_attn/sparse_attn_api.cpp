@@ -69,8 +69,8 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
   DSV4_CHECK_DTYPE(sinks, at::kFloat);
   DSV4_CHECK(sinks.dim() == 1 && sinks.size(0) == heads && sinks.stride(0) == 1, "sinks: expected [", heads,
              "] fp32, got shape ", sinks.sizes());
-  DSV4_CHECK(cta_heads == 8 || cta_heads == 16 || cta_heads == 32 || cta_heads == 64,
-             "cta_heads: expected 8, 16, 32 or 64, got ", cta_heads);
+  DSV4_CHECK(cta_heads == 8 || cta_heads == 16 || cta_heads == 64, "cta_heads: expected 8, 16 or 64, got ",
+             cta_heads);
   // Key tiles: 32 keys a tile at 64 heads a CTA, 64 (wgmma's M) below; the window in 32-key units.
   const int64_t tile_keys = cta_heads == 64 ? 32 : 64;
   DSV4_CHECK(splits >= 1 && split_keys % tile_keys == 0 && window_keys % 32 == 0 && window_keys >= window,
@@ -138,8 +138,8 @@ void sparse_attn_cuda(const at::Tensor& q, const at::Tensor& window_cache, const
 }
 
 int64_t cluster_capacity_cuda(int64_t cta_heads, int64_t splits) {
-  DSV4_CHECK(cta_heads == 8 || cta_heads == 16 || cta_heads == 32 || cta_heads == 64,
-             "cta_heads: expected 8, 16, 32 or 64, got ", cta_heads);
+  DSV4_CHECK(cta_heads == 8 || cta_heads == 16 || cta_heads == 64, "cta_heads: expected 8, 16 or 64, got ",
+             cta_heads);
   DSV4_CHECK(splits >= 1 && splits <= kMaxClusterSplits, "splits: expected 1 to ", kMaxClusterSplits, ", got ",
              splits);
   return cluster_capacity(static_cast<int>(cta_heads), static_cast<int>(splits));

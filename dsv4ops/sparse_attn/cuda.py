@@ -6,7 +6,7 @@ kernel for every other case (exact pools, fp32 or fp16 activations). Same argume
 The arch table selects it on sm_90 (dsv4ops/_arch.py); the sm_100a build of csrc/ compiles the
 kernel to a trap, and sm_100 runs the Triton kernel.
 
-The C++ kernels take a token x 64 heads (csrc/sparse_attn/sparse_attn.cu) or x 8 / 16 / 32 heads
+The C++ kernels take a token x 64 heads (csrc/sparse_attn/sparse_attn.cu) or x 8 / 16 heads
 (small_heads.cu, a tensor-parallel rank's share: `cta_heads`) x one split of its key list per CTA
 (one CTA per SM: 218-226 KiB of shared memory); a batch that would leave SMs idle splits each list
 (`split_plan`), and the splits' partial outputs are merged with the sink: by the kernel itself, over
@@ -224,7 +224,8 @@ to 6 significant bits), so the tiles stay bf16; the time is the tile chain's (ab
 Tensor-parallel shards (H100, 2026-11-27, README's sweep table): with the 64-head CTA a rank's 8 heads
 cost nearly what 64 do (CSA 128 x 4K 37.0 against 41.9 us); small_heads.cu's CTA, tensor work sized to
 the heads, takes 32.2 / 34.2 / 38.0 us at 8 / 16 / 32 heads, 0.62-0.74x FlashMLA's padded 51.6, and
-sliding 128 x 4K 8.8 / 9.8 / 12.6 against 14.5. It is chain-bound, not bandwidth-bound: ncu (base
+sliding 128 x 4K 8.8 / 9.8 / 12.6 against 14.5 (the 32-head CTA, slower than the padded 64-head
+one on the H200, is no longer built: `cta_heads`). It is chain-bound, not bandwidth-bound: ncu (base
 clocks, 8 heads) DRAM 38% busy, SM 38%, barrier stalls 40% of the cycles between issues; taking out
 the dequantization, the wgmmas or the gather (build-time experiments) saved 6.9 / 4.2 / 7.2 of 32.8 us,
 so each is a link of one chain, not the bound: with two key tiles in the ring, the producers refill a
@@ -279,7 +280,7 @@ from dsv4ops.sparse_attn import triton as _triton
 
 KEYS_PER_TILE = 32  # csrc/sparse_attn/pipeline.cuh kKeys: a producer unit, a tile of the 64-head kernel
 HEADS_PER_CTA = 64  # csrc/sparse_attn/sparse_attn.cu kHeads
-SMALL_HEADS = (8, 16, 32)  # csrc/sparse_attn/small_heads.cu: 64-key tiles (wgmma's M)
+SMALL_HEADS = (8, 16)  # csrc/sparse_attn/small_heads.cu: 64-key tiles (wgmma's M)
 ROW_FORMATS = {"fp8_584": 0, "fp8_528": 1, "fp4_288": 2}  # csrc/sparse_attn/rows.cuh RowFormat
 # (window, entries) pairs the kernel reads (rows.cuh `serves_formats`): V4, V4 with fp4 entries, V4.1,
 # and V4.1's sliding layers (their entry list is empty; the window pool stands in for the entries').
@@ -321,14 +322,16 @@ SPLIT_COSTS = {KEYS_PER_TILE: (1.25, 1.5, 2e6, 1.0, 2e4, 1.5), 2 * KEYS_PER_TILE
 MAX_CLUSTER_SPLITS = 8  # csrc/sparse_attn/params.h kMaxClusterSplits: a portable cluster's CTAs
 
 
-def cta_heads(heads: int, tokens: int, sms: int) -> int:
-    """Heads per CTA: the smallest of small_heads.cu's 8 / 16 / 32 that holds them all, else 64
-    (sparse_attn.cu; more heads take several CTAs a token). A 32-head CTA costs ~2 us more to start and
-    end than sparse_attn.cu's (H100, V4-Flash at 32 heads: sliding 1 x 4K 11.9 us against 9.9, CSA
-    1 x 4K 16.3 against 12.3) and wins once a wave holds many tiles (CSA 32 x 4K 23.4 against 25.7,
-    128 x 4K 38.5 against 44.1): it takes 17-32 heads from a quarter of the SMs' worth of tokens."""
-    cta = next((h for h in SMALL_HEADS if heads <= h), HEADS_PER_CTA)
-    return HEADS_PER_CTA if cta == SMALL_HEADS[-1] and tokens < sms // 4 else cta
+def cta_heads(heads: int) -> int:
+    """Heads per CTA: small_heads.cu's 8 or 16 where they hold all the heads, else sparse_attn.cu's 64
+    (17-32 heads with padding rows; more heads take several CTAs a token). small_heads.cu's 32-head
+    CTA was slower than the padded 64-head one at every point measured (H200, 2026-11-28, same calls,
+    two rounds each, us, 32-head / 64-head CTA, 32 heads: V4-Flash sliding 64 x 4K 12.2 / 10.8, 256 x
+    4K 23.5 / 21.3; CSA 40 x 4K 23.6 / 19.7, 128 x 4K 37.1 / 34.6, 512 x 4K 138.6 / 130.5; HCA 64 x 16K
+    17.6 / 14.8, 128 x 256K 105.1 / 99.3, 512 x 4K 61.3 / 51.8; V4-Pro CSA 128 x 4K 59.9 / 56.1: faster
+    by 5-28% at all 198 points from 24 to 512 tokens) and is no longer built; 16 heads keep theirs
+    (sliding 256 x 4K 18.3 / 20.3 us on the 64-head CTA; csrc/sparse_attn/small_heads.cu)."""
+    return next((h for h in SMALL_HEADS if heads <= h), HEADS_PER_CTA)
 
 
 def tile_keys(cta: int) -> int:
@@ -393,7 +396,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     t, h, _ = q.shape
     ends = positions if window_ends is None else window_ends
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    cta = cta_heads(h, t, sms)
+    cta = cta_heads(h)
     tile = tile_keys(cta)
     window_keys = -(-window // KEYS_PER_TILE) * KEYS_PER_TILE
     keys = window_keys + comp_idx.shape[1]
