@@ -329,9 +329,8 @@ void launch_heads(const Params& p, cudaStream_t stream) {
 template <int H>
 int capacity(int splits) {
   // Every format pair's kernel has the same threads and shared memory.
-  auto* kernel = small_heads_kernel<H, kFp8_584, kFp8_584, true>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(SmallSmem<H>)));
-  return max_clusters(reinterpret_cast<const void*>(kernel), splits, sizeof(SmallSmem<H>));
+  return max_clusters(reinterpret_cast<const void*>(small_heads_kernel<H, kFp8_584, kFp8_584, true>), splits,
+                      sizeof(SmallSmem<H>));
 }
 
 }  // namespace

@@ -369,6 +369,8 @@ int max_clusters(const void* kernel, int splits, int smem) {
   const std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_tuple(device, kernel, splits);
   if (const auto it = cache.find(key); it != cache.end()) return it->second;
+  // The opt-in above 48 KiB of shared memory, without which the query finds no room for a CTA.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(1, 1, splits);
   config.blockDim = dim3(kThreads);
@@ -391,9 +393,8 @@ int max_clusters(const void* kernel, int splits, int smem) {
 int cluster_capacity(int cta_heads, int splits) {
   if (cta_heads < kHeads) return cluster_capacity_small(cta_heads, splits);
   // Every format pair's kernel has the same threads and shared memory.
-  auto* kernel = sparse_attn_kernel<kFp8_584, kFp8_584, true>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sizeof(Smem)));
-  return max_clusters(reinterpret_cast<const void*>(kernel), splits, sizeof(Smem));
+  return max_clusters(reinterpret_cast<const void*>(sparse_attn_kernel<kFp8_584, kFp8_584, true>), splits,
+                      sizeof(Smem));
 }
 
 void launch(const Params& p, cudaStream_t stream) {
