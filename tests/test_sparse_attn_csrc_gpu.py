@@ -120,13 +120,13 @@ def test_two_tokens_of_8192_entries_merge_over_a_hundred_splits(heads, monkeypat
 def test_splits_merge_in_their_cluster(heads, cta, splits, scores, monkeypatch):
     """8 tokens (one padding) of 896 entries (1024 keys) in 2 to 8 splits of 2 tiles or more, each
     token's splits merged in its cluster over distributed shared memory (no combine kernel; 32 heads: a
-    64-head CTA of 32, 72 heads: a CTA of 8 live heads, 12: a 16-head CTA of 12; at 72 and 128 heads the 16 clusters of 8 need not fit
-    the device at once, and wait for each other's SMs). Cut comp_lens leave splits with no key (-inf
-    log2-sums, nothing staged). "rising": q scaled by 16 and the entries ordered by head 0's score,
-    lowest first, so the later splits hold the max and the first queries' sink weighs; "spread": q as
-    drawn, so every split carries a share of each head's softmax and a split's weight taken wrong in
-    the merge moves the output at every head count (the rising scores leave the first split next to
-    nothing to weigh)."""
+    64-head CTA of 32, 72 heads: a CTA of 8 live heads, 12: a 16-head CTA of 12; at 72 and 128 heads the
+    16 clusters of 8 need not fit the device at once, and wait for each other's SMs). Cut comp_lens
+    leave splits with no key (-inf log2-sums, nothing staged). "rising": q scaled by 16 and the entries
+    ordered by head 0's score, lowest first, so the later splits hold the max and the first queries'
+    sink weighs; "spread": q as drawn, so every split carries a share of each head's softmax and a
+    split's weight taken wrong in the merge moves the output at every head count (the rising scores
+    leave the first split next to nothing to weigh)."""
     _force_cta(monkeypatch, cta)
     monkeypatch.setattr(sparse_attn_cuda, "split_plan", lambda *args, **kwargs: (splits, True))
     keys, tile = 128 + 896, sparse_attn_cuda.tile_keys(cta)

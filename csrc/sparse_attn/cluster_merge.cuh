@@ -86,11 +86,11 @@ __device__ __forceinline__ void merge_barriers() {
 #endif  // DSV4_SM90_BODY
 
 // Clusters of `splits` CTAs of `kernel` (one CTA an SM: `smem` bytes, kThreads threads) that the device
-// holds at once (cudaOccupancyMaxActiveClusters, after the kernel's shared-memory opt-in; 0 if the
-// query fails). Clusters of whole-SM CTAs pack
-// by GPC, not by SM count: the H100's 132 SMs hold 66 clusters of 2, 39 of 3, 30 of 4, 22 of 5, 17 of
-// 6 and 15 of 7 or 8. The launcher (dsv4ops/sparse_attn/cuda.py) merges in clusters only where the
-// grid's fit at once: 32 clusters of 4 merged took 31.8 us at CSA 32 x 4K, 19.0 with the combine.
+// holds at once (cudaOccupancyMaxActiveClusters, after the kernel's shared-memory opt-in; 0 if the query
+// fails). Clusters of whole-SM CTAs pack by GPC, not by SM count: the H100's 132 SMs hold 66 clusters of
+// 2, 39 of 3, 30 of 4, 22 of 5, 17 of 6 and 15 of 7 or 8. The launcher (dsv4ops/sparse_attn/cuda.py)
+// merges in clusters only where the grid's fit at once: 32 clusters of 4 merged took 31.8 us at CSA 32 x
+// 4K, 19.0 with the combine.
 int max_clusters(const void* kernel, int splits, int smem);
 
 }  // namespace dsv4::sparse_attn

@@ -68,8 +68,9 @@ static_assert(sizeof(SmallSmem<8>) <= 227 * 1024 && sizeof(SmallSmem<16>) <= 227
 __device__ __forceinline__ int head_of(int j, int lane) { return 8 * (j >> 1) + 2 * (lane & 3) + (j & 1); }
 
 // Warpgroup 0 (threads 0-127): q into shared memory, then per tile S^T, the online softmax and P^T;
-// at the end each head's sum (and, for a split, its log2-sum-exp into p.lse).
-template <int H>
+// at the end each head's sum (and, for a split, its log2-sum-exp: into sm.lse where the cluster
+// merges, else into p.lse for the combine).
+template <int H, bool kMerge>
 __device__ __forceinline__ void scores(SmallSmem<H>& sm, const Params& p, int64_t token, int head0, int split,
                                        int tiles, int req) {
   constexpr int J = H / 4;  // heads a thread holds (columns of the m64nH fragment)
@@ -186,7 +187,7 @@ __device__ __forceinline__ void scores(SmallSmem<H>& sm, const Params& p, int64_
       sm.inv[h] = 1.f / (sum > 0.f ? sum : 1.f);
       // A split's log2 of its softmax sum (-inf: no key), for the cluster's merge or the combine.
       const float lse = sum > 0.f ? row_max[j] + log2f(sum) : -INFINITY;
-      if (p.cluster_merge) {
+      if constexpr (kMerge) {
         sm.lse[h] = lse;
       } else if (p.splits > 1 && head0 + h < p.heads) {
         p.lse[(token * p.splits + split) * p.heads + head0 + h] = lse;
@@ -198,7 +199,7 @@ __device__ __forceinline__ void scores(SmallSmem<H>& sm, const Params& p, int64_
 
 // Warpgroup 1 (threads 128-255): O^T += V^T P^T per tile, then the normalized output: bf16 rows of
 // `out` (or of a split's partial) through shared memory (q's buffer, free once warpgroup 0 is done).
-template <int H>
+template <int H, bool kMerge>
 __device__ __forceinline__ void values(SmallSmem<H>& sm, const Params& p, int64_t token, int head0, int split,
                                        int tiles) {
   constexpr int J = H / 4, F = H / 2;  // heads a thread holds; fragment registers of a 64-dim block
@@ -252,7 +253,7 @@ __device__ __forceinline__ void values(SmallSmem<H>& sm, const Params& p, int64_
         __float2bfloat16_rn(acc[x] * inv[j]);
   }
   bar_sync(kGroup1Bar, kGroup);
-  if (!p.cluster_merge) store_out<H, kGroup>(sm.q, p, token, head0, split, t);
+  if constexpr (!kMerge) store_out<H, kGroup>(sm.q, p, token, head0, split, t);
 }
 #endif  // DSV4_SM90_BODY
 
@@ -302,9 +303,9 @@ __global__ void __launch_bounds__(kThreads, 1) small_heads_kernel(const __grid_c
   }
   grow_registers<kConsumerRegs>();
   if (warp < 4) {
-    scores<H>(sm, p, token, head0, split, tiles, req);
+    scores<H, kMerge>(sm, p, token, head0, split, tiles, req);
   } else {
-    values<H>(sm, p, token, head0, split, tiles);
+    values<H, kMerge>(sm, p, token, head0, split, tiles);
   }
   // Warpgroup 1 staged the normalized output in q's buffer, warpgroup 0 the log2-sums.
   if constexpr (kMerge) merge_splits<H, kConsumers>(sm.q, sm.lse, p, token, head0, threadIdx.x);

@@ -12,10 +12,11 @@ The C++ kernels take a token x 64 heads (csrc/sparse_attn/sparse_attn.cu) or x 8
 (`split_plan`), and the splits' partial outputs are merged with the sink: by the kernel itself, over
 distributed shared memory, where a token's splits form one thread-block cluster (below), else by a
 second kernel (workspace allocated per call from static sizes, so the call stays CUDA-graph safe).
-The split count fills one wave of CTAs (HCA 32 x 1M: 4 splits of 65 tiles); it is sized by the key list's width, but a split
-past its token's real list (window plus `comp_lens` entries) leaves at once and the combine reads
-only the live splits, so the cost follows the real context (HCA 1 x 4K in a cache of 1M positions a
-request: 12.1 us, 10.7 at a 4K `max_context`). The kernels' designs are in their files' headers.
+The split count fills one wave of CTAs (HCA 32 x 1M: 4 splits of 65 tiles); it is sized by the key
+list's width, but a split past its token's real list (window plus `comp_lens` entries) leaves at once
+and the combine reads only the live splits, so the cost follows the real context (HCA 1 x 4K in a cache
+of 1M positions a request: 12.1 us, 10.7 at a 4K `max_context`). The kernels' designs are in their
+files' headers.
 
 The splits' partial outputs are bf16, each normalized by its own softmax sum (so bounded by the
 largest |value| of its keys), with fp32 log2-sums: half the bytes of fp32 partials, the traffic that
@@ -193,11 +194,12 @@ says so (csrc/sparse_attn/cluster_merge.cuh): a token's at most 8 splits one thr
 CTA staging its normalized bf16 output and log2-sums in its shared memory, split r merging heads r,
 r + S, ... over distributed shared memory between two cluster barriers (no partials in global memory,
 no second kernel), planned only where the grid's clusters fit the device at once
-(cudaOccupancyMaxActiveClusters, `cluster_capacity`; 32 clusters of 4 whole-SM CTAs did not: CSA
-32 x 4K 31.8 us against 19.0 with the combine). At 64 heads, merged / the combine, us, each build timed
-beside the other in the same calls (H100, 2026-11-28, three calls): HCA 8 x 16K 11.4-11.6 / 12.9-13.3, CSA 8 x 4K 13.8-14.1 / 14.7-15.0,
-CSA 8 x 256K 13.8-14.1 / 14.8-15.1, V4-Pro HCA 8 x 16K 11.7-12.2 / 13.8-14.1, V4-Pro CSA 32 x 4K
-34.9-36.2 / 39.1-39.9; slower at HCA 8 x 4K (2 splits of 3 and 2 tiles) 11.5 / 10.8-10.9, one round.
+(cudaOccupancyMaxActiveClusters, `cluster_capacity`; 32 clusters of 4 whole-SM CTAs did not: CSA 32 x 4K
+31.8 us against 19.0 with the combine). At 64 heads, merged / the combine, us, each build timed beside
+the other in the same calls (H100, 2026-11-28, three calls): HCA 8 x 16K 11.4-11.6 / 12.9-13.3, CSA 8 x
+4K 13.8-14.1 / 14.7-15.0, CSA 8 x 256K 13.8-14.1 / 14.8-15.1, V4-Pro HCA 8 x 16K 11.7-12.2 / 13.8-14.1,
+V4-Pro CSA 32 x 4K 34.9-36.2 / 39.1-39.9; slower at HCA 8 x 4K (2 splits of 3 and 2 tiles) 11.5 /
+10.8-10.9, one round.
 What the merge costs, HCA 8 x 16K: the two cluster barriers alone (a timing probe, wrong results)
 8.5-8.6, near the 8.7-8.9 without any merge; the merge's loads (~64 KB a CTA from its peers, whatever
 the split count) the other ~3 us; 16-B loads took 0.6 us less than 8-B ones; reading its own split from
