@@ -80,6 +80,14 @@ def dequantize_state_dict(state_dict: dict, block: int, dtype: torch.dtype) -> d
     return out
 
 
+def check_exact_cast(t: Tensor, dtype: torch.dtype, name: str) -> None:
+    """Refuse a tensor `name` that `dtype` cannot hold exactly (a load would round it silently)."""
+    if t.is_floating_point() and not torch.equal(t.to(dtype).to(t.dtype), t):
+        bad = (t.to(dtype).to(t.dtype) != t).sum().item()
+        raise ValueError(f"{name}: {t.dtype} values that {dtype} cannot hold exactly ({bad} of {t.numel()} would "
+                         f"round); the layer keeps this weight in {dtype} (the checkpoint's dtype for it is bf16)")
+
+
 def load_all_or_nothing(module: nn.Module, load, state_dict, strict: bool, assign: bool):
     """`load(state_dict, strict=strict, assign=assign)` (a module's nn.Module.load_state_dict) that
     changes nothing when it fails. torch copies tensor by tensor and raises at the end: a strict

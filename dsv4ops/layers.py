@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv4ops import checkpoint
+from dsv4ops import checkpoint, packing
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
-from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.fp8_linear import rule as fp8_rule
+from dsv4ops.fp8_linear.api import BlockFP8Linear, fp32_scale, fp8_linear
 from dsv4ops.indexer.reference import query_values
 from dsv4ops.parallel import Group, all_reduce
 from dsv4ops.parallel import dcp as _dcp
@@ -29,13 +30,14 @@ from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
 
 _KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "state")  # inv_freq: rebuilt by _keep_fp32
-# The compressor projections a, z compute in fp32 outside exact mode (DeepSeek's reference keeps
-# their weights in fp32, spec 1.3 and 3.3): held in fp32 there, so no step converts them (V4-Flash:
-# 42 MB of fp32 weights per CSA layer, 17 MB per HCA layer). By the mode that rounds each:
-_COMPRESSOR_WEIGHTS = {
-    "kv": ("compressor.kv_proj.weight", "compressor.gate_proj.weight"),
-    "indexer": ("compressor.indexer.kv_proj.weight", "compressor.indexer.gate_proj.weight"),
-}
+# The compressors' projection weights: bf16 in the checkpoint (spec 1.3) and held in the model dtype.
+# Outside exact mode their a, z compute in fp32 (the packed GEMM's fp32 output, dsv4ops.packing).
+_COMPRESSOR_WEIGHTS = ("compressor.kv_proj.weight", "compressor.gate_proj.weight",
+                       "compressor.indexer.kv_proj.weight", "compressor.indexer.gate_proj.weight")
+# The bf16 projections of the layer input x, in the order the packed GEMM stacks them (those present
+# as nn.Linear: a layer kind without a compressor or indexer, or q_a / kv kept block-FP8, has fewer).
+X_PROJECTIONS = ("q_a_proj", "kv_proj", "compressor.indexer.scorer.weights_proj", "compressor.kv_proj",
+                 "compressor.gate_proj", "compressor.indexer.kv_proj", "compressor.indexer.gate_proj")
 
 # DeepSeek's checkpoint names (inference/model.py) -> this module's (transformers'), under
 # `layers.{i}.`: the renames transformers' conversion mapping applies to DeepSeek-V4 checkpoints.
@@ -107,6 +109,21 @@ def serving_cache(module: nn.Module, who: str, owner: str, arg: str, x: Tensor, 
         module._check_input(x, ndim, dims)
         module.cache_manager.check_step(step, tokens)
     return cache
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _parameter(module: nn.Module, path: str) -> Tensor | None:
+    try:
+        return module.get_parameter(path)
+    except AttributeError:
+        return None
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -194,28 +211,42 @@ class DeepseekV4Attention(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` keeps the tensors transformers keeps in fp32 (sinks, position biases, norm
-        weights), the fp32 RoPE table and compressor states, and, outside exact mode, the compressor
-        projection weights (the reference's fp32 weights: `kv` rounds the main compressor's, `indexer`
-        the indexer's) in fp32."""
+        weights), the fp32 RoPE table and compressor states in fp32; the packed projections are tied
+        again (Module._apply moves each tensor on its own)."""
         super()._apply(fn, recurse)
         self._keep_fp32()
         return self
 
     def _keep_fp32(self) -> None:
-        weights = {name for mode, names in _COMPRESSOR_WEIGHTS.items()
-                   if getattr(self.numerics, mode) != "exact" for name in names}
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            keep = name.endswith(_KEEP_FP32) or name in weights
-            if keep and t.is_floating_point() and t.dtype != torch.float32:
+            if name.endswith(_KEEP_FP32) and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
         # Rebuilt, not widened: `.to(bfloat16)` rounded it, and no checkpoint restores a non-persistent
         # buffer. A bf16 frequency is off by up to 2^-9 relative: 1.2 rad of angle at position 740.
         self.inv_freq.data = self.config.inv_freq(self.layer_idx).to(self.inv_freq.device)
+        self.tie_packs()
+
+    def tie_packs(self) -> None:
+        """Stack the nn.Linear projections of x into the packed GEMM's weight (dsv4ops.packing), their
+        parameters becoming views of it. Called after every change of the layer's tensors that could
+        cut the views loose (construction, moves, loads, a projection swapped for a block-FP8 one)."""
+        members = tuple(n for n in X_PROJECTIONS if _has(self, n) and isinstance(self.get_submodule(n), nn.Linear))
+        self.x_pack = packing.Pack("x_packed", members)
+        self.x_pack.tie(self)
+        # q_a and kv kept block-FP8 (keep_fp8): one W8A16 / W8A8 GEMM where their tiles line up.
+        fp8 = [self.get_submodule(n) for n in X_PROJECTIONS[:2]]
+        same = all(isinstance(m, BlockFP8Linear) for m in fp8) and len(
+            {(m.block, m.weight_scale_inv.dtype, m.activations, m.in_features) for m in fp8}) == 1
+        self.x8_pack = packing.Pack("x8_packed", X_PROJECTIONS[:2] if same and fp8[0].out_features % fp8[0].block == 0
+                                    else ())
+        self.x8_pack.tie(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before
         anything is copied, so a failed load leaves the layer as it was."""
-        return checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
+        result = checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
+        self.tie_packs()  # an assign=True load replaced the members' parameters
+        return result
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """Loading (as a module of its own or inside another) cuts the full tensors of the split
@@ -224,6 +255,10 @@ class DeepseekV4Attention(nn.Module):
         blocks = {n: m.block for n in ("q_b_proj", "o_b_proj") if isinstance(m := getattr(self, n), BlockFP8Linear)}
         _tp.shard_(state_dict, prefix, self.tp_group, _tp.full_shapes(self.config, blocks),
                    f"DeepseekV4Attention(layer {self.layer_idx})")
+        for name in _COMPRESSOR_WEIGHTS:
+            given, mine = state_dict.get(prefix + name), _parameter(self, name)
+            if isinstance(given, Tensor) and mine is not None and given.dtype != mine.dtype:
+                checkpoint.check_exact_cast(given, mine.dtype, prefix + name)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK,
@@ -271,6 +306,7 @@ class DeepseekV4Attention(nn.Module):
             for name, module in swapped.items():
                 owner, _, attr = name.rpartition(".")
                 setattr(self.get_submodule(owner), attr, module)
+            self.tie_packs()
             raise
 
     def _set_projection(self, name: str, block: int | None, scale_dtype) -> nn.Module:
@@ -287,6 +323,7 @@ class DeepseekV4Attention(nn.Module):
         else:
             new = old if isinstance(old, nn.Linear) else _linear(k, n).to(device, self.o_a_proj.weight.dtype)
         setattr(parent, attr, new)
+        self.tie_packs()
         return old
 
     def attach_cache(self, manager: KVCacheManager) -> None:
@@ -378,18 +415,20 @@ class DeepseekV4Attention(nn.Module):
 _CACHE_LAYOUT = ("window", "head_dim", "rope_head_dim", "index_head_dim", "csa_ratio", "hca_ratio", "compress_ratios")
 
 
-def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerCache) -> Tensor:
+def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerCache, core=None) -> Tensor:
     """kv insert -> compressors (before attention) -> indexer -> sparse attention -> output, through
     the dsv4:: ops; no host sync, no data-dependent branch. The ops are called directly rather than
     through the public functions: the step planner has already checked every value, and their eager
-    value checks would sync the host each step."""
+    value checks would sync the host each step. `core(q_rot, comp_cache, comp_fmt, comp_idx, comp_lens)
+    -> o` replaces dsv4::sparse_attn (one rank): the benchmark's seam for another library's kernel."""
     cfg, ops = layer.config, torch.ops.dsv4
     eps = cfg.rms_norm_eps
     pos, req = live_tokens(step, cache)
     t = x.shape[0]
-    qr = rms_norm(layer.q_a_proj(x), layer.q_a_norm.weight, eps)
+    px = project_x(layer, x)
+    qr = rms_norm(px["q_a_proj"], layer.q_a_norm.weight, eps)
     q = layer.q_b_proj(qr).view(t, layer.heads, cfg.head_dim)
-    kv = rms_norm(layer.kv_proj(x), layer.kv_norm.weight, eps)
+    kv = rms_norm(px["kv_proj"], layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
     fmt = cache.fmt
     ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps, True, fmt["window"])
@@ -399,18 +438,20 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     comp_lens = torch.zeros_like(pos)
     if layer.compressor is not None:
         c, kind = layer.compressor, layer.layer_type
-        _compress(c, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.state, cache.comp, fmt["comp"],
-                  layer.numerics.kv, eps)
+        _compress(c, px["compressor.kv_proj"], px["compressor.gate_proj"], pos, req, step.entry_slots(kind),
+                  layer.inv_freq, cache.state, cache.comp, fmt["comp"], eps)
         comp_cache, comp_fmt = cache.comp, fmt["comp"]
         ratio, dcp = cfg.compress_ratio(layer.layer_idx), cache.dcp
         visible = visible_counts(pos, req, ratio)
         if kind == CSA:
-            _compress(c.indexer, x, pos, req, step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index,
-                      fmt["index"], layer.numerics.indexer, eps, hadamard=indexer_rotates(layer.numerics))
+            _compress(c.indexer, px["compressor.indexer.kv_proj"], px["compressor.indexer.gate_proj"], pos, req,
+                      step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index, fmt["index"], eps,
+                      hadamard=indexer_rotates(layer.numerics))
+            w = px["compressor.indexer.scorer.weights_proj"]
             if dcp is None:
-                comp_idx = _select(c.indexer, x, qr, step, pos, req, layer, cache)
+                comp_idx = _select(c.indexer, w, qr, step, pos, req, layer, cache)
             else:
-                comp_idx, comp_lens, _ = _select_dcp(c.indexer, x, qr, step, pos, req, layer, cache)
+                comp_idx, comp_lens, _ = _select_dcp(c.indexer, w, qr, step, pos, req, layer, cache)
         else:  # HCA: every complete entry of the token's request (context parallel: of this rank's blocks)
             table, bs = step.block_table(kind), cache.cfg.block_size
             comp_idx = torch.empty(t, table.shape[1] * bs, dtype=torch.int32, device=x.device)
@@ -424,7 +465,9 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
             # The selection lists its entries first, so the first min(visible, k) columns hold them all.
             comp_lens = visible.clamp(max=comp_idx.shape[1])
 
-    if cache.dcp is None:
+    if core is not None and cache.dcp is None:
+        o = core(q_rot, comp_cache, comp_fmt, comp_idx, comp_lens)
+    elif cache.dcp is None:
         o = torch.empty_like(q_rot)
         ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
                         o, cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
@@ -444,12 +487,46 @@ def indexer_rotates(numerics: Numerics) -> bool:
     return numerics.indexer == "mxfp4"
 
 
-def _compress(c, x, pos, req, entry_slots, inv_freq, state, pool, fmt, mode, eps, hadamard=False):
-    cdt = compressor_dtype(mode, x.dtype)
-    # The weights are held in cdt (`_keep_fp32`; exact mode: the model dtype, x's): `.to` returns
-    # them as they are (it converts only weights assigned in another dtype since).
-    a = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt))
-    z = F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
+def project_x(layer: DeepseekV4Attention, x: Tensor) -> dict[str, Tensor]:
+    """Every projection of x (X_PROJECTIONS the layer has): the packed bf16 GEMM's slices (fp32 where
+    a compressor reads them, dsv4ops.packing) and the block-FP8 ones' own GEMMs, each in the dtype its
+    consumer computes in: the compressors' in compressor_dtype of their mode, the others in x's."""
+    pack = layer.x_pack
+    for p in (pack, layer.x8_pack) if not torch.compiler.is_compiling() else ():
+        if p.members and not p.tied(layer):
+            p.tie(layer)  # a view was cut loose (a move or assignment dsv4ops.packing cannot see)
+            if getattr(layer, p.buffer) is None:
+                raise RuntimeError(f"DeepseekV4Attention(layer {layer.layer_idx}): the projections {list(p.members)} "
+                                   f"must share one device and dtype to run as one GEMM, got "
+                                   f"{[(m.weight.device, m.weight.dtype) for m in p.modules(layer)]}")
+    fp32 = any(name in _COMPRESSOR_OUTPUTS for name in pack.members)
+    out = pack.slices(layer, packing.matmul(x, layer.x_packed, fp32)) if pack.members else {}
+    if layer.x8_pack.members:
+        out.update(layer.x8_pack.slices(layer, _fp8_pack_gemm(layer, x)))
+    for name in X_PROJECTIONS:
+        if name not in out and _has(layer, name):
+            out[name] = layer.get_submodule(name)(x)  # a block-FP8 projection (dsv4::fp8_linear)
+    for name, y in out.items():
+        mode = layer.numerics.indexer if name.startswith("compressor.indexer.") else layer.numerics.kv
+        out[name] = y.to(compressor_dtype(mode, x.dtype) if name in _COMPRESSOR_OUTPUTS else x.dtype)
+    return out
+
+
+def _fp8_pack_gemm(layer: DeepseekV4Attention, x: Tensor) -> Tensor:
+    """x @ [q_a; kv]^T from their stacked block-FP8 weights, W8A16 or W8A8 as BlockFP8Linear picks for
+    the stacked shape (fp8_linear.rule)."""
+    m = layer.q_a_proj
+    w, scale = layer.x8_packed, layer.x8_packed_scale
+    activations = m.activations
+    if activations == "auto":
+        activations = fp8_rule.pick(math.prod(x.shape[:-1]), w.shape[0], w.shape[1], m.block, m._capability)
+    return fp8_linear(x, w, fp32_scale(scale) if activations == "fp8" else scale, m.block, activations)
+
+
+_COMPRESSOR_OUTPUTS = tuple(name.removesuffix(".weight") for name in _COMPRESSOR_WEIGHTS)
+
+
+def _compress(c, a, z, pos, req, entry_slots, inv_freq, state, pool, fmt, eps, hadamard=False):
     torch.ops.dsv4.compressor_update(a, z, c.position_bias, pos, req, entry_slots, c.kv_norm.weight, inv_freq, state,
                                      pool, None, eps, fmt, hadamard)
 
@@ -462,37 +539,37 @@ def indexer_query(q: Tensor, fmt: str) -> Tensor:
     return torch.empty(q.shape, dtype=torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype, device=q.device)
 
 
-def _index_query(indexer, x, qr, pos, layer, cache) -> tuple[Tensor, Tensor]:
-    """(q_out, w_out) of indexer_q_prep: the indexer's prepared query and head weights."""
-    cfg, t = layer.config, x.shape[0]
+def _index_query(indexer, w, qr, pos, layer, cache) -> tuple[Tensor, Tensor]:
+    """(q_out, w_out) of indexer_q_prep: the indexer's prepared query and head weights (w: the head
+    weights' projection of x)."""
+    cfg, t = layer.config, w.shape[0]
     q = indexer.q_b_proj(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
-    w = F.linear(x, indexer.scorer.weights_proj.weight)
     fmt = cache.fmt["index"]
     q_out = indexer_query(q, fmt)
-    w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
+    w_out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
     torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, fmt, indexer_rotates(layer.numerics))
     return q_out, w_out
 
 
-def _select(indexer, x, qr, step, pos, req, layer, cache):
+def _select(indexer, w, qr, step, pos, req, layer, cache):
     """The indexer's top-k: [T, index_topk] global slots of the CSA pools (-1: none)."""
-    cfg, t = layer.config, x.shape[0]
-    q_out, w_out = _index_query(indexer, x, qr, pos, layer, cache)
-    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
+    cfg, t = layer.config, w.shape[0]
+    q_out, w_out = _index_query(indexer, w, qr, pos, layer, cache)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=w.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, pos, req, cache.index, step.block_table(CSA), None, idx, None,
                                 cache.topk_workspace, cfg.csa_ratio, 0, cache.fmt["index"])
     return idx
 
 
-def _select_dcp(indexer, x, qr, step, pos, req, layer, cache):
+def _select_dcp(indexer, w, qr, step, pos, req, layer, cache):
     """Context parallel (dsv4ops.parallel.dcp): the top-k of this rank's entries, merged over the group
     ("exact") or kept ("union") -> (this rank's key list [T, k] pool slots, valid first; their
     count [T]; the selection as entries of the tokens' requests [T, k], -1 none)."""
-    cfg, t, g = layer.config, x.shape[0], cache.dcp
+    cfg, t, g = layer.config, w.shape[0], cache.dcp
     bs, fmt, table = cache.cfg.block_size, cache.fmt["index"], step.block_table(CSA)
-    q_out, w_out = _index_query(indexer, x, qr, pos, layer, cache)
+    q_out, w_out = _index_query(indexer, w, qr, pos, layer, cache)
     n_local = _dcp.owned_count(visible_counts(pos, req, cfg.csa_ratio), bs, g)
-    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=w.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, n_local - 1, req, cache.index, table, None, idx, None,
                                 cache.topk_workspace, 1, 0, fmt)
     entries = _dcp.slot_entries(idx, getattr(cache, f"block_index_{CSA}"), bs)

@@ -412,25 +412,70 @@ def test_sweep_flags_parse_and_the_report_ends_with_the_summary():
 
 # ---- the whole layer's decode step beside FlashMLA + bf16 GEMMs ----------------------------------------
 @pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
-def test_layer_step_composition_is_the_layer_step(kind):
-    # composed_step with the layer's own projections and our core runs layers._attend's ops in its
-    # order: the same output bit for bit (CPU reference kernels); also with block-FP8 projections.
+def test_layer_bench_baseline_is_the_layer_with_bf16_projections_and_another_core(kind):
+    """The FlashMLA baseline runs the layer's own forward (`_attend`) on a bf16 twin: its projections
+    nn.Linear modules holding the block-FP8 weights dequantized, no cache of its own; through the core
+    seam, a core that runs dsv4::sparse_attn gives the twin's own step bit for bit (CPU kernels)."""
     from dsv4ops.bench import layer_step
     from dsv4ops.fp8_linear.api import BlockFP8Linear
+    from dsv4ops.fp8_linear.reference import dequantize
+    from dsv4ops.layers import _attend
 
     model = DSV4AttentionConfig.tiny()
     layer = attention.new_layer(kind, model, "cpu")
     with torch.no_grad():
-        for fp8 in (False, True):
-            bf16 = layer_step.to_block_fp8(layer) if fp8 else None
-            case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model, layer=layer)
-            want = case.layer(case.x, case.step)
-            got = layer_step.composed_step(case, layer_step.module_proj(layer), layer_step.ours_core(case))()
-            assert torch.equal(got, want), fp8
-            case.release()
-    names = {n for n, m in layer.named_modules() if isinstance(m, BlockFP8Linear)}
-    assert names == set(bf16) == {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"} | (
+        bf16 = layer_step.to_block_fp8(layer)
+        twin = layer_step.bf16_twin(layer, bf16)
+        assert not hasattr(twin, "cache") and not any(isinstance(m, BlockFP8Linear) for m in twin.modules())
+        for name, w in bf16.items():
+            fp8 = layer.get_submodule(name)
+            assert torch.equal(twin.get_submodule(name).weight, dequantize(fp8.weight, fp8.weight_scale_inv, 128,
+                                                                          torch.bfloat16)), name
+        case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model, layer=layer)
+        cache, st = layer.cache, case.step
+
+        def ours(q_rot, comp_cache, comp_fmt, comp_idx, comp_lens):
+            o = torch.empty_like(q_rot)
+            torch.ops.dsv4.sparse_attn(q_rot, cache.window, comp_cache, st.positions, st.req_slots, comp_idx,
+                                       comp_lens, st.window_ends, twin.sinks, o, model.head_dim**-0.5, model.window,
+                                       cache.ring_size, cache.fmt["window"], comp_fmt)
+            return o
+
+        x = case.x
+        snapshot = {k: v.clone() for k, v in cache.state_dict().items()}
+        want = _attend(twin, x, st, cache)
+        cache.load_state_dict(snapshot)
+        got = _attend(twin, x, st, cache, core=ours)
+        assert torch.equal(got, want)
+        case.release()
+    assert set(bf16) == {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"} | (
         {"compressor.indexer.q_b_proj"} if kind == CSA else set())
+
+
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_layer_floor_counts_each_weight_once_and_the_rows_the_step_reads(kind):
+    from dsv4ops.bench import layer_step
+    from dsv4ops.quant import formats
+
+    model = DSV4AttentionConfig.tiny()
+    layer = attention.new_layer(kind, model, "cpu")
+    layer_step.to_block_fp8(layer)
+    # every parameter and buffer once (the pack's members are views of x_packed: its bytes are theirs)
+    want = sum(t.numel() * t.element_size() for n, t in [*layer.named_parameters(), *layer.named_buffers()]
+               if t is not None and n != "x_packed")
+    assert layer_step.weight_bytes(layer) == want
+    case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model, layer=layer)
+    fmt = layer.cache.fmt
+    # two tokens at position 299: a full window each, and 299 // ratio + ... entries by the spec's count
+    rows = 2 * model.window * formats.FORMATS[fmt["window"]].row_bytes
+    if kind != SLIDING:
+        ratio = model.compress_ratio(layer.layer_idx)
+        n = 300 // ratio
+        comp = formats.FORMATS[fmt["comp"]].row_bytes
+        rows += 2 * (min(n, model.index_topk) * comp + n * formats.FORMATS[fmt["index"]].row_bytes
+                     if kind == CSA else n * comp)
+    assert layer_step.kv_bytes(case) == rows
+    case.release()
 
 
 def test_block_fp8_quantization_of_a_weight():

@@ -42,11 +42,12 @@ def test_layer_step_and_its_flashmla_composition_capture_and_agree(kind):
     cfg = sweep.model_config("flash", kind)
     layer = new_layer(kind, cfg)
     bf16 = layer_step.to_block_fp8(layer)
+    twin = layer_step.bf16_twin(layer, bf16)
     with torch.no_grad():
         case = Case(kind, 32, 4096, 1, model=cfg, layer=layer)
         ours = lambda: case.layer(case.x, case.step)  # noqa: E731
-        base = layer_step.composed_step(case, layer_step.bf16_proj(bf16), layer_step.flashmla_core(case))
-        mixed = layer_step.composed_step(case, layer_step.bf16_proj(bf16), layer_step.ours_core(case))
+        base = layer_step._attend_with(twin, case, layer_step.flashmla_core(case))
+        mixed = layer_step._attend_with(twin, case, None)
         for fn in (ours, base, mixed):
             assert graph_time_us(fn, iters=3, reps=2) > 0
         a, b, c = ours().float(), base().float(), mixed().float()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, ops, testing
 from dsv4ops.bench import flashmla
@@ -20,10 +19,9 @@ from dsv4ops.bench.timing import ceilings, eager_time_us, graph_time_us
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.step import visible_counts
 from dsv4ops.config import CSA, HCA, SLIDING
-from dsv4ops.layers import indexer_query, indexer_rotates
+from dsv4ops.layers import indexer_query, indexer_rotates, project_x
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import rms_norm
-from dsv4ops.reference.numerics import compressor_dtype
 
 FLASH = DSV4AttentionConfig.flash()
 FP8 = Numerics(kv="fp8", indexer="fp8")
@@ -102,10 +100,10 @@ class Case:
         layer, cfg, x, st = self.layer, self.model, self.x, self.step
         eps = cfg.rms_norm_eps
         t = x.shape[0]
-        # the projection modules: nn.Linear, or BlockFP8Linear in a layer with keep_fp8 projections
-        self.qr = rms_norm(layer.q_a_proj(x), layer.q_a_norm.weight, eps)
+        px = project_x(layer, x)  # the layer's own projections: the packed GEMM, block-FP8 ones
+        self.qr = rms_norm(px["q_a_proj"], layer.q_a_norm.weight, eps)
         self.q = layer.q_b_proj(self.qr).view(t, cfg.num_heads, cfg.head_dim)
-        self.kv = rms_norm(layer.kv_proj(x), layer.kv_norm.weight, eps)
+        self.kv = rms_norm(px["kv_proj"], layer.kv_norm.weight, eps)
         self.q_rot = torch.empty_like(self.q)
         self.o = torch.empty_like(self.q)
         self.o_rot = torch.empty_like(self.q)
@@ -115,14 +113,12 @@ class Case:
         if c is None:
             return
         ratio = cfg.compress_ratio(layer.layer_idx)
-        cdt = compressor_dtype(self.numerics.kv, x.dtype)
-        self.a, self.z = F.linear(x.to(cdt), c.kv_proj.weight.to(cdt)), F.linear(x.to(cdt), c.gate_proj.weight.to(cdt))
+        self.a, self.z = px["compressor.kv_proj"], px["compressor.gate_proj"]
         if self.kind == CSA:
             ix = c.indexer
-            self.ia, self.iz = (F.linear(x.to(cdt), ix.kv_proj.weight.to(cdt)),
-                                F.linear(x.to(cdt), ix.gate_proj.weight.to(cdt)))
+            self.ia, self.iz = px["compressor.indexer.kv_proj"], px["compressor.indexer.gate_proj"]
             self.qi = ix.q_b_proj(self.qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
-            self.wi = F.linear(x, ix.scorer.weights_proj.weight)
+            self.wi = px["compressor.indexer.scorer.weights_proj"]
             self.qi_out = indexer_query(self.qi, layer.cache.fmt["index"])
             self.wi_out = torch.empty(self.wi.shape, dtype=torch.float32, device=x.device)
             self.idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)

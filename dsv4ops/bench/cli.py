@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the W8A8 Triton kernel's configs behind fp8_linear's launch tables, ~20 s a shape; not in the "
                          "default set), fp4_cache (the V4 "
                          "stack's decode step, FP8 cache and FP4 cache option, at 64K and 1M context or the --case "
-                         "shapes), memory, parallel (TP2 / DCP2 against one GPU: torchrun --nproc-per-node 2 -m dsv4ops bench "
+                         "shapes), layer (the whole layer's decode step, eager and compiled in CUDA graphs, against "
+                         "its floor and beside FlashMLA + bf16 GEMMs; --model picks flash or pro, --quick batch 1 and "
+                         "128; not in the default set), memory, parallel (TP2 / DCP2 against one GPU: torchrun --nproc-per-node 2 -m dsv4ops bench "
                          "--only parallel; not in the default set)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
@@ -119,7 +121,7 @@ def main(argv=None):
         print(memory.markdown(out["memory"]))
     if "parallel" in parts:
         return _parallel(args, out)
-    if parts & {"attention", "flashmla", "v41", "router", "fp8_linear", "fp8_tune", "fp4_cache"}:
+    if parts & {"attention", "flashmla", "v41", "router", "fp8_linear", "fp8_tune", "fp4_cache", "layer"}:
         if not torch.cuda.is_available():
             raise SystemExit("bench: attention and router timings need a CUDA GPU (use --only memory on CPU)")
     if "attention" in parts:
@@ -157,6 +159,10 @@ def main(argv=None):
                                                 model=MODELS[args.model]())
         print(table(out["fp4_cache"], ["batch", "context", "cache", "op", "us", "per_token_us", "bytes_per_token",
                                        "vs_fp8"]))
+    if "layer" in parts:
+        out["layer"] = layer_step.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
+                                      models=(args.model,))
+        print(table(out["layer"], layer_step.COLUMNS))
     if "router" in parts:
         from dsv4ops.bench import router
 

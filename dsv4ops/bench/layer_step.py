@@ -1,39 +1,40 @@
-"""The whole V4 layer's decode step (projections + attention core) beside the same step built as an
-engine without dsv4ops would: FlashMLA's sparse decode for the core and bf16 cuBLAS GEMMs for the
-projections (issue 30), at batch 1 / 32 / 128 x 4K, per layer kind, V4-Flash (64 heads) and V4-Pro
-(128; its sliding layer: the MTP layer's dims, bench/sweep.model_config).
+"""`bench --only layer`: the whole V4 layer's decode step against its floor, and beside the step an
+engine without dsv4ops would run (FlashMLA's sparse decode for the core, bf16 cuBLAS GEMMs for the
+projections).
 
-- ours: `layer(x, step)` with the FP8_PROJECTIONS kept block-FP8 (BlockFP8Linear, activations
-  "auto": the W8A16 or W8A8 kernel per shape, fp8_linear/rule.py) and the dsv4:: ops.
-- ours_bf16_gemms: the same step with bf16 F.linear projections (our core alone against FlashMLA's).
-- flashmla_bf16_gemms: bf16 F.linear projections, FlashMLA's decode for the core; every other op
-  (norms, RoPE and cache insert, compressors, indexer, inverse RoPE, grouped o_a) is the layer's own,
-  so the two steps differ in the projections and the core only. FlashMLA's window-ring indices
-  are built once per step outside the timed graph, as engines build them in their step metadata.
-The bf16 weights are the FP8 ones dequantized (the same values); `rel_diff` compares the outputs
-(W8A8 quantizes activations: ~1e-2 expected). `composed_step` mirrors layers._attend with the
-projections and the core swappable; test_bench checks it equals `layer(x, step)` with the layer's own.
+- eager_us / compiled_us: `layer(x, step)` captured in a CUDA graph, eager and under
+  `torch.compile(fullgraph=True)`, the FP8_PROJECTIONS kept block-FP8 as `keep_fp8=True` loads a
+  checkpoint (BlockFP8Linear, activations "auto") and the dsv4:: ops; kernels: the kernels one compiled
+  step launches (torch.profiler, memcpy / memset not counted).
+- floor_us: the bytes the step must read (the layer's weights as held, each storage once, plus the
+  KV rows its tokens read: window, selected or visible entries, indexer keys) at the copy bandwidth
+  measured in the same run; at batch >= 128 the larger of that and the GEMM FLOPs (2 x tokens x
+  weight elements) at the bf16 dense rate measured in the same run.
+- flashmla_bf16_us: the same layer with bf16 projections (the FP8 weights dequantized: the same
+  values) and FlashMLA's decode as its core, through `_attend`'s core seam, captured likewise in eager.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
-import torch.nn.functional as F
 
 from dsv4ops.bench import flashmla
 from dsv4ops.bench.attention import Case, new_layer
 from dsv4ops.bench.sweep import KIND_NAMES, model_config
-from dsv4ops.cache.step import live_tokens, visible_counts
+from dsv4ops.cache.step import visible_counts
 from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.fp8_linear import reference as fp8_reference
-from dsv4ops.layers import FP8_PROJECTIONS, _compress
+from dsv4ops.layers import FP8_PROJECTIONS, _attend
+from dsv4ops.quant import formats
 from dsv4ops.quant.reference import FP8_MAX, pow2_scale_exponent
-from dsv4ops.reference.functional import grouped_o_a, rms_norm
 
 BATCHES = (1, 32, 128)
 QUICK_BATCHES = (1, 128)
 CONTEXT = 4096
 BLOCK = 128
+FLOPS_FROM = 128  # the batch from which the GEMM FLOPs may bound the step (the floor's max)
 
 
 def quantize_block_fp8(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,116 +67,148 @@ def to_block_fp8(layer) -> dict[str, torch.Tensor]:
     return bf16
 
 
-def composed_step(case: Case, proj, core):
-    """A callable running layers._attend's ops for the case's step with `proj(name, x)` for the
-    projections named in FP8_PROJECTIONS and `core(q_rot, pos, req, comp_cache, comp_fmt, comp_idx,
-    comp_lens) -> o` for the attention core."""
-    layer, cache, st, cfg, x = case.layer, case.layer.cache, case.step, case.model, case.x
-    ops, fmt, eps = torch.ops.dsv4, cache.fmt, cfg.rms_norm_eps
-
-    def step():
-        pos, req = live_tokens(st, cache)
-        t = x.shape[0]
-        qr = rms_norm(proj("q_a_proj", x), layer.q_a_norm.weight, eps)
-        q = proj("q_b_proj", qr).view(t, cfg.num_heads, cfg.head_dim)
-        kv = rms_norm(proj("kv_proj", x), layer.kv_norm.weight, eps)
-        q_rot = torch.empty_like(q)
-        ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps, True, fmt["window"])
-        comp_cache, comp_fmt = cache.window, fmt["window"]
-        comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
-        comp_lens = torch.zeros_like(pos)
-        if layer.compressor is not None:
-            c, kind = layer.compressor, layer.layer_type
-            _compress(c, x, pos, req, st.entry_slots(kind), layer.inv_freq, cache.state, cache.comp, fmt["comp"],
-                      layer.numerics.kv, eps)
-            comp_cache, comp_fmt = cache.comp, fmt["comp"]
-            if kind == CSA:
-                ix = c.indexer
-                _compress(ix, x, pos, req, st.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index,
-                          fmt["index"], layer.numerics.indexer, eps)
-                qi = proj("compressor.indexer.q_b_proj", qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
-                wi = F.linear(x, ix.scorer.weights_proj.weight)
-                q_dtype = torch.float8_e4m3fn if fmt["index"] == "fp8_132" else qi.dtype
-                qi_out = torch.empty(qi.shape, dtype=q_dtype, device=x.device)
-                wi_out = torch.empty(wi.shape, dtype=torch.float32, device=x.device)
-                ops.indexer_q_prep(qi, wi, pos, layer.inv_freq, qi_out, wi_out, fmt["index"])
-                comp_idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
-                ops.indexer_topk(qi_out, wi_out, pos, req, cache.index, st.block_table(CSA), None, comp_idx, None,
-                                 cache.topk_workspace, cfg.csa_ratio, 0, fmt["index"])
-            else:
-                table, bs = st.block_table(kind), cache.cfg.block_size
-                comp_idx = torch.empty(t, table.shape[1] * bs, dtype=torch.int32, device=x.device)
-                ops.visible_entries(table, pos, req, comp_idx, cfg.compress_ratio(layer.layer_idx), bs)
-            comp_lens = visible_counts(pos, req, cfg.compress_ratio(layer.layer_idx)).clamp(max=comp_idx.shape[1])
-        o = core(q_rot, pos, req, comp_cache, comp_fmt, comp_idx, comp_lens)
-        o_rot = torch.empty_like(o)
-        ops.inv_rope(o, pos, layer.inv_freq, o_rot)
-        return proj("o_b_proj", grouped_o_a(o_rot, layer.o_a_proj.weight, cfg.o_groups))
-
-    return step
-
-
-def module_proj(layer):
-    """The layer's own projection modules (nn.Linear or BlockFP8Linear)."""
-    return lambda name, x: layer.get_submodule(name)(x)
-
-
-def bf16_proj(weights: dict[str, torch.Tensor]):
-    return lambda name, x: F.linear(x, weights[name])
-
-
-def ours_core(case: Case):
-    layer, cache, st, cfg = case.layer, case.layer.cache, case.step, case.model
-
-    def core(q_rot, pos, req, comp_cache, comp_fmt, comp_idx, comp_lens):
-        o = torch.empty_like(q_rot)
-        torch.ops.dsv4.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, st.window_ends,
-                                   layer.sinks, o, cfg.head_dim**-0.5, cfg.window, cache.ring_size,
-                                   cache.fmt["window"], comp_fmt)
-        return o
-    return core
+def bf16_twin(layer, bf16: dict[str, torch.Tensor]):
+    """A copy of a block-FP8 layer (to_block_fp8) whose projections are bf16 nn.Linear modules holding
+    the dequantized weights, without the cache."""
+    cache = layer._modules.pop("cache", None)
+    try:
+        twin = copy.deepcopy(layer)
+    finally:
+        if cache is not None:
+            layer._modules["cache"] = cache
+    twin.__dict__.pop("cache_manager", None)
+    for name, w in bf16.items():
+        twin._set_projection(name, None, None)
+        twin.get_submodule(name).weight.data.copy_(w)
+    return twin
 
 
 def flashmla_core(case: Case):
+    """FlashMLA's decode as `_attend`'s core (its window-ring indices built once, outside the timed graph,
+    as engines build them in their step metadata)."""
     layer, cache, st, cfg = case.layer, case.layer.cache, case.step, case.model
     comp = cache.comp if layer.compressor is not None else cache.window
     run = flashmla.Decode(cache.window, comp, st.positions, st.req_slots, layer.sinks, cfg.head_dim**-0.5,
                           cfg.window, cache.ring_size)
-    return lambda q_rot, pos, req, comp_cache, comp_fmt, comp_idx, comp_lens: run(q_rot, comp_idx, comp_lens)
+    return lambda q_rot, comp_cache, comp_fmt, comp_idx, comp_lens: run(q_rot, comp_idx, comp_lens)
+
+
+def weight_bytes(layer) -> int:
+    """The bytes of the layer's weights as held (each storage once: the packed projections' members are
+    views of their pack), its cache excluded."""
+    seen = {}
+    for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
+        if t is not None and not name.startswith("cache."):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def weight_elements(layer) -> int:
+    """Multiply-adds per token of the layer's projections (each weight element once)."""
+    seen = {}
+    for name, t in layer.named_parameters():
+        if t.dim() == 2:
+            seen[name] = t.numel()
+    for name, t in layer.named_buffers():
+        if name.endswith(".weight") and t.dim() == 2 and not name.startswith("cache."):  # BlockFP8Linear
+            seen[name] = t.numel()
+    return sum(seen.values())
+
+
+def kv_bytes(case: Case) -> int:
+    """The KV rows the step's tokens read: each token's window (up to `window` rows), its selected
+    (CSA) or visible (HCA) compressed entries, and (CSA) every visible indexer key."""
+    layer, st, cfg = case.layer, case.step, case.model
+    fmt = layer.cache.fmt
+    pos = st.positions[st.req_slots >= 0].long()
+    row = formats.FORMATS[fmt["window"]].row_bytes
+    total = int((pos + 1).clamp(max=cfg.window).sum()) * row
+    if layer.layer_type == SLIDING:
+        return total
+    ratio = cfg.compress_ratio(layer.layer_idx)
+    visible = visible_counts(st.positions, st.req_slots, ratio)[st.req_slots >= 0].long()
+    comp_row = formats.FORMATS[fmt["comp"]].row_bytes
+    if layer.layer_type == CSA:
+        total += int(visible.clamp(max=cfg.index_topk).sum()) * comp_row
+        total += int(visible.sum()) * formats.FORMATS[fmt["index"]].row_bytes
+    else:
+        total += int(visible.sum()) * comp_row
+    return total
+
+
+def measured_rates(timer) -> tuple[float, float]:
+    """(copy bandwidth in B/s, read + write; bf16 dense GEMM rate in FLOP/s), measured now."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_us = timer(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_us = timer(lambda: a @ a)
+    return 2 * (1 << 30) / (copy_us * 1e-6), 2 * 8192**3 / (mm_us * 1e-6)
+
+
+def kernel_count(fn) -> int:
+    """Kernels one call of fn launches (torch.profiler; memcpy and memset are not kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kinds = ("memcpy", "memset")
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not any(k in e.name.lower() for k in kinds))
 
 
 @torch.no_grad()
-def run(quick: bool = False, progress=print, device="cuda", timer=None) -> list[dict]:
+def run(quick: bool = False, progress=print, device="cuda", timer=None, models=("flash", "pro"),
+        kinds=(SLIDING, CSA, HCA), batches=None) -> list[dict]:
     from dsv4ops.bench.timing import graph_time_us
 
     timer = timer or graph_time_us
+    bandwidth, flops = measured_rates(timer)
     rows = []
-    for model in ("flash", "pro"):
-        for kind in (SLIDING, CSA, HCA):
+    for model in models:
+        for kind in kinds:
             cfg = model_config(model, kind)
             layer = new_layer(kind, cfg, device)
             bf16 = to_block_fp8(layer)
-            for batch in QUICK_BATCHES if quick else BATCHES:
+            twin = bf16_twin(layer, bf16) if flashmla.available() else None
+            compiled = torch.compile(layer, fullgraph=True)
+            for batch in batches or (QUICK_BATCHES if quick else BATCHES):
                 case = Case(kind, batch, CONTEXT, 1, device=device, model=cfg, layer=layer)
-                ours = lambda: case.layer(case.x, case.step)  # noqa: E731
-                steps = {"us": ours, "ours_bf16_gemms_us": composed_step(case, bf16_proj(bf16), ours_core(case))}
-                if flashmla.available():
-                    steps["flashmla_bf16_gemms_us"] = composed_step(case, bf16_proj(bf16), flashmla_core(case))
+                eager = lambda: layer(case.x, case.step)  # noqa: E731
+                comp = lambda: compiled(case.x, case.step)  # noqa: E731
                 row = dict(model=model, layer=KIND_NAMES[kind], batch=batch, context=CONTEXT, heads=cfg.num_heads)
-                row.update({name: timer(fn) for name, fn in steps.items()})
-                if "flashmla_bf16_gemms_us" in row:
-                    row["vs_flashmla_bf16"] = row["us"] / row["flashmla_bf16_gemms_us"]
-                    a, b = ours().float(), steps["flashmla_bf16_gemms_us"]().float()
+                row["eager_us"], row["compiled_us"] = timer(eager), timer(comp)
+                row["kernels"] = kernel_count(comp)
+                floor = (weight_bytes(layer) + kv_bytes(case)) / bandwidth
+                if batch >= FLOPS_FROM:
+                    floor = max(floor, 2 * case.x.shape[0] * weight_elements(layer) / flops)
+                row["floor_us"] = floor * 1e6
+                row["vs_floor"] = row["compiled_us"] / row["floor_us"]
+                if twin is not None:
+                    base = _attend_with(twin, case, flashmla_core(case))
+                    row["flashmla_bf16_us"] = timer(base)
+                    row["vs_flashmla_bf16"] = row["compiled_us"] / row["flashmla_bf16_us"]
+                    a, b = comp().float(), base().float()
                     row["rel_diff"] = ((a - b).abs().max() / b.abs().max()).item()
                 progress(row)
                 rows.append(row)
                 case.release()
-                del case, steps
-            del layer
+                del case
+            del layer, twin, compiled
+            torch._dynamo.reset()
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
 
 
-COLUMNS = ["model", "layer", "batch", "context", "heads", "us", "ours_bf16_gemms_us", "flashmla_bf16_gemms_us",
-           "vs_flashmla_bf16", "rel_diff"]
+def _attend_with(twin, case: Case, core):
+    """The twin layer's step on the case's cache and step, with `core` as the attention core."""
+    return lambda: _attend(twin, case.x, case.step, case.layer.cache, core=core)
+
+
+COLUMNS = ["model", "layer", "batch", "context", "heads", "eager_us", "compiled_us", "kernels", "floor_us", "vs_floor",
+           "flashmla_bf16_us", "vs_flashmla_bf16", "rel_diff"]
