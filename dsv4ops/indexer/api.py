@@ -59,13 +59,14 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
     (the GEMM in latent's dtype, the norm in fp32 with its weight, cast back).
 
     Checked in eager mode: positions >= 0; entry_slots in [-1, pool slots), distinct among the
-    closing tokens and -1 for the other live tokens (slots of another ratio)."""
+    closing tokens, each at its entry's offset in a block (p // ratio % block size), and -1 for the
+    other live tokens (slots of another ratio)."""
     if _values.has_data(latent, positions, req_slots, entry_slots, cache):
         checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio,
                               fmt)
         _values.in_range("positions", positions, 0, None, "token positions")
         check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
-        _values.closing_slots(entry_slots, positions, req_slots, ratio)
+        _values.closing_slots(entry_slots, positions, req_slots, ratio, block_size(cache, fmt))
     _indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps, fmt)
 
 
