@@ -124,3 +124,19 @@ def window_ends(positions: Tensor, req_slots: Tensor, ends: Tensor):
         raise ValueError(f"window_ends: expected values from the token's position to the last position of its request "
                          f"({pos[i].item()}..{hi[req[i]].item()} for request {req[i].item()}), got {end[i].item()} at "
                          f"index {at}")
+
+
+def table_width(positions: Tensor, req_slots: Tensor, block_table: Tensor, block_size: int, ratio: int) -> Tensor:
+    """Every live token's visible entries (w < (p + 1) // ratio) fit in the block table's width (the
+    kernels clamp a wider list to the table: a silent truncation); returns the blocks each live
+    token needs."""
+    live = req_slots >= 0
+    pos, req = positions[live].long(), req_slots[live].long()
+    need = -(-((pos + 1) // ratio) // block_size)
+    width = block_table.shape[1]
+    if bool((need > width).any()):
+        i = (need > width).nonzero()[0, 0].item()
+        raise ValueError(f"block_table: expected {need[i].item()} blocks for the {(pos[i].item() + 1) // ratio} "
+                         f"visible entries of request {req[i].item()} at position {pos[i].item()}, got a table "
+                         f"{width} blocks wide")
+    return need

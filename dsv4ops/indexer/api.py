@@ -72,16 +72,10 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
 
 def _check_visible_blocks(positions: Tensor, req_slots: Tensor, block_table: Tensor, bs: int, ratio: int):
     """Every entry a live token sees (w < (t + 1) // ratio) lies in an allocated block of its request."""
+    need = _values.table_width(positions, req_slots, block_table, bs, ratio)  # blocks holding the visible entries
     live = req_slots >= 0
     pos, req = positions[live].long(), req_slots[live].long()
-    need = -(-((pos + 1) // ratio) // bs)  # blocks holding the visible entries
-    width = block_table.shape[1]
-    if bool((need > width).any()):
-        i = (need > width).nonzero()[0, 0].item()
-        raise ValueError(f"block_table: expected {need[i].item()} blocks for the {(pos[i].item() + 1) // ratio} "
-                         f"visible entries of request {req[i].item()} at position {pos[i].item()}, got a table "
-                         f"{width} blocks wide")
-    cols = torch.arange(width, device=block_table.device)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
     missing = (cols[None] < need[:, None]) & (block_table[req] < 0)
     if bool(missing.any()):
         i, b = missing.nonzero()[0].tolist()
