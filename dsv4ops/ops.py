@@ -193,7 +193,7 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
     over these keys without the sink and lse = ln sum_j e^(scaled logit j) (-inf and a zero row for
     no key); dsv4::attn_merge applies the sink."""
     _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens,
-                                    window_ends, sinks, out, window, ring_size, window_fmt, comp_fmt, lse)
+                                    window_ends, sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
     _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
                              sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
 
