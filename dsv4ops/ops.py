@@ -109,7 +109,7 @@ def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_fr
     """q_out = RoPE(q), after a weightless per-head RMSNorm when q_norm (V4; not V4.1); the kv
     row, RoPE'd, goes to slot req * ring_size + position % ring_size of the window pool (format
     window_fmt; nothing for request -1)."""
-    _qkv_prep_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
+    _qkv_prep_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, window_fmt)
     _qkv_prep.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, q_norm,
                        window_fmt)
 
@@ -125,7 +125,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     the orthonormal Hadamard first: V4's MXFP4 index keys). latent_out [T, d], if given, gets each
     closing token's entry before RoPE (0 in the other rows)."""
     _compressor_checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq,
-                                         state, cache, latent_out, fmt, hadamard)
+                                         state, cache, latent_out, eps, fmt, hadamard)
     _compressor.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
                                   cache, latent_out, eps, fmt, hadamard)
 
@@ -148,7 +148,7 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
     """Index keys of the entries closed by this step: k = RoPE_{w*m}(RMSNorm(latent @ wk^T)) of each
     token with (p + 1) % ratio == 0, stored at entry_slots (-1: none) of the key pool (format fmt)."""
     _indexer_checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache,
-                                   ratio, fmt)
+                                   ratio, eps, fmt)
     _indexer.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio,
                             eps, fmt)
 

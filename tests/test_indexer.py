@@ -302,6 +302,8 @@ BAD = [
     ("k_prep-fmt", "indexer_k_prep", K_PREP, wa("fmt", lambda a: "mxfp4_68"),
      r"cache: expected dtype in \[torch.uint8\], got torch.float32"),
     ("k_prep-ratio", "indexer_k_prep", K_PREP, wa("ratio", lambda a: 0), r"ratio: expected > 0, got 0"),
+    ("k_prep-eps-negative", "indexer_k_prep", K_PREP, wa("eps", lambda a: -1e-6),
+     r"eps: expected a finite value >= 0 \(the key RMSNorm's epsilon\), got -1e-06"),
     ("k_prep-positions-negative", "indexer_k_prep", K_PREP,
      wa("positions", lambda a: torch.tensor([2, 3, 4, 5, 6, -1, 0, 1, 0], dtype=I32)),
      r"positions: expected >= 0 \(token positions\), got -1 at index 5", ("public",)),

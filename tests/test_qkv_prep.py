@@ -172,6 +172,8 @@ BAD = [
     ("window_fmt-bytes-on-floats", ARGS, w("window_fmt", lambda a: "fp8_528"),
      r"window_cache: expected dtype in \[torch.uint8\], got torch.float32"),
     ("ring_size-positive", ARGS, w("ring_size", lambda a: 0), r"ring_size: expected > 0, got 0"),
+    ("eps-inf", ARGS, w("eps", lambda a: float("inf")), r"eps: expected a finite value >= 0 \(the RMSNorm's epsilon\), "
+     r"got inf"),
     ("ring_size-pool", ARGS, w("ring_size", lambda a: 17), r"ring_size: expected <= the pool's 16 slots, got 17"),
     # Values (public function only; eager).
     ("positions-negative", ARGS, w("positions", lambda a: torch.tensor([5, 6, -1, 0, 1, 0], dtype=I32)),

@@ -52,7 +52,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
                                  device=kv.device)
     if _values.has_data(kv, score, positions, req_slots, entry_slots, state, cache):
         checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
-                                 cache, latent_out, fmt, hadamard)
+                                 cache, latent_out, eps, fmt, hadamard)
         m = ape.shape[0]
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, state.shape[0],

@@ -63,7 +63,7 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
     other live tokens (slots of another ratio)."""
     if _values.has_data(latent, positions, req_slots, entry_slots, cache):
         checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio,
-                              fmt)
+                              eps, fmt)
         _values.in_range("positions", positions, 0, None, "token positions")
         check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
         _values.closing_slots(entry_slots, positions, req_slots, ratio, block_size(cache, fmt))

@@ -31,7 +31,7 @@ def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_fr
     runs, a quantized tile holding a NaN is stored as NaN codes: dsv4ops/quant/codecs.py)."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if _values.has_data(q, kv, positions, req_slots, window_cache):
-        checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
+        checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, window_fmt)
         requests = pool_slots(window_cache, window_fmt) // ring_size
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, requests,
