@@ -53,7 +53,7 @@ def gate_topk(
 ) -> None:
     """scores = sqrt(softplus(logits)); indices = top-k(scores + bias) (ties: lower index);
     weights = scores[indices] / sum * routed_scaling_factor. k = indices_out.shape[1]."""
-    _router_checks.gate_topk(logits, bias, weights_out, indices_out)
+    _router_checks.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
     if not _on_cuda_kernel("gate_topk", logits, (logits, bias, weights_out, indices_out, routed_scaling_factor)):
         _router.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
 
@@ -66,7 +66,7 @@ def hash_route(
     """indices = tid2eid[token_ids]; weights = renormalised sqrt(softplus(logits))[indices] * scale.
     A token id outside [0, vocab) or a table entry outside [0, experts) selects nothing (index -1,
     weight 0)."""
-    _router_checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out)
+    _router_checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
     args = (logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
     if not _on_cuda_kernel("hash_route", logits, args):
         _router.hash_route(*args)
@@ -78,7 +78,7 @@ def router_gate(
     routed_scaling_factor: float,
 ) -> None:
     """logits = x @ weight.T (fp32), then gate_topk; one kernel for decode-sized batches on GPU."""
-    _router_checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
+    _router_checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
     args = (x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
     if not _on_cuda_kernel("router_gate", x, args):
         _router.router_gate(*args)
