@@ -118,7 +118,9 @@ def test_a_nan_in_a_row_is_stored_as_nan_codes_where_no_check_runs(fmt, kernel):
     else:
         from dsv4ops.qkv_prep.reference import qkv_prep as run
     group = 64 if fmt == FP8 else 32  # the quantized tile of fp8_584 / fp8_528
+    dev = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"  # else: Triton's interpreter
     dirty = builders.qkv_prep_args(BF16, fmt, runs=((0, 5, 2),), pad=0, q_norm=fmt == FP8)
+    dirty = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in dirty.items()}
     clean = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dirty.items()}
     dirty["kv"][0, 3] = float("nan")
     dirty["kv"][1] = float("nan")
@@ -126,7 +128,8 @@ def test_a_nan_in_a_row_is_stored_as_nan_codes_where_no_check_runs(fmt, kernel):
     clean["kv"][1] = 0.0
     for args in (dirty, clean):
         run(*args.values())
-    got, want = _stored(dirty, 512)[0], _stored(clean, 512)[0]
+    got, want = (_stored({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}, 512)[0]
+                 for args in (dirty, clean))
     assert got[0, :group].isnan().all(), f"row 0's NaN tile: {got[0, :group].tolist()}"
     assert torch.equal(got[0, group:], want[0, group:]) and not want[0].isnan().any()
     assert got[1].isnan().all(), f"the NaN row: {got[1].isnan().sum().item()} of 512 values NaN"
