@@ -125,9 +125,9 @@ class PagedCache(Cache):
     """transformers' `past_key_values` of a patched model: one request of the model's
     KVCacheManager per batch row (admitted at the first forward, released by `release()`, `reset()`
     or when the cache is garbage-collected; a released cache is refused by the model, a reset one
-    starts over). `get_seq_length()` counts the columns seen, padding
-    included (what `generate` slices its inputs by); `lengths()` the tokens each row holds. Beam
-    search and cropping (rewinding a compressor state) are not supported."""
+    starts over). `get_seq_length()` counts the columns seen, padding included (what `generate`
+    slices its inputs by); `lengths()` the tokens each row holds. Beam search and cropping
+    (rewinding a compressor state) are not supported."""
 
     is_compileable = False
 
