@@ -1,6 +1,8 @@
 """Metadata checks shared by every op and its fake: `torch._check` only (no host sync, works on
 symbolic shapes). Each error names the argument, what was expected and what came."""
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -32,6 +34,16 @@ def last_dim_contiguous(name: str, t: Tensor):
 
 def contiguous(name: str, t: Tensor):
     torch._check(t.is_contiguous(), lambda: f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def finite_scalar(name: str, v: float, what: str, low: float = 0.0, inclusive: bool = False):
+    """A float argument: finite and > low (>= low with `inclusive`). NaN fails every comparison; two
+    checks and no `and`, so a symbolic float is checked, not specialized."""
+    def msg():
+        return f"{name}: expected a finite value {'>=' if inclusive else '>'} {low:g} ({what}), got {v}"
+
+    torch._check(v >= low if inclusive else v > low, msg)
+    torch._check(v < math.inf, msg)
 
 
 def index_vector(name: str, t: Tensor, n, ref: Tensor, ref_name: str):

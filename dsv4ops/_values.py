@@ -43,10 +43,14 @@ def distinct(name: str, t: Tensor, what: str):
         raise ValueError(f"{name}: expected distinct {what}, got {dup} ({counts[counts > 1][0].item()} times)")
 
 
-def closing_slots(entry_slots: Tensor, positions: Tensor, req_slots: Tensor, ratio: int):
+def closing_slots(entry_slots: Tensor, positions: Tensor, req_slots: Tensor, ratio: int, block_size: int):
     """The entry slots of a compressor step: distinct among the live tokens that close an entry
-    ((p + 1) % ratio == 0), and -1 for every other live token (a slot there was planned for another
-    ratio: its entry would be stored by the wrong tokens, or not at all)."""
+    ((p + 1) % ratio == 0), each at the offset of its entry w = p // ratio in a block of the paged
+    pool (w % block_size: where the readers' block tables find it), and -1 for every other live
+    token. Slots planned for another ratio fail one of the two: ratio 2's slots at ratio 4 sit on
+    tokens that close nothing; ratio 4's at 2 or 1 sit on closing tokens whose entry is another
+    (p = 3: entry 0 at ratio 4, 1 at ratio 2, 3 at ratio 1), stored at the wrong rotation. The
+    offset cannot tell them apart where the entries agree modulo block_size (p = 4 x block_size - 1)."""
     live = req_slots >= 0
     closes = live & ((positions.long() + 1) % ratio == 0)
     distinct("entry_slots", entry_slots[closes], "slots among the tokens that close an entry")
@@ -56,6 +60,15 @@ def closing_slots(entry_slots: Tensor, positions: Tensor, req_slots: Tensor, rat
         raise ValueError(f"entry_slots: expected -1 for the tokens that close no entry at ratio {ratio} ((position + "
                          f"1) % {ratio} != 0), got {entry_slots[i].item()} at index {i} (position "
                          f"{positions[i].item()}); were the slots planned for another ratio?")
+    entry = positions.long() // ratio
+    astray = closes & (entry_slots >= 0) & (entry_slots.long() % block_size != entry % block_size)
+    if bool(astray.any()):
+        i = astray.nonzero()[0, 0].item()
+        slot = entry_slots[i].item()
+        raise ValueError(f"entry_slots: expected a slot at offset {entry[i].item() % block_size} of its "
+                         f"{block_size}-entry block (entry {entry[i].item()}, closed by position {positions[i].item()} "
+                         f"at ratio {ratio}), got {slot} (offset {slot % block_size}) at index {i}; were the slots "
+                         f"planned for another ratio?")
 
 
 def request_runs(positions: Tensor, req_slots: Tensor):
@@ -111,3 +124,19 @@ def window_ends(positions: Tensor, req_slots: Tensor, ends: Tensor):
         raise ValueError(f"window_ends: expected values from the token's position to the last position of its request "
                          f"({pos[i].item()}..{hi[req[i]].item()} for request {req[i].item()}), got {end[i].item()} at "
                          f"index {at}")
+
+
+def table_width(positions: Tensor, req_slots: Tensor, block_table: Tensor, block_size: int, ratio: int) -> Tensor:
+    """Every live token's visible entries (w < (p + 1) // ratio) fit in the block table's width (the
+    kernels clamp a wider list to the table: a silent truncation); returns the blocks each live
+    token needs."""
+    live = req_slots >= 0
+    pos, req = positions[live].long(), req_slots[live].long()
+    need = -(-((pos + 1) // ratio) // block_size)
+    width = block_table.shape[1]
+    if bool((need > width).any()):
+        i = (need > width).nonzero()[0, 0].item()
+        raise ValueError(f"block_table: expected {need[i].item()} blocks for the {(pos[i].item() + 1) // ratio} "
+                         f"visible entries of request {req[i].item()} at position {pos[i].item()}, got a table "
+                         f"{width} blocks wide")
+    return need

@@ -96,6 +96,9 @@ class DeepseekV41Attention(nn.Module):
 
     def __init__(self, config: DSV41AttentionConfig, layer_idx: int, process_group=None):
         super().__init__()
+        if not isinstance(config, DSV41AttentionConfig):
+            raise TypeError(f"config: expected a DSV41AttentionConfig, got {type(config).__name__} (a V4 config: "
+                            f"dsv4ops.DeepseekV4Attention)")
         cfg = config
         self.config, self.layer_idx, self.role = cfg, layer_idx, cfg.role(layer_idx)
         self.tp_group = Group.of(process_group)

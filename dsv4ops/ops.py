@@ -53,7 +53,7 @@ def gate_topk(
 ) -> None:
     """scores = sqrt(softplus(logits)); indices = top-k(scores + bias) (ties: lower index);
     weights = scores[indices] / sum * routed_scaling_factor. k = indices_out.shape[1]."""
-    _router_checks.gate_topk(logits, bias, weights_out, indices_out)
+    _router_checks.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
     if not _on_cuda_kernel("gate_topk", logits, (logits, bias, weights_out, indices_out, routed_scaling_factor)):
         _router.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
 
@@ -66,7 +66,7 @@ def hash_route(
     """indices = tid2eid[token_ids]; weights = renormalised sqrt(softplus(logits))[indices] * scale.
     A token id outside [0, vocab) or a table entry outside [0, experts) selects nothing (index -1,
     weight 0)."""
-    _router_checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out)
+    _router_checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
     args = (logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
     if not _on_cuda_kernel("hash_route", logits, args):
         _router.hash_route(*args)
@@ -78,7 +78,7 @@ def router_gate(
     routed_scaling_factor: float,
 ) -> None:
     """logits = x @ weight.T (fp32), then gate_topk; one kernel for decode-sized batches on GPU."""
-    _router_checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
+    _router_checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
     args = (x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
     if not _on_cuda_kernel("router_gate", x, args):
         _router.router_gate(*args)
@@ -109,7 +109,7 @@ def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_fr
     """q_out = RoPE(q), after a weightless per-head RMSNorm when q_norm (V4; not V4.1); the kv
     row, RoPE'd, goes to slot req * ring_size + position % ring_size of the window pool (format
     window_fmt; nothing for request -1)."""
-    _qkv_prep_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
+    _qkv_prep_checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, window_fmt)
     _qkv_prep.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, q_norm,
                        window_fmt)
 
@@ -125,7 +125,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     the orthonormal Hadamard first: V4's MXFP4 index keys). latent_out [T, d], if given, gets each
     closing token's entry before RoPE (0 in the other rows)."""
     _compressor_checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq,
-                                         state, cache, latent_out, fmt, hadamard)
+                                         state, cache, latent_out, eps, fmt, hadamard)
     _compressor.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
                                   cache, latent_out, eps, fmt, hadamard)
 
@@ -148,7 +148,7 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
     """Index keys of the entries closed by this step: k = RoPE_{w*m}(RMSNorm(latent @ wk^T)) of each
     token with (p + 1) % ratio == 0, stored at entry_slots (-1: none) of the key pool (format fmt)."""
     _indexer_checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache,
-                                   ratio, fmt)
+                                   ratio, eps, fmt)
     _indexer.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio,
                             eps, fmt)
 
@@ -193,7 +193,7 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
     over these keys without the sink and lse = ln sum_j e^(scaled logit j) (-inf and a zero row for
     no key); dsv4::attn_merge applies the sink."""
     _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens,
-                                    window_ends, sinks, out, window, ring_size, window_fmt, comp_fmt, lse)
+                                    window_ends, sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
     _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
                              sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
 

@@ -9,4 +9,4 @@ from dsv4ops.compressor import checks
 def _(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache, latent_out, eps, fmt,
       hadamard=False):
     checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                             latent_out, fmt, hadamard)
+                             latent_out, eps, fmt, hadamard)

@@ -12,7 +12,8 @@ def _(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard=False):
 
 @torch.library.register_fake("dsv4::indexer_k_prep")
 def _(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps, fmt):
-    checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, fmt)
+    checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps,
+                          fmt)
 
 
 @torch.library.register_fake("dsv4::indexer_topk")

@@ -9,14 +9,14 @@ from dsv4ops.router import checks
 
 @torch.library.register_fake("dsv4::gate_topk")
 def _(logits, bias, weights_out, indices_out, routed_scaling_factor):
-    checks.gate_topk(logits, bias, weights_out, indices_out)
+    checks.gate_topk(logits, bias, weights_out, indices_out, routed_scaling_factor)
 
 
 @torch.library.register_fake("dsv4::hash_route")
 def _(logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor):
-    checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out)
+    checks.hash_route(logits, token_ids, tid2eid, weights_out, indices_out, routed_scaling_factor)
 
 
 @torch.library.register_fake("dsv4::router_gate")
 def _(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor):
-    checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
+    checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)

@@ -9,4 +9,4 @@ from dsv4ops.sparse_attn import checks
 def _(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out, scale, window,
       ring_size, window_fmt, comp_fmt, lse=None):
     checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                       window, ring_size, window_fmt, comp_fmt, lse)
+                       scale, window, ring_size, window_fmt, comp_fmt, lse)

@@ -518,3 +518,17 @@ def test_sweep_run_reuses_one_layer_per_kind_and_lists_skipped_points(monkeypatc
     assert out["rows"] == seen and len(seen) == 4 * 2
     assert out["skipped"] == [("flash CSA 3 x 4K", sweep.point_bytes(points[4], (4, 2)) / 1e9)]
     assert out["summary"] == []  # no FlashMLA: no ratios
+
+
+def test_cli_refuses_an_unknown_part_before_doing_anything(capsys):
+    """Issue 52: `--only nonsense` printed the versions and exited 0; it exits 2 (argparse's usage
+    error) naming the valid parts, before anything runs."""
+    from dsv4ops.bench import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--only", "memory,nonsense"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert "versions:" not in captured.out
+    assert "--only: unknown part 'nonsense'; expected a comma list of: attention, flashmla" in captured.err
+    assert "memory, parallel" in captured.err

@@ -308,6 +308,9 @@ BAD = [
     # The Hadamard rotates bf16 rows before a byte format's quantizer (V4's MXFP4 keys).
     ("hadamard-exact-pool", wa("hadamard", lambda a: True),
      r"hadamard: expected a byte format \(it rotates bf16 rows before their quantizer\), got fmt 'exact'"),
+    # Issue 52: float scalars are checked (eps = nan made every entry NaN).
+    ("eps-nan", wa("eps", lambda a: float("nan")),
+     r"eps: expected a finite value >= 0 \(the entry RMSNorm's epsilon\), got nan"),
     ("latent_out-dtype", wa("latent_out", lambda a: torch.empty(9, 8, dtype=torch.bfloat16)),
      r"latent_out: expected dtype in \[torch.float32\], got torch.bfloat16", ("op",)),
     ("latent_out-width", wa("latent_out", lambda a: torch.empty(9, 16)),

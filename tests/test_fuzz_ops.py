@@ -119,6 +119,10 @@ def test_visible_entries(ratio, block_size, t, data):
         with pytest.raises(ValueError, match=rf"req_slots: expected values in \[-1, {requests}\)"):
             visible_entries(table, pos, req, ratio, block_size, 41)
         return
+    if bool(((req >= 0) & ((pos.long() + 1) // ratio > blocks * block_size)).any()):  # entries past the table
+        with pytest.raises(ValueError, match=r"block_table: expected \d+ blocks for the \d+ visible entries"):
+            visible_entries(table, pos, req, ratio, block_size, 41)
+        return
     out = visible_entries(table, pos, req, ratio, block_size, 41)  # the table's blocks are drawn from 41
     assert torch.equal(out, expected_entries(table, pos, req, ratio, block_size))
 

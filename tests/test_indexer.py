@@ -302,6 +302,8 @@ BAD = [
     ("k_prep-fmt", "indexer_k_prep", K_PREP, wa("fmt", lambda a: "mxfp4_68"),
      r"cache: expected dtype in \[torch.uint8\], got torch.float32"),
     ("k_prep-ratio", "indexer_k_prep", K_PREP, wa("ratio", lambda a: 0), r"ratio: expected > 0, got 0"),
+    ("k_prep-eps-negative", "indexer_k_prep", K_PREP, wa("eps", lambda a: -1e-6),
+     r"eps: expected a finite value >= 0 \(the key RMSNorm's epsilon\), got -1e-06"),
     ("k_prep-positions-negative", "indexer_k_prep", K_PREP,
      wa("positions", lambda a: torch.tensor([2, 3, 4, 5, 6, -1, 0, 1, 0], dtype=I32)),
      r"positions: expected >= 0 \(token positions\), got -1 at index 5", ("public",)),
@@ -315,6 +317,15 @@ BAD = [
     ("k_prep-ratio-of-other-slots", "indexer_k_prep", K_PREP, wa("ratio", lambda a: 4),
      r"entry_slots: expected -1 for the tokens that close no entry at ratio 4 \(\(position \+ 1\) % 4 != 0\), got 2 "
      r"at index 3 \(position 5\); were the slots planned for another ratio\?", ("public",)),
+    # Issue 52: slots planned for ratio 4 given with ratio 2 or 1 stored keys at the wrong rotation, silently
+    # (every ratio-4 closing token closes an entry at 2 and 1 too): the slot's offset in its block is not the
+    # offset of the entry the token closes at the given ratio.
+    ("k_prep-ratio-4-slots-at-2", "indexer_k_prep", partial(K_PREP, ratio=4), wa("ratio", lambda a: 2),
+     r"entry_slots: expected a slot at offset 1 of its 4-entry block \(entry 1, closed by position 3 at ratio 2\), "
+     r"got 0 \(offset 0\) at index 1; were the slots planned for another ratio\?", ("public",)),
+    ("k_prep-ratio-4-slots-at-1", "indexer_k_prep", partial(K_PREP, ratio=4), wa("ratio", lambda a: 1),
+     r"entry_slots: expected a slot at offset 3 of its 4-entry block \(entry 3, closed by position 3 at ratio 1\), "
+     r"got 0 \(offset 0\) at index 1; were the slots planned for another ratio\?", ("public",)),
     ("block_table-narrow", "indexer_topk", partial(builders.indexer_topk_args, FP32, ratio=1),
      wa("block_table", lambda a: a["block_table"][:, :1].contiguous()),
      r"block_table: expected 2 blocks for the 6 visible entries of request 0 at position 5, got a table 1 blocks "

@@ -105,3 +105,14 @@ def test_bf16_stack_against_the_oracle():
     ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG, xs.double(), V41Numerics(), topk, pools)
     low = stack_attention(params, CFG, xs, V41Numerics(), topk, pools)
     testing.assert_close_to_ref(ys, ref64.y, low.y, what="bf16 stack")
+
+
+def test_a_v4_config_is_refused_with_a_type_error():
+    # Issue 52: AttributeError "'DSV4AttentionConfig' object has no attribute 'role'" (the reverse mix-up,
+    # a V4.1 config to DeepseekV4Attention, gets a TypeError).
+    from dsv4ops import DSV4AttentionConfig
+
+    for make in (lambda cfg: DeepseekV41AttentionStack(cfg), lambda cfg: DeepseekV41Attention(cfg, 0)):
+        with pytest.raises(TypeError, match=r"config: expected a DSV41AttentionConfig, got DSV4AttentionConfig \(a V4 "
+                                            r"config: dsv4ops.DeepseekV4Attention\)"):
+            make(DSV4AttentionConfig.tiny())

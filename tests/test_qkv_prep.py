@@ -105,6 +105,36 @@ def test_window_slots_give_no_slot_to_a_negative_position_of_a_live_request():
     assert window_slots(pos, torch.full_like(req, -1), 16).tolist() == [-1] * 7
 
 
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+@pytest.mark.parametrize("fmt", [FP8, "fp8_528"], ids=["fp8_584", "fp8_528"])
+def test_a_nan_in_a_row_is_stored_as_nan_codes_where_no_check_runs(fmt, kernel):
+    """Issue 52: a compiled step cannot sync to refuse a NaN row; the window ring must then hold NaN,
+    never finite bytes (the Triton kernel stored 448-scaled or 2^-127-scaled finite codes, the
+    reference zeros beside the NaN). A quantized tile holding a NaN has no scale: all its codes are
+    NaN; the row's other tiles hold what they hold without the NaN."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        from dsv4ops.qkv_prep.triton import qkv_prep as run
+    else:
+        from dsv4ops.qkv_prep.reference import qkv_prep as run
+    group = 64 if fmt == FP8 else 32  # the quantized tile of fp8_584 / fp8_528
+    dev = "cuda" if kernel == "triton" and torch.cuda.is_available() else "cpu"  # else: Triton's interpreter
+    dirty = builders.qkv_prep_args(BF16, fmt, runs=((0, 5, 2),), pad=0, q_norm=fmt == FP8)
+    dirty = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in dirty.items()}
+    clean = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in dirty.items()}
+    dirty["kv"][0, 3] = float("nan")
+    dirty["kv"][1] = float("nan")
+    clean["kv"][0, 3] = 0.0
+    clean["kv"][1] = 0.0
+    for args in (dirty, clean):
+        run(*args.values())
+    got, want = (_stored({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()}, 512)[0]
+                 for args in (dirty, clean))
+    assert got[0, :group].isnan().all(), f"row 0's NaN tile: {got[0, :group].tolist()}"
+    assert torch.equal(got[0, group:], want[0, group:]) and not want[0].isnan().any()
+    assert got[1].isnan().all(), f"the NaN row: {got[1].isnan().sum().item()} of 512 values NaN"
+
+
 # ---- bad inputs: one per rule ------------------------------------------------------------------
 ARGS = partial(builders.qkv_prep_args, FP32)
 FP8_ARGS = partial(builders.qkv_prep_args, BF16, FP8)
@@ -145,6 +175,8 @@ BAD = [
     ("window_fmt-bytes-on-floats", ARGS, w("window_fmt", lambda a: "fp8_528"),
      r"window_cache: expected dtype in \[torch.uint8\], got torch.float32"),
     ("ring_size-positive", ARGS, w("ring_size", lambda a: 0), r"ring_size: expected > 0, got 0"),
+    ("eps-inf", ARGS, w("eps", lambda a: float("inf")), r"eps: expected a finite value >= 0 \(the RMSNorm's epsilon\), "
+     r"got inf"),
     ("ring_size-pool", ARGS, w("ring_size", lambda a: 17), r"ring_size: expected <= the pool's 16 slots, got 17"),
     # Values (public function only; eager).
     ("positions-negative", ARGS, w("positions", lambda a: torch.tensor([5, 6, -1, 0, 1, 0], dtype=I32)),
@@ -157,7 +189,26 @@ BAD = [
     ("window-slot-twice", ARGS, w("positions", lambda a: torch.tensor([5, 6, 13, 0, 1, 0], dtype=I32)),
      r"positions: expected distinct window slots \(one token per request and position % ring_size = 8\), "
      r"got 5 \(2 times\)", ("public",)),
+    # Issue 52: a NaN row became finite FP8 bytes in the window ring (pack_kv refuses it).
+    ("kv-nan-fp8", FP8_ARGS, w("kv", lambda a: a["kv"].index_fill(0, torch.tensor([1]), float("nan"))),
+     r"kv: expected finite values \(the live tokens' rows stored in format fp8_584: its scales come from each "
+     r"tile's amax\), got nan at index \(1, 0\)", ("public",)),
+    ("kv-inf-fp8_528", partial(builders.qkv_prep_args, BF16, "fp8_528", q_norm=False),
+     w("kv", lambda a: a["kv"].index_put((torch.tensor([2]), torch.tensor([7])), torch.tensor(float("inf"),
+                                                                                             dtype=BF16))),
+     r"kv: expected finite values \(the live tokens' rows stored in format fp8_528: .*\), got inf at index \(2, 7\)",
+     ("public",)),
 ]
+
+
+def test_a_padding_tokens_nan_row_is_not_refused():
+    # A padding token stores nothing: its kv row may hold anything (a bucket's unwritten padding).
+    args = FP8_ARGS()
+    args["kv"][-1] = float("nan")
+    before = args["window_cache"].clone()
+    q_out = builders.call_public("qkv_prep", args)
+    live = args["req_slots"] >= 0
+    assert not q_out[live].isnan().any() and not torch.equal(args["window_cache"], before)
 
 
 @pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])

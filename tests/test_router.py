@@ -295,6 +295,11 @@ BAD_METADATA = [
         r"weight: expected torch.float32 \(as x\), got torch.bfloat16",
     ),
     ("router_gate", lambda a: (a[0], a[1][:15], *a[2:]), r"logits_out: expected float32 \[4, 15\]"),
+    # Issue 52: float scalars are checked (a NaN factor gave NaN weights).
+    ("gate_topk", lambda a: (*a[:4], float("nan")),
+     r"routed_scaling_factor: expected a finite value > 0 \(the sum of a token's routed weights\), got nan"),
+    ("hash_route", lambda a: (*a[:5], float("inf")), r"routed_scaling_factor: expected a finite value > 0 .*got inf"),
+    ("router_gate", lambda a: (*a[:6], 0.0), r"routed_scaling_factor: expected a finite value > 0 .*got 0.0"),
 ]
 
 

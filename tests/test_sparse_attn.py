@@ -182,6 +182,11 @@ BAD = [
      r"out: expected a contiguous last dim", ("op",)),
     ("window-positive", wa("window", lambda a: 0), r"window: expected > 0, got 0"),
     ("ring_size-window", wa("ring_size", lambda a: 3), r"ring_size: expected >= window \(4\), got 3"),
+    # Issue 52: scale=nan ran and returned NaN.
+    ("scale-nan", wa("scale", lambda a: float("nan")),
+     r"scale: expected a finite value > 0 \(the logits' multiplier\), got nan"),
+    ("scale-inf", wa("scale", lambda a: float("inf")), r"scale: expected a finite value > 0 .*got inf"),
+    ("scale-zero", wa("scale", lambda a: 0.0), r"scale: expected a finite value > 0 .*got 0.0"),
     # Values (public function only; eager). Tokens: request 0 at 5..7, request 1 at 0..1, padding.
     ("positions-negative", wa("positions", lambda a: torch.tensor([5, 6, 7, -4, 1, 0], dtype=I32)),
      r"positions: expected >= 0 \(token positions\), got -4 at index 3", ("public",)),

@@ -395,3 +395,44 @@ def test_patching_a_bf16_model_keeps_the_fp8_caches_compressor_weights_in_fp32(b
 def _decode(codes: torch.Tensor, value) -> torch.Tensor:
     """float64 values of uint8 `codes` through a table of `value(code)` for every byte."""
     return torch.tensor([value(c) for c in range(256)], dtype=torch.float64)[codes.long()]
+
+
+def test_a_released_paged_cache_is_refused_and_a_reset_one_starts_over(base):
+    """Issue 52: a PagedCache passed back after release() restarted its rows at position 0 without a
+    word (the continuation ran on nothing before it). It is refused before anything runs; reset()
+    (transformers' way to reuse a cache) starts it over explicitly."""
+    patched = _patched(base)
+    manager = patched.model.layers[0].self_attn.cache_manager
+    ids = _prompts(1, seed=15)[:, :12]
+    with torch.no_grad():
+        cache = patched(ids).past_key_values
+        cache.release()
+        with pytest.raises(ValueError, match=r"past_key_values: this PagedCache was released \(its requests freed, "
+                                             r"its tokens gone\); pass PagedCache\(model\) or None to start a new "
+                                             r"sequence, or reset\(\) it first"):
+            patched(ids[:, :1], past_key_values=cache)
+        assert manager.slot_of == {} and manager.open_step is None and cache.get_seq_length() == 0
+        cache.reset()
+        assert patched(ids, past_key_values=cache).past_key_values.lengths() == [12]
+    cache.release()
+
+
+def test_inputs_embeds_runs_as_input_ids_unless_a_layer_routes_by_token_id(base):
+    """Issue 52: `model(inputs_embeds=...)` raised AttributeError 'NoneType' ... 'reshape' (transformers'
+    hash router reads input_ids). A model whose MoE routes by scores runs it as transformers does (the
+    same logits as input_ids); a hash-routed one is refused with what is missing, before anything runs."""
+    ids = _prompts(1, seed=16)[:, :12]
+    patched = _patched(base)
+    manager = patched.model.layers[0].self_attn.cache_manager
+    with torch.no_grad(), pytest.raises(ValueError, match=r"input_ids: expected the token ids \(the hash-routed MoE "
+                                                          r"of layers \[0, 1, 2, 3\] picks experts by token id\), got "
+                                                          r"inputs_embeds only"):
+        patched(inputs_embeds=base.model.embed_tokens(ids))
+    assert manager.slot_of == {} and manager.open_step is None
+    routed = _model(("moe",) * CFG.num_layers)
+    patched = _patched(routed)
+    with torch.no_grad():
+        by_ids = patched(ids)
+        by_embeds = patched(inputs_embeds=routed.model.embed_tokens(ids))
+    assert by_embeds.past_key_values.lengths() == [12]
+    torch.testing.assert_close(by_embeds.logits, by_ids.logits)

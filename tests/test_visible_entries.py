@@ -68,18 +68,22 @@ def test_matches_the_loop_formulation(ratio, block_size):
     want = _expect(args)
     assert (want == -1).any() and (want >= 0).any()  # both kinds of element appear
     builders.call_op("visible_entries", args)
-    assert torch.equal(args["out"], want)
-    assert torch.equal(builders.call_public("visible_entries", args), want)
+    assert torch.equal(args["out"], want)  # the op cuts a list past the table's width at it
+    # The public function refuses a live token whose entries pass the table (the BAD table): the others.
+    fits = (args["req_slots"] < 0) | ((args["positions"].long() + 1) // ratio <= args["out"].shape[1])
+    assert not fits.all()
+    sub = dict(args, positions=args["positions"][fits], req_slots=args["req_slots"][fits], out=args["out"][fits])
+    assert torch.equal(builders.call_public("visible_entries", sub), want[fits])
 
 
 def test_counts_at_the_entry_boundaries():
     # One request, blocks 7 and 2 of 4 entries, ratio 4: entry w closes at position 4w + 3.
     table = torch.tensor([[7, 2]], dtype=I32)
-    pos = torch.tensor([0, 2, 3, 4, 7, 15, 31, 1000], dtype=I32)
-    out = visible_entries(table, pos, torch.zeros(8, dtype=I32), 4, 4, 8)
+    pos = torch.tensor([0, 2, 3, 4, 7, 15, 31], dtype=I32)
+    out = visible_entries(table, pos, torch.zeros(7, dtype=I32), 4, 4, 8)
     a = [28, 29, 30, 31, 8, 9, 10, 11]  # the slots of entries 0..7
     assert out.tolist() == [[-1] * 8, [-1] * 8, a[:1] + [-1] * 7, a[:1] + [-1] * 7, a[:2] + [-1] * 6,
-                            a[:4] + [-1] * 4, a, a]
+                            a[:4] + [-1] * 4, a]
 
 
 def test_an_unallocated_block_gives_minus_one():
@@ -112,7 +116,8 @@ def test_writes_within_a_strided_out():
 def test_empty(tokens, blocks):
     args = builders.visible_entries_args(blocks=max(blocks, 1))
     args["block_table"] = args["block_table"][:, :blocks]
-    args["positions"], args["req_slots"] = args["positions"][:tokens], args["req_slots"][:tokens]
+    # Position 0 sees no entry at ratio 2: a table of no blocks holds all its tokens see.
+    args["positions"], args["req_slots"] = torch.zeros(tokens, dtype=I32), args["req_slots"][:tokens]
     out = builders.call_public("visible_entries", args)
     assert out.shape == (tokens, blocks * 4) and out.dtype == I32
 
@@ -155,6 +160,10 @@ BAD = [
     ("block_table-past-the-pool", wa("block_table", lambda a: torch.tensor([[0, 1, -1], [2, 6, -1]], dtype=I32)),
      r"block_table: expected values in \[-1, 6\) \(-1 or one of the pool's 6 blocks\), got 6 at flat index 4",
      ("public",)),
+    # Issue 52: a token seeing more entries than the table holds got a truncated list (indexer_topk refuses it).
+    ("block_table-narrow", wa("positions", lambda a: torch.tensor([5, 6, 12, 0, 1, 0], dtype=I32)),
+     r"block_table: expected 4 blocks for the 13 visible entries of request 0 at position 12, got a table 3 blocks "
+     r"wide", ("public",)),
 ]
 
 

@@ -17,6 +17,8 @@ from dsv4ops.bench import layer_step, memory, sweep
 from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
 
 KINDS = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "hca": HCA}
+# Every part --only names (its help describes each); a name outside it is refused before anything runs.
+PARTS = ("attention", "flashmla", "v41", "router", "fp8_linear", "fp8_tune", "fp4_cache", "memory", "parallel")
 MODELS = {"flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
 
 
@@ -105,7 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    unknown = [p for p in args.only.split(",") if p not in PARTS]
+    if unknown:
+        ap.error(f"--only: unknown part {unknown[0]!r}; expected a comma list of: {', '.join(PARTS)}")
     if args.sweep or args.sweep_quick:
         return _sweep(args)
     if args.from_json:

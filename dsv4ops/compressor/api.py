@@ -10,7 +10,7 @@ from torch import Tensor
 from dsv4ops import _values
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops bound below)
 from dsv4ops.compressor import checks
-from dsv4ops.quant.api import check_slots, pool_slots
+from dsv4ops.quant.api import block_size, check_slots, pool_slots
 
 _compressor_update = torch.ops.dsv4.compressor_update.default
 
@@ -44,22 +44,22 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
 
     Checked in eager mode: positions >= 0; req_slots in [-1, requests); the tokens of a request are
     one contiguous run with consecutive positions (the pooling finds rows of the call by offset);
-    entry_slots in [-1, pool slots), distinct among the closing tokens and -1 for the other live
-    tokens (slots of another ratio)."""
+    entry_slots in [-1, pool slots), distinct among the closing tokens, each at its entry's offset in
+    a block (p // m % block size), and -1 for the other live tokens (slots of another ratio)."""
     latent_out = None
     if latent:
         latent_out = torch.empty(kv.shape[0], norm_weight.shape[0], dtype=checks.entry_dtype(cache, fmt),
                                  device=kv.device)
     if _values.has_data(kv, score, positions, req_slots, entry_slots, state, cache):
         checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
-                                 cache, latent_out, fmt, hadamard)
+                                 cache, latent_out, eps, fmt, hadamard)
         m = ape.shape[0]
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, state.shape[0],
                          f"-1 or one of the {state.shape[0]} requests of the state")
         _values.request_runs(positions, req_slots)
         check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
-        _values.closing_slots(entry_slots, positions, req_slots, m)
+        _values.closing_slots(entry_slots, positions, req_slots, m, block_size(cache, fmt))
     _compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
                        latent_out, eps, fmt, hadamard)
     return latent_out

@@ -9,7 +9,7 @@ from dsv4ops.quant import formats
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      latent_out: Tensor | None, fmt: str, hadamard: bool = False):
+                      latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool = False):
     c.ndim("kv", kv, 2, "[tokens, coff * d]")
     c.dtype("kv", kv, c.FLOATS)
     c.last_dim_contiguous("kv", kv)
@@ -43,6 +43,7 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     c.size("state", state, 2, 2 * width, "kv and score rows")
     c.paged_cache("cache", cache, d, kv, fmt, "fmt")
     c.hadamard(hadamard, fmt)
+    c.finite_scalar("eps", eps, "the entry RMSNorm's epsilon", inclusive=True)
     if latent_out is not None:
         c.ndim("latent_out", latent_out, 2, "[tokens, d]")
         c.size("latent_out", latent_out, 0, t, "tokens of kv")

@@ -214,7 +214,7 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
                       latent_out, eps: float, fmt: str, hadamard: bool = False) -> None:
     """Launcher of `dsv4::compressor_update` (same arguments)."""
     _checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                              latent_out, fmt, hadamard)
+                              latent_out, eps, fmt, hadamard)
     code = fmt_code("compressor_update", "fmt", fmt)
     t, width = kv.shape
     d, ratio = norm_weight.shape[0], ape.shape[0]

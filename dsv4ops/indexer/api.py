@@ -59,28 +59,23 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
     (the GEMM in latent's dtype, the norm in fp32 with its weight, cast back).
 
     Checked in eager mode: positions >= 0; entry_slots in [-1, pool slots), distinct among the
-    closing tokens and -1 for the other live tokens (slots of another ratio)."""
+    closing tokens, each at its entry's offset in a block (p // ratio % block size), and -1 for the
+    other live tokens (slots of another ratio)."""
     if _values.has_data(latent, positions, req_slots, entry_slots, cache):
         checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio,
-                              fmt)
+                              eps, fmt)
         _values.in_range("positions", positions, 0, None, "token positions")
         check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
-        _values.closing_slots(entry_slots, positions, req_slots, ratio)
+        _values.closing_slots(entry_slots, positions, req_slots, ratio, block_size(cache, fmt))
     _indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps, fmt)
 
 
 def _check_visible_blocks(positions: Tensor, req_slots: Tensor, block_table: Tensor, bs: int, ratio: int):
     """Every entry a live token sees (w < (t + 1) // ratio) lies in an allocated block of its request."""
+    need = _values.table_width(positions, req_slots, block_table, bs, ratio)  # blocks holding the visible entries
     live = req_slots >= 0
     pos, req = positions[live].long(), req_slots[live].long()
-    need = -(-((pos + 1) // ratio) // bs)  # blocks holding the visible entries
-    width = block_table.shape[1]
-    if bool((need > width).any()):
-        i = (need > width).nonzero()[0, 0].item()
-        raise ValueError(f"block_table: expected {need[i].item()} blocks for the {(pos[i].item() + 1) // ratio} "
-                         f"visible entries of request {req[i].item()} at position {pos[i].item()}, got a table "
-                         f"{width} blocks wide")
-    cols = torch.arange(width, device=block_table.device)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
     missing = (cols[None] < need[:, None]) & (block_table[req] < 0)
     if bool(missing.any()):
         i, b = missing.nonzero()[0].tolist()

@@ -49,7 +49,7 @@ def query_width(q: Tensor) -> int:
 
 
 def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_slots: Tensor, wk: Tensor,
-                   k_norm_weight: Tensor, inv_freq: Tensor, cache: Tensor, ratio: int, fmt: str):
+                   k_norm_weight: Tensor, inv_freq: Tensor, cache: Tensor, ratio: int, eps: float, fmt: str):
     c.ndim("latent", latent, 2, "[tokens, d]")
     c.dtype("latent", latent, c.FLOATS)
     c.last_dim_contiguous("latent", latent)
@@ -69,6 +69,7 @@ def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_s
     c.rope_table(inv_freq, di, latent)
     c.paged_cache("cache", cache, di, latent, fmt, "fmt")
     torch._check(ratio > 0, lambda: f"ratio: expected > 0, got {ratio}")
+    c.finite_scalar("eps", eps, "the key RMSNorm's epsilon", inclusive=True)
 
 
 def indexer_topk(q: Tensor, weights: Tensor, positions: Tensor, req_slots: Tensor, cache: Tensor,

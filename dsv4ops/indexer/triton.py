@@ -136,7 +136,8 @@ def indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight,
     """Launcher of `dsv4::indexer_k_prep` (same arguments): the key projection of every token as
     one GEMM in latent's dtype (fp32 accumulation, as the reference's F.linear; tokens that close no
     entry are a few wasted rows), then one program per token for the norm, RoPE and the store."""
-    _checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, fmt)
+    _checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps,
+                           fmt)
     code = fmt_code("indexer_k_prep", "fmt", fmt)
     t = latent.shape[0]
     require_layout("indexer_k_prep", wk.shape[0], inv_freq.shape[0], dims=(INDEXER_DIM,))

@@ -124,9 +124,10 @@ class _Patch:
 class PagedCache(Cache):
     """transformers' `past_key_values` of a patched model: one request of the model's
     KVCacheManager per batch row (admitted at the first forward, released by `release()`, `reset()`
-    or when the cache is garbage-collected). `get_seq_length()` counts the columns seen, padding
-    included (what `generate` slices its inputs by); `lengths()` the tokens each row holds. Beam
-    search and cropping (rewinding a compressor state) are not supported."""
+    or when the cache is garbage-collected; a released cache is refused by the model, a reset one
+    starts over). `get_seq_length()` counts the columns seen, padding included (what `generate`
+    slices its inputs by); `lengths()` the tokens each row holds. Beam search and cropping
+    (rewinding a compressor state) are not supported."""
 
     is_compileable = False
 
@@ -139,6 +140,7 @@ class PagedCache(Cache):
         self.request_ids: list | None = None
         self.seen = 0
         self._finalizer = None
+        self.released = False
 
     # ---- transformers' Cache interface ------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -155,7 +157,9 @@ class PagedCache(Cache):
         return -1 if self.request_ids is None else len(self.request_ids)
 
     def reset(self):
+        """Release the rows' requests and take the cache back into use: the next forward starts over."""
         self.release()
+        self.released = False
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("PagedCache: beam search (reordering requests) is not supported")
@@ -176,10 +180,12 @@ class PagedCache(Cache):
         return [] if self.request_ids is None else [manager.length[r] for r in self.request_ids]
 
     def release(self) -> None:
-        """Free the rows' requests (their slots and blocks go back to the manager); the cache starts over."""
+        """Free the rows' requests (their slots and blocks go back to the manager). The cache holds
+        nothing after: passed to the model again it is refused (its rows would restart at position 0
+        under a continuation), unless reset() takes it back into use."""
         if self._finalizer is not None:
             self._finalizer()
-        self.request_ids, self.seen, self._finalizer = None, 0, None
+        self.request_ids, self.seen, self._finalizer, self.released = None, 0, None, True
 
     def _new_tokens(self, real: Tensor) -> dict:
         """{request: real tokens of its row} of one call (rows without any left out), admitting one
@@ -304,6 +310,12 @@ def _patched_forward(inner: nn.Module, patch: _Patch):
         src = kwargs.get("inputs_embeds") if src is None else src
         if src is None:
             return original(**kwargs)
+        kinds = getattr(inner.config, "mlp_layer_types", None) or []
+        hashed = [i for i, kind in enumerate(kinds) if kind == "hash_moe"]
+        if kwargs.get("input_ids") is None and hashed:
+            # transformers' hash router reads input_ids (an AttributeError on None, patched or not).
+            raise ValueError(f"input_ids: expected the token ids (the hash-routed MoE of layers {hashed} picks experts "
+                             f"by token id), got inputs_embeds only")
         b, s = src.shape[:2]
         real = _real_tokens(kwargs.get("attention_mask"), b, s)
         use_cache = kwargs.get("use_cache")
@@ -367,6 +379,9 @@ def _paged_cache(cache, use_cache: bool, patch: _Patch) -> PagedCache | None:
     if isinstance(cache, PagedCache):
         if cache._patch is not patch:
             raise ValueError("past_key_values: a PagedCache of another patched model")
+        if cache.released:
+            raise ValueError("past_key_values: this PagedCache was released (its requests freed, its tokens gone); "
+                             "pass PagedCache(model) or None to start a new sequence, or reset() it first")
         return cache
     if cache is None:
         return PagedCache(patch) if use_cache else None

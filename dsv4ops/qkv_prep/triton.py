@@ -69,7 +69,7 @@ def heads_per_program(d: int) -> int:
 def qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size: int, eps: float, q_norm: bool,
              window_fmt: str) -> None:
     """Launcher of `dsv4::qkv_prep` (same arguments)."""
-    _checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, window_fmt)
+    _checks.qkv_prep(q, kv, positions, req_slots, inv_freq, q_out, window_cache, ring_size, eps, window_fmt)
     fmt = fmt_code("qkv_prep", "window_fmt", window_fmt, allowed=(EXACT, "fp8_584", "fp8_528"))
     t, h, d = q.shape
     require_layout("qkv_prep", d, inv_freq.shape[0], dims=(MAIN_DIM,))

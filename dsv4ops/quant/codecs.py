@@ -12,6 +12,9 @@ transformers, the training reference):
   e4m3fn NaN code 0x7F (vLLM clamps to 448); q = clamp(x / S, -6, 6) with IEEE division.
 - mxfp4_68: scale = pow2ceil(fp32(max(amax, 6 x 2^-126) x fp32(1/6))).
 pow2ceil(v) = 2^(E - 127 + [mantissa != 0]) from the fp32 bit fields (exact; no log2).
+fp8_584 / fp8_528: a tile holding a NaN has no scale; its codes are all the NaN code 0x7F, its
+scale byte 127 (2^0), so it decodes to NaN, never to finite numbers (the public functions refuse
+such rows; a compiled step cannot, and stores them so).
 e2m1: |q| rounds to {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even code; the nibble's sign bit is
 x's sign bit, so a negative value that rounds to 0 is 0x8.
 """
@@ -22,6 +25,7 @@ from torch import Tensor
 from dsv4ops.quant import formats
 
 FP8_MAX = 448.0
+E4M3_NAN = 0x7F
 FP4_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _F32 = torch.float32
@@ -92,8 +96,9 @@ def _per_group(v: Tensor, group: int) -> Tensor:
 def _enc_fp8_584(x: Tensor) -> tuple[Tensor, Tensor]:
     f = formats.FORMATS["fp8_584"]
     v = _groups(x[:, : f.quantized], f.group)
-    e = v4_scale_exponent(v.abs().amax(-1, keepdim=True))
-    codes = e4m3_bits(v * torch.exp2(-e.to(_F32))).reshape(x.shape[0], f.quantized)
+    nan = v.isnan().any(-1, keepdim=True)
+    e = v4_scale_exponent(v.abs().amax(-1, keepdim=True)).masked_fill(nan, 0)
+    codes = e4m3_bits(v * torch.exp2(-e.to(_F32))).masked_fill(nan, E4M3_NAN).reshape(x.shape[0], f.quantized)
     rope = x[:, f.quantized:].to(torch.bfloat16).contiguous().view(torch.uint8)
     pad = torch.zeros(x.shape[0], 1, dtype=torch.uint8, device=x.device)
     return torch.cat([codes, rope], 1), torch.cat([(e.squeeze(-1) + 127).to(torch.uint8), pad], 1)
@@ -108,8 +113,9 @@ def _enc_fp8_132(x: Tensor) -> tuple[Tensor, Tensor]:
 def _enc_fp8_528(x: Tensor) -> tuple[Tensor, Tensor]:
     v = _groups(x, 32)
     amax = v.abs().amax(-1, keepdim=True)
-    e = pow2ceil_exponent(torch.maximum(amax, _f32(1e-4)) * _f32(1 / FP8_MAX))
-    codes = e4m3_bits((v * torch.exp2(-e.to(_F32))).clamp(-FP8_MAX, FP8_MAX))
+    nan = v.isnan().any(-1, keepdim=True)
+    e = pow2ceil_exponent(torch.maximum(amax, _f32(1e-4)) * _f32(1 / FP8_MAX)).masked_fill(nan, 0)
+    codes = e4m3_bits((v * torch.exp2(-e.to(_F32))).clamp(-FP8_MAX, FP8_MAX)).masked_fill(nan, E4M3_NAN)
     return codes.reshape(x.shape), (e.squeeze(-1) + 127).to(torch.uint8)
 
 

@@ -124,8 +124,9 @@ def store_rows(cache_ptr, slots, mask, x, block_size, R: tl.constexpr, D: tl.con
     elif FMT == 1:
         data_at, scale_at = main_offsets(slots, block_size)
         v = tl.reshape(round_via(x, tl.bfloat16, SOFT), [R, 8, 64])
-        e = ue8m0_exponent(tl.max(tl.abs(v), axis=2))  # [R, 8]; block 7 is the bf16 rope part
-        codes = f32_to_e4m3_bits(v * pow2(-e)[:, :, None], SOFT)
+        nan = tl.max((v != v).to(tl.int32), axis=2) > 0  # a tile with a NaN: NaN codes (codecs.py)
+        e = tl.where(nan, 0, ue8m0_exponent(tl.max(tl.abs(v), axis=2)))  # [R, 8]; block 7 is the bf16 rope part
+        codes = tl.where(nan[:, :, None], 0x7F, f32_to_e4m3_bits(v * pow2(-e)[:, :, None], SOFT)).to(tl.uint8)
         blk = tl.arange(0, 8)[None, :, None]
         c64 = tl.arange(0, 64)[None, None, :]
         m3 = mask[:, None, None]
@@ -146,8 +147,10 @@ def store_rows(cache_ptr, slots, mask, x, block_size, R: tl.constexpr, D: tl.con
     elif FMT == 3:  # fp8_528: UE8M0 per 32, rope dims too; the floor is on amax (codecs.py)
         data_at, scale_at = page_offsets(slots, block_size, 512, 16, 512)
         v = tl.reshape(round_via(x, tl.bfloat16, SOFT), [R, 16, 32])
-        e = pow2ceil_exponent(tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4) * (1 / 448))  # [R, 16]
+        nan = tl.max((v != v).to(tl.int32), axis=2) > 0  # a tile with a NaN: NaN codes (codecs.py)
+        e = tl.where(nan, 0, pow2ceil_exponent(tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4) * (1 / 448)))  # [R, 16]
         codes = f32_to_e4m3_bits(tl.clamp(v * pow2(-e)[:, :, None], -448.0, 448.0), SOFT)
+        codes = tl.where(nan[:, :, None], 0x7F, codes).to(tl.uint8)
         cols = tl.arange(0, D)
         tl.store(cache_ptr + data_at[:, None] + cols[None, :], tl.reshape(codes, [R, D]), mask=mask[:, None])
         g = tl.arange(0, 16)[None, :]

@@ -3,6 +3,8 @@
 import torch
 from torch import Tensor
 
+from dsv4ops._checks import finite_scalar
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -41,8 +43,13 @@ def check_logits(logits: Tensor, k: int):
     )
 
 
-def gate_topk(logits: Tensor, bias: Tensor, weights_out: Tensor, indices_out: Tensor):
+def scaling_factor(routed_scaling_factor: float):
+    finite_scalar("routed_scaling_factor", routed_scaling_factor, "the sum of a token's routed weights")
+
+
+def gate_topk(logits: Tensor, bias: Tensor, weights_out: Tensor, indices_out: Tensor, routed_scaling_factor: float):
     check_logits(logits, weights_out.shape[-1] if weights_out.dim() == 2 else 0)
+    scaling_factor(routed_scaling_factor)
     torch._check(
         bias.dim() == 1 and bias.shape[0] == logits.shape[1],
         lambda: f"bias: expected shape ({logits.shape[1]},) (one per expert), got {tuple(bias.shape)}",
@@ -52,8 +59,10 @@ def gate_topk(logits: Tensor, bias: Tensor, weights_out: Tensor, indices_out: Te
     _outputs(logits.shape[0], weights_out, indices_out, logits)
 
 
-def hash_route(logits: Tensor, token_ids: Tensor, tid2eid: Tensor, weights_out: Tensor, indices_out: Tensor):
+def hash_route(logits: Tensor, token_ids: Tensor, tid2eid: Tensor, weights_out: Tensor, indices_out: Tensor,
+               routed_scaling_factor: float):
     check_logits(logits, weights_out.shape[-1] if weights_out.dim() == 2 else 0)
+    scaling_factor(routed_scaling_factor)
     torch._check(
         token_ids.dim() == 1 and token_ids.shape[0] == logits.shape[0],
         lambda: f"token_ids: expected shape ({logits.shape[0]},) (one per token), got {tuple(token_ids.shape)}",
@@ -74,7 +83,8 @@ def hash_route(logits: Tensor, token_ids: Tensor, tid2eid: Tensor, weights_out: 
     )
 
 
-def router_gate(x: Tensor, weight: Tensor, bias: Tensor, logits_out: Tensor, weights_out: Tensor, indices_out: Tensor):
+def router_gate(x: Tensor, weight: Tensor, bias: Tensor, logits_out: Tensor, weights_out: Tensor, indices_out: Tensor,
+                routed_scaling_factor: float):
     torch._check(x.dim() == 2, lambda: f"x: expected 2-D [tokens, hidden], got {x.dim()}-D")
     torch._check(x.dtype in _FLOATS, lambda: f"x: expected a float dtype, got {x.dtype}")
     torch._check(
@@ -89,4 +99,4 @@ def router_gate(x: Tensor, weight: Tensor, bias: Tensor, logits_out: Tensor, wei
     )
     _same_device("weight", weight, x, "x")
     _same_device("logits_out", logits_out, x, "x")
-    gate_topk(logits_out, bias, weights_out, indices_out)
+    gate_topk(logits_out, bias, weights_out, indices_out, routed_scaling_factor)

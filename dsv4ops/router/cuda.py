@@ -48,7 +48,7 @@ def _router_gate_cuda(
     indices_out: Tensor,
     routed_scaling_factor: float,
 ):
-    _checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out)
+    _checks.router_gate(x, weight, bias, logits_out, weights_out, indices_out, routed_scaling_factor)
     if _decode_gate_backend(x.shape[0], torch.cuda.get_device_capability(x.device)) == "cute_sm90":
         from dsv4ops.router import cute, cute_sm90
 

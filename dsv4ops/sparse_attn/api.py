@@ -50,7 +50,7 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
     if _values.has_data(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens,
                         *([] if window_ends is None else [window_ends])):
         checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks,
-                           out, window, ring_size, window_fmt, comp_fmt, lse)
+                           out, scale, window, ring_size, window_fmt, comp_fmt, lse)
         requests = pool_slots(window_cache, window_fmt) // ring_size
         _values.in_range("positions", positions, 0, None, "token positions")
         _values.in_range("req_slots", req_slots, -1, requests,

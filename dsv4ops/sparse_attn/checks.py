@@ -8,7 +8,7 @@ from dsv4ops import _checks as c
 
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
-                window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse: Tensor | None = None):
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse: Tensor | None = None):
     c.ndim("q", q, 3, "[tokens, heads, head_dim]")
     c.dtype("q", q, c.FLOATS)
     c.last_dim_contiguous("q", q)
@@ -38,5 +38,6 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
                                                           f"{tuple(lse.shape)}")
         c.same_device("lse", lse, q, "q")
         c.contiguous("lse", lse)
+    c.finite_scalar("scale", scale, "the logits' multiplier")
     torch._check(window > 0, lambda: f"window: expected > 0, got {window}")
     torch._check(ring_size >= window, lambda: f"ring_size: expected >= window ({window}), got {ring_size}")

@@ -393,7 +393,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
                             sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
         return
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                        window, ring_size, window_fmt, comp_fmt)
+                        scale, window, ring_size, window_fmt, comp_fmt)
     csrc.load()
     t, h, _ = q.shape
     ends = positions if window_ends is None else window_ends

@@ -357,7 +357,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                        window, ring_size, window_fmt, comp_fmt, lse)
+                        scale, window, ring_size, window_fmt, comp_fmt, lse)
     # The kernel reads a token's position only where its window ends: window_ends, when given.
     positions = positions if window_ends is None else window_ends
     w_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt, allowed=(EXACT, "fp8_584", "fp8_528"))

@@ -23,8 +23,9 @@ def visible_entries(block_table: Tensor, positions: Tensor, req_slots: Tensor, r
     block is unallocated, and in the whole row of a padding token.
 
     Checked in eager mode: positions >= 0; req_slots in [-1, requests); block_table in [-1,
-    pool_blocks) (a block past the pool would give slots sparse_attn reads as no entry). (The op
-    itself turns a token with a request slot out of range or a negative position into padding.)"""
+    pool_blocks) (a block past the pool would give slots sparse_attn reads as no entry); every live
+    token's visible entries fit in the table's width (the op itself cuts a longer list at it). (The
+    op turns a token with a request slot out of range or a negative position into padding.)"""
     if not torch.compiler.is_compiling() and (isinstance(pool_blocks, bool) or not isinstance(pool_blocks, int)
                                               or pool_blocks < 0):
         raise ValueError(f"pool_blocks: expected an int >= 0 (the blocks of the pool the table indexes), got "
@@ -38,5 +39,6 @@ def visible_entries(block_table: Tensor, positions: Tensor, req_slots: Tensor, r
         _values.in_range("req_slots", req_slots, -1, block_table.shape[0],
                          f"-1 or one of the {block_table.shape[0]} requests of block_table")
         _values.in_range("block_table", block_table, -1, pool_blocks, f"-1 or one of the pool's {pool_blocks} blocks")
+        _values.table_width(positions, req_slots, block_table, block_size, ratio)
     _visible_entries(block_table, positions, req_slots, out, ratio, block_size)
     return out
