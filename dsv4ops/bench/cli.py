@@ -18,7 +18,7 @@ from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
 
 KINDS = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "hca": HCA}
 # Every part --only names (its help describes each); a name outside it is refused before anything runs.
-PARTS = ("attention", "flashmla", "v41", "router", "fp8_linear", "fp8_tune", "fp4_cache", "memory", "parallel")
+PARTS = ("attention", "flashmla", "v41", "router", "fp8_linear", "fp8_tune", "fp4_cache", "layer", "memory", "parallel")
 MODELS = {"flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
 
 
