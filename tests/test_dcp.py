@@ -190,6 +190,12 @@ def _disagree_body(rank, group):
         with pytest.raises(RuntimeError, match=match):
             manager.prepare_step(new)
         assert _same(_state(manager), before)
+    # A speculative step's draft blocks (each valid alone): another block size, or a block on one
+    # rank only, would give the ranks different window ends for the same tokens.
+    for blocks in ({"a": 3 if rank else 2}, {"a": 3} if rank else None):
+        with pytest.raises(RuntimeError, match=match):
+            manager.prepare_step({"a": 3}, blocks)
+        assert _same(_state(manager), before)
     if rank == 1:  # a history one rank does not share (an extra request)
         manager.admit("only here")
     with pytest.raises(RuntimeError, match=match):
