@@ -137,6 +137,31 @@ def test_only_chunks_that_wrap_a_state_ring_are_backed_up():
         manager.abort(step)
 
 
+@pytest.mark.parametrize("kind, sizes", [(CSA, range(1, 14)), (HCA, (1, 27, 28, 29, 30, 140))], ids=["csa", "hca"])
+def test_abort_restores_every_state_row_the_next_entry_pools(kind, sizes):
+    """Whatever abort backs up: after a chunk of n tokens from position 100 overwrote its state
+    rows (row q % rows for each q it covers, as compressor_update does; here NaN) and was aborted,
+    the rows of positions c - span + 1 .. 99 (c: the first position >= 100 closing an entry, span
+    its pool) hold what they held, for every n around where a ring wraps (CSA: rows 8, from n = 5)."""
+    layer, manager, inputs = _setup(kind, "bf16")
+    with torch.no_grad():
+        drivers.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": FIRST}])
+    slot = manager.slot_of["a"]
+    for n in sizes:
+        step = manager.prepare_step({"a": n})
+        before = {}
+        for name, ratio, span in layer.cache.state_rings:
+            state = getattr(layer.cache, name)
+            rows = state.shape[1]
+            c = -(-(FIRST + 1) // ratio) * ratio - 1
+            needed = [q % rows for q in range(max(0, c - span + 1), FIRST)]
+            before[name] = (needed, state[slot, needed].clone())
+            state[slot, [q % rows for q in range(FIRST, FIRST + n)]] = float("nan")
+        manager.abort(step)
+        for name, (needed, rows_before) in before.items():
+            assert torch.equal(getattr(layer.cache, name)[slot, needed], rows_before), (name, n)
+
+
 # ---- the step's identity -------------------------------------------------------------------------
 def _rejected(layer, x, step, match):
     pools = _pool_bytes(layer)
