@@ -12,7 +12,10 @@ import sys
 
 import torch
 
-_CSRC = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+# A wheel carries csrc/ as dsv4ops/_csrc (pyproject.toml maps it there); a source checkout, editable
+# install included, has no dsv4ops/_csrc and keeps csrc/ beside the package.
+_HERE = pathlib.Path(__file__).resolve().parent
+_CSRC = _HERE / "_csrc" if (_HERE / "_csrc").is_dir() else _HERE.parent / "csrc"
 _SOURCES = ("dsv4ops.cpp", "indexer/score_api.cpp", "indexer/score.cu", "indexer/topk_select_api.cpp",
             "indexer/topk_select.cu", "indexer/topk_grid.cu", "router/api.cpp",
             "router/gate_topk.cu", "router/hash_route.cu", "sparse_attn/sparse_attn_api.cpp",
@@ -24,6 +27,11 @@ _SOURCES = ("dsv4ops.cpp", "indexer/score_api.cpp", "indexer/score.cu", "indexer
 _GENCODE = ("-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_100a,code=sm_100a")
 
 
+def source_files() -> list[pathlib.Path]:
+    """The files the JIT build compiles (their headers sit beside them, included by relative path)."""
+    return [_CSRC / s for s in _SOURCES]
+
+
 def _unavailable_reason() -> str | None:
     if torch.version.cuda is None:
         return "torch was built without CUDA"
@@ -33,9 +41,9 @@ def _unavailable_reason() -> str | None:
 
     if cpp_extension.CUDA_HOME is None:
         return "nvcc was not found (set CUDA_HOME)"
-    missing = [s for s in _SOURCES if not (_CSRC / s).is_file()]
+    missing = [str(f) for f in source_files() if not f.is_file()]
     if missing:
-        return f"csrc/ sources are missing ({', '.join(missing)}): install dsv4ops from a source checkout"
+        return f"csrc/ sources are missing ({', '.join(missing)}): reinstall dsv4ops (a wheel or a source checkout)"
     return None
 
 
@@ -61,7 +69,7 @@ def load() -> bool:
         try:
             cpp_extension.load(
                 name="dsv4ops_csrc",
-                sources=[str(_CSRC / s) for s in _SOURCES],
+                sources=[str(f) for f in source_files()],
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3", "-lineinfo", *_GENCODE],
                 build_directory=str(folder),

@@ -105,6 +105,38 @@ def test_deepseek_names_are_transformers_conversion_rules():
     assert set(DEEPSEEK_NAMES.values()) == set(dict(DeepseekV4Attention(CFG, 1).named_parameters()))
 
 
+# DeepSeek's module tree (inference/model.py): Attention holds wq_a, q_norm, wq_b, wkv, kv_norm,
+# wo_a, wo_b, attn_sink, a Compressor (wkv, wgate, ape, norm) and an Indexer (wq_b, weights_proj and
+# its own Compressor). Here the indexer sits inside the compressor and holds its compressor's
+# weights itself; every module and leaf is renamed on its own: DEEPSEEK_NAMES written without it.
+_DS_PARTS = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "kv_proj", "wo_a": "o_a_proj",
+             "wo_b": "o_b_proj", "wgate": "gate_proj", "norm": "kv_norm", "ape": "position_bias",
+             "attn_sink": "sinks", "weights_proj": "scorer.weights_proj"}
+_DS_KEYS = ["attn.attn_sink", *(f"attn.{m}.weight" for m in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b")),
+            *(f"attn.{c}compressor.{m}" for c in ("", "indexer.") for m in ("wkv.weight", "wgate.weight", "norm.weight",
+                                                                             "ape")),
+            "attn.indexer.wq_b.weight", "attn.indexer.weights_proj.weight"]
+
+
+def _our_name(deepseek_key: str) -> str:
+    path = deepseek_key.removeprefix("attn.").replace("indexer.compressor.", "indexer.")
+    path = "compressor." + path if path.startswith("indexer.") else path
+    return ".".join(_DS_PARTS.get(part, part) for part in path.split("."))
+
+
+def test_a_deepseek_checkpoint_lands_where_its_module_tree_says():
+    """Each tensor of a DeepSeek-named checkpoint (all distinct) lands in the parameter that
+    DeepSeek's module tree, renamed part by part, names; independent of the transformers rules."""
+    params = dict(DeepseekV4Attention(CFG, 1).named_parameters())
+    assert sorted(map(_our_name, _DS_KEYS)) == sorted(params)
+    g = torch.Generator().manual_seed(0)
+    sd = {f"layers.1.{k}": torch.randn(params[_our_name(k)].shape, generator=g) for k in _DS_KEYS}
+    dst = DeepseekV4Attention(CFG, 1)
+    dst.load_deepseek_state_dict(sd)
+    for key in _DS_KEYS:
+        assert torch.equal(dst.get_parameter(_our_name(key)), sd[f"layers.1.{key}"]), key
+
+
 def _deepseek_fp8(layer, block: int, seed: int = 0) -> tuple[dict, dict]:
     """(a DeepSeek checkpoint dict of `layer` with its 2-D projections in block FP8 and the other
     tensors as they are, {our name: the float64 value each loaded parameter must get})."""

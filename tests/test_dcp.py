@@ -190,6 +190,12 @@ def _disagree_body(rank, group):
         with pytest.raises(RuntimeError, match=match):
             manager.prepare_step(new)
         assert _same(_state(manager), before)
+    # A speculative step's draft blocks (each valid alone): another block size, or a block on one
+    # rank only, would give the ranks different window ends for the same tokens.
+    for blocks in ({"a": 3 if rank else 2}, {"a": 3} if rank else None):
+        with pytest.raises(RuntimeError, match=match):
+            manager.prepare_step({"a": 3}, blocks)
+        assert _same(_state(manager), before)
     if rank == 1:  # a history one rank does not share (an extra request)
         manager.admit("only here")
     with pytest.raises(RuntimeError, match=match):
@@ -351,3 +357,26 @@ def _v41_union_body(rank, group):
 
 def test_dcp_v41_union_equals_the_oracle_on_every_ranks_selection():
     assert multiproc.run(_v41_union_body) == [True, True]
+
+
+# ---- ownership arithmetic, against an enumeration ------------------------------------------------
+@pytest.mark.parametrize("size, block_size, cand_block", [(2, 4, 4), (3, 8, 4), (4, 8, 2)])
+def test_compact_entries_are_the_ranks_owned_entries_in_order(size, block_size, cand_block):
+    """Rank r owns the global entries of blocks b with b % size == r; its compact entry c is its
+    c-th owned entry, counted here one entry at a time. global_blocks (V4.1's candidate blocks,
+    through compact_to_global) and local_blocks (its inverse) and owned_count against that list."""
+    from dsv4ops.parallel import Group
+    from dsv4ops.parallel import dcp
+
+    n = 10 * size * block_size
+    for rank in range(size):
+        group = Group("g", rank, size)
+        owned = [w for w in range(n) if (w // block_size) % size == rank]
+        c = torch.arange(len(owned))
+        assert dcp.compact_to_global(c, block_size, group).tolist() == owned
+        cand = torch.tensor([list(range(len(owned) // cand_block)) + [-1]], dtype=torch.int32)
+        want = [owned[b * cand_block] // cand_block for b in range(len(owned) // cand_block)] + [-1]
+        assert dcp.global_blocks(cand, cand_block, block_size, group).tolist() == [want]
+        assert dcp.local_blocks(torch.tensor([want]), cand_block, block_size, group).tolist() == cand.tolist()
+        counts = torch.arange(n + 1)
+        assert dcp.owned_count(counts, block_size, group).tolist() == [sum(w < k for w in owned) for k in range(n + 1)]

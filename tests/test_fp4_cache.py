@@ -175,3 +175,23 @@ def test_compiled_csa_step_is_one_graph_over_the_low_bit_pools():
     assert "fmt = 'mxfp4_68', hadamard = True" in q_prep
     (attn,) = [ln for ln in calls if "sparse_attn" in ln]
     assert "window_fmt = 'fp8_584', comp_fmt = 'fp4_288'" in attn
+
+
+# The indexer keys' and queries' Hadamard follows the indexer's format alone: pairs whose kv and
+# indexer modes disagree on it (a flag read from the kv field rotates an FP8 indexer or leaves an
+# MXFP4 one unrotated, moving every score, not only near-ties).
+MIXED = [Numerics(kv="fp8", indexer="mxfp4"), Numerics(kv="fp4", indexer="fp8"),
+         Numerics(kv="exact", indexer="mxfp4"), Numerics(kv="fp4", indexer="exact")]
+
+
+@pytest.mark.parametrize("numerics", MIXED, ids=lambda n: f"{n.kv}-{n.indexer}")
+def test_mixed_kv_and_indexer_modes_select_and_attend_as_the_oracle(numerics):
+    layer = testing.randomize_(DeepseekV4Attention(SELECTING, LAYER[CSA], numerics=numerics), seed=LAYER[CSA])
+    manager = KVCacheManager(SELECTING, CacheConfig.for_numerics(numerics, torch.float32, max_requests=2,
+                                                                 max_context=272, max_step_tokens=200))
+    layer.attach_cache(manager)
+    x = torch.randn(80, SELECTING.hidden_size, generator=torch.Generator().manual_seed(0))
+    sel = {}
+    with torch.no_grad():
+        outs = drivers.serve_schedule(layer, manager, {"a": x}, [{"a": 40}, {"a": 1}, {"a": 39}], selections=sel)
+    testing.assert_matches_oracle(layer, x, outs["a"], sel["a"], what=f"{numerics}")

@@ -1,6 +1,7 @@
 """dsv4::qkv_prep and qkv_prep.api.qkv_prep: q's norm (V4; none in V4.1) + RoPE, the window-ring
 insert in the pool's format (exactly the live tokens' slots), padding tokens, bad inputs. Issues 3, 16."""
 
+import os
 from functools import partial
 
 import builders
@@ -133,6 +134,30 @@ def test_a_nan_in_a_row_is_stored_as_nan_codes_where_no_check_runs(fmt, kernel):
     assert got[0, :group].isnan().all(), f"row 0's NaN tile: {got[0, :group].tolist()}"
     assert torch.equal(got[0, group:], want[0, group:]) and not want[0].isnan().any()
     assert got[1].isnan().all(), f"the NaN row: {got[1].isnan().sum().item()} of 512 values NaN"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_live_request_writes_only_its_non_negative_positions(backend):
+    """The raw op with request 0 at positions -3..1 (the public function rejects those): its ring
+    holds positions 0 and 1 only. Unguarded, -3, -2, -1 land in ring slots 5, 6, 7 (Python's
+    modulo) or 3, 2, 1 rows before the pool (Triton's truncating one): the pool sits between two
+    poisoned guard pages of one buffer, which must stay as they were. The written slots are read
+    back from the pool, for the reference and the Triton kernel (V4's FP8 window layout)."""
+    args = builders.qkv_prep_args(FP32, FP8, runs=((0, -3, 5), (1, 9, 2)), pad=1)
+    pool = args["window_cache"]
+    buffer = torch.full((pool.shape[0] + 4, *pool.shape[1:]), 255, dtype=pool.dtype)  # 255: NaN rows
+    args["window_cache"] = buffer[2:-2]
+    if backend == "triton":
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs the Triton interpreter (conftest sets it without a GPU)")
+        from dsv4ops.qkv_prep.triton import qkv_prep
+
+        qkv_prep(*args.values())
+    else:
+        builders.call_op("qkv_prep", args)
+    assert (buffer[:2] == 255).all() and (buffer[-2:] == 255).all(), "a write outside the pool"
+    _, written = _stored(args, args["kv"].shape[1])
+    assert written.nonzero().flatten().tolist() == [0, 1, 8 + 1, 8 + 2]
 
 
 # ---- bad inputs: one per rule ------------------------------------------------------------------

@@ -316,6 +316,21 @@ def test_attach_cache_is_refused_while_requests_hold_tokens():
     assert set(manager._caches) == {layer.cache, late.cache}
 
 
+def test_attach_cache_is_refused_after_a_single_token():
+    """The boundary of the refusal above: one committed token is already a row the new layer's
+    pools would not have (a request with none is not in the way)."""
+    layer, manager, inputs = _setup(SLIDING, "bf16")
+    late = DeepseekV4Attention(CFG, 2)
+    manager.admit("a")
+    manager.admit("b")
+    with torch.no_grad(), manager.step({"a": 1}) as step:
+        layer(torch.cat([inputs["a"][:1], inputs["a"].new_zeros(step.positions.shape[0] - 1, CFG.hidden_size)]), step)
+    with pytest.raises(RuntimeError, match=r"attach_cache: 1 admitted request\(s\) already hold tokens \(e\.g\. "
+                                           r"'a': 1\)"):
+        late.attach_cache(manager)
+    assert not hasattr(late, "cache") and set(manager._caches) == {layer.cache}
+
+
 @pytest.mark.parametrize(
     "model, match",
     [

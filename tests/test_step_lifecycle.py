@@ -137,6 +137,31 @@ def test_only_chunks_that_wrap_a_state_ring_are_backed_up():
         manager.abort(step)
 
 
+@pytest.mark.parametrize("kind, sizes", [(CSA, range(1, 14)), (HCA, (1, 27, 28, 29, 30, 140))], ids=["csa", "hca"])
+def test_abort_restores_every_state_row_the_next_entry_pools(kind, sizes):
+    """Whatever abort backs up: after a chunk of n tokens from position 100 overwrote its state
+    rows (row q % rows for each q it covers, as compressor_update does; here NaN) and was aborted,
+    the rows of positions c - span + 1 .. 99 (c: the first position >= 100 closing an entry, span
+    its pool) hold what they held, for every n around where a ring wraps (CSA: rows 8, from n = 5)."""
+    layer, manager, inputs = _setup(kind, "bf16")
+    with torch.no_grad():
+        drivers.serve_schedule(layer, manager, {"a": inputs["a"]}, [{"a": FIRST}])
+    slot = manager.slot_of["a"]
+    for n in sizes:
+        step = manager.prepare_step({"a": n})
+        before = {}
+        for name, ratio, span in layer.cache.state_rings:
+            state = getattr(layer.cache, name)
+            rows = state.shape[1]
+            c = -(-(FIRST + 1) // ratio) * ratio - 1
+            needed = [q % rows for q in range(max(0, c - span + 1), FIRST)]
+            before[name] = (needed, state[slot, needed].clone())
+            state[slot, [q % rows for q in range(FIRST, FIRST + n)]] = float("nan")
+        manager.abort(step)
+        for name, (needed, rows_before) in before.items():
+            assert torch.equal(getattr(layer.cache, name)[slot, needed], rows_before), (name, n)
+
+
 # ---- the step's identity -------------------------------------------------------------------------
 def _rejected(layer, x, step, match):
     pools = _pool_bytes(layer)
@@ -362,3 +387,30 @@ def test_every_table_write_reaches_the_device_tables_at_the_next_step():
     manager.admit("c")
     step_of({"c": 300}, commit=False)
     step_of({"a": 1})
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_live_tokens_is_the_elementwise_rule(compiled):
+    """live_tokens (the compiled forward's only guard) against its rule written out token by token:
+    live iff 0 <= p < max_context, 0 <= request slot < slots and the slot's generation is the
+    step's; a dead token gets request -1, and position 0 where p is outside [0, max_context)."""
+    from types import SimpleNamespace
+
+    from dsv4ops.cache.step import live_tokens
+
+    top, slots = 64, 3
+    cache = SimpleNamespace(generations=torch.tensor([5, 6, 7], dtype=torch.int32),
+                            cfg=SimpleNamespace(max_context=top))
+    pos = [-2**31, -1, 0, 1, top - 2, top - 1, top, top + 1, 2 * top, 2**31 - 1]
+    cases = [(p, r, g) for p in pos for r in (-1, 0, 2, slots) for g in (True, False)]
+    step = SimpleNamespace(positions=torch.tensor([p for p, _, _ in cases], dtype=torch.int32),
+                           req_slots=torch.tensor([r for _, r, _ in cases], dtype=torch.int32),
+                           req_gens=torch.tensor([(5 + min(max(r, 0), slots - 1)) if g else 0 for _, r, g in cases],
+                                                 dtype=torch.int32))
+    fn = torch.compile(live_tokens, backend="aot_eager", fullgraph=True) if compiled else live_tokens
+    torch._dynamo.reset()
+    got_pos, got_req = fn(step, cache)
+    for i, (p, r, g) in enumerate(cases):
+        in_range = 0 <= p < top
+        live = in_range and 0 <= r < slots and g
+        assert (int(got_pos[i]), int(got_req[i])) == (p if in_range else 0, r if live else -1), (p, r, g)

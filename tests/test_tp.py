@@ -306,3 +306,32 @@ def test_demo_parallel_needs_torchrun():
 
     with pytest.raises(SystemExit):
         demo.main(["--parallel", "tp"])
+
+
+@pytest.mark.parametrize("heads, groups, size", [(4, 2, 2), (8, 4, 4)])
+def test_each_rank_cuts_its_own_heads_and_groups(heads, groups, size):
+    """parallel.tp.shard_ with no process (a Group is a rank and a size): rank r's share of a full
+    state dict is heads r*H/size .. and output groups r*G/size .. of each split parameter, cut here
+    through each tensor's head / group axis (q_b_proj: [heads, head_dim, q_lora], o_a_proj:
+    [groups, o_lora, ...], o_b_proj: [hidden, groups, o_lora], sinks: [heads])."""
+    from dsv4ops.parallel import Group, tp
+
+    cfg = DSV4AttentionConfig.tiny(num_heads=heads, o_groups=groups)
+    full = {k: v for k, v in DeepseekV4Attention(cfg, 1).state_dict().items() if k in tp.SPLIT}
+    g = torch.Generator().manual_seed(0)
+    full = {k: torch.randn(v.shape, generator=g) for k, v in full.items()}
+    h, o = heads // size, groups // size
+    for rank in range(size):
+        share = dict(full)
+        tp.shard_(share, "", Group("tp", rank, size), {k: tuple(v.shape) for k, v in full.items()}, "test")
+        heads_of = slice(rank * h, (rank + 1) * h)
+        groups_of = slice(rank * o, (rank + 1) * o)
+        want = {
+            "q_b_proj.weight": full["q_b_proj.weight"].view(heads, cfg.head_dim, -1)[heads_of].flatten(0, 1),
+            "sinks": full["sinks"][heads_of],
+            "o_a_proj.weight": full["o_a_proj.weight"].view(groups, cfg.o_lora_rank, -1)[groups_of].flatten(0, 1),
+            "o_b_proj.weight": full["o_b_proj.weight"].view(cfg.hidden_size, groups, -1)[:, groups_of].flatten(1),
+        }
+        assert want.keys() == share.keys()
+        for k, v in want.items():
+            assert torch.equal(share[k], v), (k, rank)
