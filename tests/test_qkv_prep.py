@@ -144,11 +144,13 @@ def test_a_live_request_writes_only_its_non_negative_positions(backend):
     poisoned guard pages of one buffer, which must stay as they were. The written slots are read
     back from the pool, for the reference and the Triton kernel (V4's FP8 window layout)."""
     args = builders.qkv_prep_args(FP32, FP8, runs=((0, -3, 5), (1, 9, 2)), pad=1)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else: Triton's interpreter
+    args = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     pool = args["window_cache"]
-    buffer = torch.full((pool.shape[0] + 4, *pool.shape[1:]), 255, dtype=pool.dtype)  # 255: NaN rows
+    buffer = torch.full((pool.shape[0] + 4, *pool.shape[1:]), 255, dtype=pool.dtype, device=dev)  # 255: NaN rows
     args["window_cache"] = buffer[2:-2]
     if backend == "triton":
-        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("needs the Triton interpreter (conftest sets it without a GPU)")
         from dsv4ops.qkv_prep.triton import qkv_prep
 
@@ -156,7 +158,8 @@ def test_a_live_request_writes_only_its_non_negative_positions(backend):
     else:
         builders.call_op("qkv_prep", args)
     assert (buffer[:2] == 255).all() and (buffer[-2:] == 255).all(), "a write outside the pool"
-    _, written = _stored(args, args["kv"].shape[1])
+    _, written = _stored({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()},
+                         args["kv"].shape[1])
     assert written.nonzero().flatten().tolist() == [0, 1, 8 + 1, 8 + 2]
 
 
