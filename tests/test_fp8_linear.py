@@ -679,3 +679,120 @@ def test_fp8_linear_launch_config_fills_the_h100():
             assert c["SPLITS"] == 1 or 4 * c["SPLITS"] * m * n <= 2 * n * k, (n, k, m, c)
             assert tiles * c["SPLITS"] >= 128 or c["SPLITS"] == min(8, k // (2 * m)), (n, k, m, c)
 
+
+# ---- the launch table ----------------------------------------------------------------------------
+# The three tables launch_table.LAUNCH replaced, copied as they were: each reader's pick must be theirs.
+OLD_W8A8_FROM = {
+    (1024, 4096): 256,  # V4-Flash q_a_proj
+    (32768, 1024): 64,  # V4-Flash q_b_proj
+    (512, 4096): 256,  # V4-Flash kv_proj
+    (4096, 8192): 1,  # V4-Flash o_b_proj
+    (8192, 1024): 64,  # V4-Flash indexer q_b_proj
+    (1536, 7168): 1,  # V4-Pro q_a_proj
+    (65536, 1536): 64,  # V4-Pro q_b_proj
+    (512, 7168): 1,  # V4-Pro kv_proj
+    (7168, 16384): 1,  # V4-Pro o_b_proj
+    (8192, 1536): 64,  # V4-Pro indexer q_b_proj
+    (4096, 4096): 1,  # V4-Flash o_b_proj, TP2
+    (16384, 1024): 64,  # V4-Flash q_b_proj, TP2
+    (4096, 2048): 64,  # V4-Flash o_b_proj, TP4
+    (4096, 1024): 16,  # V4-Flash q_b_proj and o_b_proj, TP8
+    (2048, 1024): 128,  # V4-Flash q_b_proj, TP16
+    (7168, 8192): 1,  # V4-Pro o_b_proj, TP2
+    (32768, 1536): 64,  # V4-Pro q_b_proj, TP2
+    (7168, 4096): 1,  # V4-Pro o_b_proj, TP4
+    (16384, 1536): 64,  # V4-Pro q_b_proj, TP4
+    (7168, 2048): 1,  # V4-Pro o_b_proj, TP8
+    (4096, 1536): 64,  # V4-Pro q_b_proj, TP16
+    (7168, 1024): 64,  # V4-Pro o_b_proj, TP16
+}
+OLD_CUBLASLT_FROM = {
+    (32768, 1024): 128,  # V4-Flash q_b_proj
+    (512, 4096): 1024,  # V4-Flash kv_proj
+    (4096, 8192): 256,  # V4-Flash o_b_proj
+    (8192, 1024): 256,  # V4-Flash indexer q_b_proj
+    (65536, 1536): 128,  # V4-Pro q_b_proj
+    (512, 7168): 1024,  # V4-Pro kv_proj
+    (7168, 16384): 64,  # V4-Pro o_b_proj
+    (8192, 1536): 128,  # V4-Pro indexer q_b_proj
+    (4096, 4096): 256,  # V4-Flash o_b_proj, TP2
+    (16384, 1024): 128,  # V4-Flash q_b_proj, TP2
+    (4096, 2048): 256,  # V4-Flash o_b_proj, TP4
+    (4096, 1024): 256,  # V4-Flash q_b_proj and o_b_proj, TP8
+    (7168, 8192): 64,  # V4-Pro o_b_proj, TP2
+    (32768, 1536): 128,  # V4-Pro q_b_proj, TP2
+    (7168, 4096): 64,  # V4-Pro o_b_proj, TP4
+    (16384, 1536): 128,  # V4-Pro q_b_proj, TP4
+    (7168, 2048): 128,  # V4-Pro o_b_proj, TP8
+    (4096, 1536): 256,  # V4-Pro q_b_proj, TP16
+    (7168, 1024): 256,  # V4-Pro o_b_proj, TP16
+}
+OLD_TUNED = {
+    (1024, 4096): {1: (False, 16, 64, 8, 4, 3), 16: (True, 16, 64, 8, 4, 3), 64: (False, 64, 64, 8, 4, 4),
+                   128: (False, 64, 128, 8, 8, 4), 256: (False, 64, 64, 4, 4, 4)},  # V4-Flash q_a
+    (32768, 1024): {1: (True, 16, 256, 1, 8, 3), 16: (True, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Flash q_b
+    (512, 4096): {1: (True, 16, 64, 16, 4, 3), 16: (True, 16, 64, 16, 4, 3), 64: (True, 64, 64, 16, 4, 3),
+                  128: (False, 64, 64, 8, 4, 4), 256: (False, 64, 128, 8, 8, 4)},  # V4-Flash kv
+    (4096, 8192): {1: (True, 16, 128, 8, 4, 3), 16: (True, 16, 128, 8, 4, 3), 64: (False, 64, 64, 4, 4, 4),
+                   128: (False, 128, 64, 4, 4, 4), 256: (False, 128, 128, 2, 8, 4)},  # V4-Flash o_b
+    (8192, 1024): {1: (False, 16, 128, 4, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 8, 3), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash index q_b
+    (1536, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
+                   128: (False, 64, 64, 8, 4, 3), 256: (False, 64, 64, 4, 4, 4)},  # V4-Pro q_a
+    (65536, 1536): {1: (False, 16, 128, 1, 4, 3), 16: (False, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b
+    (512, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
+                  128: (False, 64, 64, 14, 4, 4), 256: (False, 128, 64, 8, 4, 3)},  # V4-Pro kv
+    (7168, 16384): {1: (False, 16, 64, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 2, 4, 4),
+                    128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 128, 1, 8, 4)},  # V4-Pro o_b
+    (8192, 1536): {1: (False, 16, 128, 1, 4, 4), 16: (True, 16, 64, 2, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro index q_b
+    (4096, 4096): {1: (True, 16, 128, 8, 4, 3), 16: (False, 16, 128, 4, 4, 4), 64: (False, 64, 64, 4, 4, 4),
+                   128: (False, 128, 64, 4, 4, 4), 256: (False, 128, 64, 2, 4, 4)},  # V4-Flash o_b_proj, TP2
+    (16384, 1024): {1: (False, 16, 64, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 128, 1, 4, 4),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Flash q_b_proj, TP2
+    (4096, 2048): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 64, 4, 4, 3), 64: (False, 64, 64, 4, 4, 4),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash o_b_proj, TP4
+    (4096, 1024): {1: (False, 16, 128, 8, 4, 4), 16: (True, 16, 32, 2, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash q_b and o_b, TP8
+    (2048, 1024): {1: (True, 16, 64, 8, 4, 3), 16: (True, 16, 32, 2, 4, 3), 64: (True, 64, 64, 8, 4, 3),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 64, 64, 1, 4, 4)},  # V4-Flash q_b_proj, TP16
+    (7168, 8192): {1: (False, 16, 64, 4, 4, 3), 16: (False, 16, 128, 2, 4, 4), 64: (False, 64, 128, 2, 4, 4),
+                   128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP2
+    (32768, 1536): {1: (True, 16, 128, 1, 4, 3), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b_proj, TP2
+    (7168, 4096): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 2, 4, 4),
+                   128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP4
+    (16384, 1536): {1: (False, 16, 128, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b_proj, TP4
+    (7168, 2048): {1: (True, 16, 128, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP8
+    (4096, 1536): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 64, 4, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Pro q_b_proj, TP16
+    (7168, 1024): {1: (False, 16, 64, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP16
+}
+
+
+def test_launch_table_picks_what_the_three_tables_picked():
+    from dsv4ops.fp8_linear import launch_table, rule, triton_w8a8, w8a8
+
+    assert set(launch_table.LAUNCH) == set(OLD_W8A8_FROM) == set(OLD_TUNED) >= set(OLD_CUBLASLT_FROM)
+    h100, unlisted = (9, 0), [(384, 2048)]  # an unlisted shape takes each reader's default
+    for n, k in [*OLD_TUNED, *unlisted]:
+        assert rule.cublaslt_refuses(n, k, torch.bfloat16, h100) is None, (n, k)
+        for m in (1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 1023, 1024, 1025, 4096):
+            start = OLD_W8A8_FROM.get((n, k), 1024)
+            assert rule.pick(m, n, k, 128, h100) == ("fp8" if start is not None and m >= start else "exact"), (n, k, m)
+            want_route = "cublaslt" if m >= OLD_CUBLASLT_FROM.get((n, k), 512) else "triton"
+            assert w8a8.route(m, n, k, torch.bfloat16, h100) == want_route, (n, k, m)
+            cfg = triton_w8a8.config(m, n, k, interpret=False)
+            buckets = OLD_TUNED.get((n, k))
+            if buckets is None:
+                assert (n, k) not in triton_w8a8.TUNED
+                continue
+            quant, bm, bn, split, warps, stages = buckets[min((b for b in buckets if b >= m), default=max(buckets))]
+            k_split = -(-(k // 128) // min(split, k // 128)) * 128
+            want = dict(QUANT=quant, BM=bm, BN=bn, SPLITS=-(-k // k_split), K_SPLIT=k_split, WARPS=warps, STAGES=stages)
+            assert cfg == want, (n, k, m)
