@@ -12,6 +12,8 @@ import torch
 from dsv4ops import testing as T
 from dsv4ops.attn_merge import reference
 from dsv4ops.attn_merge.api import attn_merge
+from dsv4ops.attn_merge import reference as attn_merge_ref
+from dsv4ops.attn_merge import triton as attn_merge_tt
 from dsv4ops.sparse_attn import reference as sparse_attn_ref
 from dsv4ops.quant.reference import pack_kv
 from dsv4ops.sparse_attn.api import sparse_attn
@@ -189,3 +191,20 @@ BAD_LSE = [
 def test_sparse_attn_bad_lse_is_rejected_and_writes_nothing(case):
     _, mutate, match = case
     builders.assert_bad_case("sparse_attn", builders.sparse_attn_args(FP32), mutate, match, [("op",)])
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attn_merge(dtype):
+    """3 shards over 5 heads x 512 (two head blocks, four column blocks), an empty shard (poisoned:
+    not read) and a token without keys; strided partials."""
+    args = builders.attn_merge_args(dtype, shards=3, tokens=4, heads=5, dim=512, noncontig=True)
+    args["partials"][args["lse"] == float("-inf")] = float("nan")
+    got = torch.full_like(args["out"], float("nan"))
+    attn_merge_tt.attn_merge(args["partials"], args["lse"], args["sinks"], got)
+    want = torch.empty(got.shape, dtype=torch.float64)
+    attn_merge_ref.attn_merge(args["partials"].double(), args["lse"], args["sinks"], want)
+    low = torch.empty_like(got)
+    attn_merge_ref.attn_merge(args["partials"], args["lse"], args["sinks"], low)
+    assert not got.isnan().any() and (got[-1] == 0).all()
+    T.assert_close_to_ref(got, want, low, what=f"attn_merge {dtype}")

@@ -525,3 +525,172 @@ def test_latent_out_public_function_returns_it_in_the_entry_dtype():
     lat = builders.call_public("compressor_update", dict(args, latent_out=torch.empty(0)))
     assert lat.dtype == torch.bfloat16 and lat.shape == (4, 512)
     assert builders.call_public("compressor_update", builders.compressor_update_args(torch.float32)) is None
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+from interp import BS, INV_FREQ, new_pool, pool_fmt, pool_rows  # noqa: E402
+
+from dsv4ops.compressor import reference as compressor_ref  # noqa: E402
+from dsv4ops.compressor import triton as compressor_tt  # noqa: E402
+from dsv4ops.quant import reference as quant_ref  # noqa: E402
+
+
+# Steps of (request, tokens): prefill chunks, decode tokens, a chunk longer than the ring (its
+# closing tokens read state rows that later tokens of the same step overwrite), a padding token.
+# A ring with slack rows (CacheConfig.state_rows for drafts): rows past the span, addressed p % rows.
+STEPS = {
+    "csa": (512, 4, True, [[(0, 6), (1, 3)], [(0, 1), (1, 1)], [(0, 9)]], 0),
+    "hca": (512, 16, False, [[(0, 20), (1, 3)], [(1, 14)], [(0, 30)]], 0),  # ratio 16 stands in for 128
+    "indexer": (128, 4, True, [[(0, 6), (1, 3)], [(0, 9), (1, 1)]], 0),
+    "csa-ring-slack": (512, 4, True, [[(0, 6), (1, 3)], [(0, 1), (1, 1)], [(0, 15)], [(0, 2)]], 5),
+}
+
+
+def _compressor_step(step, lens: list, ratio: int, nblk: int):
+    """(positions, req_slots, closing, entry slots) of a step of (request, tokens) runs continuing
+    at `lens` (advanced here), plus one padding token; entries of request r at r * 32 + w."""
+    pos, req = [], []
+    for r, n in step:
+        pos += range(lens[r], lens[r] + n)
+        req += [r] * n
+        lens[r] += n
+    pos, req = torch.tensor(pos + [0], dtype=torch.int32), torch.tensor(req + [-1], dtype=torch.int32)
+    closes = (req >= 0) & ((pos + 1) % ratio == 0)
+    entry = torch.where(closes, (req * 32 + pos // ratio) % (nblk * BS), -1).to(torch.int32)
+    return pos, req, closes, entry
+
+
+def _pool_plan(monkeypatch, split: bool):
+    """split: every pool on (token, channel block) programs of d / 4 channels, 4 slots a loop step,
+    and the norm / store launch (the HCA decode path; the tiny shapes here take it only when forced)."""
+    if split:
+        monkeypatch.setattr(compressor_tt, "pool_plan", lambda span, tokens, d: (d // 4, 4, 4))
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("case", sorted(STEPS))
+def test_compressor_update(case, pool, split, monkeypatch):
+    _pool_plan(monkeypatch, split)
+    d, ratio, overlap, steps, slack = STEPS[case]
+    width, rows = (2 * d, 2 * ratio + slack) if overlap else (d, ratio + slack)
+    adt = torch.float32 if pool == "fp8" else torch.bfloat16  # numerics.compressor_dtype
+    ape, w = torch.randn(ratio, width), 1 + 0.1 * torch.randn(d)
+    nblk = 16
+    runs = {name: (torch.full((2, rows, 2 * width), float("nan")), new_pool(p, d, nblk))
+            for name, p in (("kernel", pool), ("ref", pool), ("ref64", torch.float32))}
+    lens = [0, 0]
+    for step in steps:
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
+        kv, score = torch.randn(len(pos), width).to(adt), torch.randn(len(pos), width).to(adt)
+        for name, (state, cache) in runs.items():
+            fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
+            fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, None, 1e-6, pool_fmt(cache, d))
+        assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
+    got, lowp, ref = (pool_rows(runs[n][1], d) for n in ("kernel", "ref", "ref64"))
+    written = ~ref.isnan().any(1)
+    assert torch.equal(written, ~got.isnan().any(1)), "entries written"
+    T.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
+
+
+@pytest.fixture
+def programs_in_reverse(monkeypatch):
+    """The interpreter runs a launch's programs from the last to the first (it runs them one after
+    another in grid order): a write that is right only because a later program overwrites an
+    earlier one is then wrong, as it can be on a GPU, where programs run concurrently."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    forward = builder.set_grid_idx
+    seen = []
+
+    def reverse(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        seen.append(nx - 1 - x)
+        forward(nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    monkeypatch.setattr(builder, "set_grid_idx", reverse)
+    return seen
+
+
+@pytest.mark.parametrize("d, ratio, overlap", [(512, 4, True), (512, 16, False)], ids=["csa", "hca"])
+def test_compressor_state_save_keeps_the_last_writer_in_any_program_order(d, ratio, overlap, programs_in_reverse):
+    """Issue 32: tokens p and p + rows of one request in one step map to the same state row; only the
+    later may write it (_save_kernel's `later == 0`). With the programs in reverse order the earlier
+    token's program runs last: without the guard its values would stay in the row."""
+    width, rows = (2 * d, 2 * ratio) if overlap else (d, ratio)
+    t = 2 * rows + 3
+    pos, req = torch.arange(t, dtype=torch.int32), torch.zeros(t, dtype=torch.int32)
+    entry = torch.where((pos + 1) % ratio == 0, pos // ratio, -1).to(torch.int32)
+    kv, score, ape = torch.randn(t, width), torch.randn(t, width), torch.randn(ratio, width)
+    states = {}
+    for name, fn in (("kernel", compressor_tt.compressor_update), ("ref", compressor_ref.compressor_update)):
+        states[name] = torch.full((1, rows, 2 * width), float("nan"))
+        fn(kv, score, ape, pos, req, entry, torch.ones(d), INV_FREQ, states[name], new_pool(torch.float32, d, 4), None,
+           1e-6, "exact")
+    assert programs_in_reverse[:2] == [t - 1, t - 2], "the interpreter ran the programs in reverse"
+    assert torch.equal(states["kernel"], states["ref"]), "a state row holds an earlier writer's values"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])
+@pytest.mark.parametrize("pool", ["fp4_288", torch.bfloat16], ids=["fp4_288", "bf16"])
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_compressor_update_v41_with_latent(ratio, pool, split, monkeypatch):
+    _pool_plan(monkeypatch, split)
+    # V4.1's sources: ratio 2 (2 state rows, fp32 a and score) and ratio 1 (no pooling: score 0 as
+    # a stride-0 row); `latent_out` gets the entry before RoPE on closing tokens, zeros elsewhere.
+    d, nblk = 512, 16
+    steps = [[(0, 5), (1, 3)], [(0, 1), (1, 1)], [(0, 7)]]
+    adt = torch.float32 if ratio == 2 else torch.bfloat16  # reference.v41.compressor_dtype
+    ape, w = torch.randn(ratio, d), 1 + 0.1 * torch.randn(d)
+    runs = {name: (torch.full((2, ratio, 2 * d), float("nan")), new_pool(p, d, nblk))
+            for name, p in (("kernel", pool), ("ref", pool), ("ref64", torch.float32))}
+    lens = [0, 0]
+    for step in steps:
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
+        kv = torch.randn(len(pos), d).to(adt)
+        score = torch.randn(len(pos), d).to(adt) if ratio > 1 else kv.new_zeros(1, d).expand_as(kv)
+        latents = {}
+        for name, (state, cache) in runs.items():
+            fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
+            fmt = builders.format_name(pool if name != "ref64" else torch.float32, d)
+            lat = torch.full((len(pos), d), float("nan"), dtype=torch.float32 if name == "ref64" else torch.bfloat16)
+            fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, lat, 1e-6, fmt)
+            latents[name] = lat
+        assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
+        assert (latents["kernel"][~closes] == 0).all(), "latent rows of tokens that close nothing"
+        T.assert_close_to_ref(latents["kernel"], latents["ref64"], latents["ref"], what="latent")
+    fmt = builders.format_name(pool, d)
+    got, lowp = pool_rows(runs["kernel"][1], d, fmt=fmt), pool_rows(runs["ref"][1], d, fmt=fmt)
+    ref = pool_rows(runs["ref64"][1], d)
+    written = ~ref.isnan().any(1)
+    assert torch.equal(written, ~got.isnan().any(1)), "entries written"
+    T.assert_close_to_ref(got[written], ref[written], lowp[written], what="compressed entries")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])
+def test_compressor_update_rotates_v4_mx4_index_keys(split, monkeypatch):
+    # V4's MXFP4 index keys (indexer_cache="mxfp4"): the CSA indexer stream's entries rotated by the
+    # Hadamard before E2M1, over pages of 7 mxfp4_68 slots. Expected: the entries of an exact fp32 pool
+    # (no rotation there: a float pool has no quantizer), rotated in fp64.
+    _pool_plan(monkeypatch, split)
+    d, ratio, _, steps, _ = STEPS["indexer"]
+    width, rows, bs, nblk = 2 * d, 2 * ratio, 7, 10
+    ape, w = torch.randn(ratio, width), 1 + 0.1 * torch.randn(d)
+    runs = {name: (torch.full((2, rows, 2 * width), float("nan")), builders.page_pool(nblk, bs, d, pool))
+            for name, pool in (("kernel", "mxfp4_68"), ("ref", "mxfp4_68"), ("ref64", torch.float32))}
+    lens = [0, 0]
+    for step in steps:
+        pos, req, closes, entry = _compressor_step(step, lens, ratio, nblk)
+        kv, score = torch.randn(len(pos), width), torch.randn(len(pos), width)
+        for name, (state, cache) in runs.items():
+            fn = compressor_tt.compressor_update if name == "kernel" else compressor_ref.compressor_update
+            fmt, rotate = ("exact", False) if name == "ref64" else ("mxfp4_68", True)
+            fn(kv, score, ape, pos, req, entry, w, INV_FREQ, state, cache, None, 1e-6, fmt, rotate)
+        assert torch.equal(runs["kernel"][0].nan_to_num(7), runs["ref"][0].nan_to_num(7)), "state rows"
+    got, lowp = (pool_rows(runs[n][1], d, fmt="mxfp4_68") for n in ("kernel", "ref"))
+    ref = quant_ref.hadamard(pool_rows(runs["ref64"][1], d))
+    # Poisoned slots read back NaN (float pool) or -inf (0xFF bytes of mxfp4_68: -6 x 2^128).
+    written = ref.isfinite().all(1)
+    assert written.sum() == 4 and torch.equal(written, got.isfinite().all(1)), "entries written"
+    T.assert_close_to_ref(got[written], ref[written], lowp[written], what="rotated index keys")

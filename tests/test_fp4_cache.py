@@ -2,7 +2,8 @@
 entries beside the 584-B FP8 window ring) and indexer_cache="mxfp4" (68-B MXFP4 index keys, query and
 keys rotated by V4's Hadamard), the numerics Numerics(kv="fp4", indexer="mxfp4"). The cache
 configuration and memory, and the serving layer against the fp64 oracle of the same mode (one-shot,
-chunked, decode, compiled; with real selection). The kernels are checked in test_triton_interpret."""
+chunked, decode, compiled; with real selection). The Triton kernels are checked in each op's test
+file (tests/interp.py)."""
 
 import pytest
 import torch

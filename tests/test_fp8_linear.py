@@ -11,11 +11,16 @@ import format_model as M
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
+import dsv4ops
 from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig
 from dsv4ops import testing as T
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.fp8_linear.api import BlockFP8Linear, fp8_linear
+from dsv4ops.fp8_linear import reference as fp8_linear_ref
+from dsv4ops.fp8_linear import triton as fp8_linear_tt
+from dsv4ops.fp8_linear import triton_w8a8 as w8a8_tt
 from dsv4ops.layers import DEEPSEEK_NAMES, FP8_PROJECTIONS
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -437,3 +442,357 @@ def test_module_keeps_fp32_scales_for_w8a8_in_step_with_its_buffers(scale_dtype)
     module.weight_scale_inv.copy_(module.weight_scale_inv.float().mul(2).to(scale_dtype))
     module.refresh()
     assert torch.equal(module.scale_fp32, other.float() * 2)
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+# (N, K, block): K over two tiles (split-K: partials + _reduce_kernel in the interpreter), within one
+# tile (direct store), V4.1's 32 x 32 tiles; none a multiple of its tile.
+FP8_SHAPES = [(200, 300, 128), (200, 100, 128), (70, 100, 32)]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("n,k,block", FP8_SHAPES)
+def test_fp8_linear(n, k, block, dtype, scale_dtype):
+    weight, scale = builders.block_fp8_weight(n, k, block, scale_dtype, seed=n + k)
+    if scale_dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    # The scales end right before a NaN (UE8M0 0xFF): a K step past the last tile column that read
+    # its scale would turn 0 x scale into NaN.
+    after = torch.full((scale.numel() + 1,), 255 if scale.dtype == torch.uint8 else float("nan"), dtype=scale.dtype)
+    after[:-1] = scale.flatten()
+    scale = after[:-1].view(scale.shape)
+    for m in (1, 3, 17, 130):  # decode rows padded to 16, 32; a prefill of two 128-row blocks
+        x = torch.randn(m, k)
+
+        def run(fn, dt):
+            wide = torch.full((m, n + 3), float("nan"), dtype=dt)  # rows with a stride gap, poisoned
+            fn(x.to(dt), weight, scale, wide[:, :n], block)
+            assert wide[:, n:].isnan().all(), "wrote outside out"
+            return wide[:, :n]
+
+        def in_order(out_dtype):
+            # The reference's math with its K sum taken term by term in fp32 (the accumulation the
+            # tensor cores keep), then rounded to x's dtype: a second low-precision run, so the
+            # budget covers a summation order other than F.linear's (AMD EPYC, fp32, M = 3: the CPU
+            # GEMM came within 1 ulp of float64 there, the kernel's tile order 3 ulps).
+            w = fp8_linear_ref.dequantize(weight, scale, block, out_dtype).float()
+            xs = x.to(out_dtype).float()
+            acc = torch.zeros(m, n)
+            for j in range(k):
+                acc += xs[:, j, None] * w[:, j]
+            return acc.to(out_dtype)
+
+        got = run(fp8_linear_tt.fp8_linear, dtype)
+        assert not got.isnan().any(), "every element written"
+        T.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear, torch.float64),
+                                    [run(fp8_linear_ref.fp8_linear, dtype), in_order(dtype)], what=f"M={m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_act_quant(dtype):
+    # W8A8's activation quantization: exact math (power-of-two scales, round to nearest even), so bit
+    # for bit against the reference; rows past M (the GEMM's padding) zero codes; scales M-major.
+    x = act_quant_inputs(dtype)
+    wide = torch.full((x.shape[0], x.shape[1] + 8), float("nan"), dtype=dtype)
+    wide[:, :x.shape[1]] = x  # rows with a stride gap
+    for m in (1, 6):
+        mp = 16 if m == 1 else 6  # padded, and not
+        codes = torch.full((mp, x.shape[1]), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)  # NaN
+        scales = torch.full((x.shape[1] // 128, mp), float("nan"))
+        fp8_linear_tt.act_quant(wide[:m, :x.shape[1]], codes, scales)
+        want_codes, want_scales = fp8_linear_ref.act_quant(x[:m])
+        assert builders.bytes_equal(codes[:m], want_codes), m
+        assert builders.bytes_equal(scales.t()[:m].contiguous(), want_scales), m
+        assert (codes[m:].view(torch.uint8) == 0).all() and not scales.isnan().any()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float8_e8m0fnu, torch.float32], ids=["ue8m0", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_fused_w8a8(dtype, scale_dtype):
+    # The FP8 x FP8 kernel with act_quant in its prologue: N ragged (200: a 128-tile and a partial
+    # one), three 1 x 128 blocks over two K splits (partials + _reduce_kernel) or one; rows padded
+    # to a 64-row block and in two row blocks; fp32 weight scales that are no powers of two.
+    n, k = 200, 384
+    weight, scale = builders.block_fp8_weight(n, k, 128, scale_dtype, seed=11)
+    scale = scale.float() * (k**-0.5 if scale_dtype == torch.float32 else 1.0)
+    x0 = torch.randn(130, k)
+    x0[1, :128] *= 1e-6  # a block under the amax floor
+    x0[2, 128:256] *= 300.0
+    # x quantized in the kernel's prologue, or by act_quant first (QUANT False); column tiles of 64
+    # (one weight tile's scale) and of 256 (a scale per column)
+    for m, split, quant, bn in ((1, 2, True, 64), (3, 1, True, 256), (3, 2, False, 64), (130, 2, False, 256),
+                                (130, 1, True, 64)):
+        x = x0[:m]
+        cfg = dict(w8a8_tt.config(m, n, k), SPLITS=split, K_SPLIT=256 if split == 2 else 384, QUANT=quant, BN=bn)
+
+        def run(fn, dt, **kw):
+            wide = torch.full((m, n + 3), float("nan"), dtype=dt)  # rows with a stride gap, poisoned
+            fn(x.to(dt), weight, scale, wide[:, :n], **kw)
+            assert wide[:, n:].isnan().all(), "wrote outside out"
+            return wide[:, :n]
+
+        def in_order(out_dtype):
+            # the W8A8 product from the reference's act_quant, its K sum term by term in fp32
+            codes, xs = fp8_linear_ref.act_quant(x.to(out_dtype))
+            xq = (codes.float().view(m, -1, 128) * xs[..., None]).view(m, k)
+            w = fp8_linear_ref.dequantize(weight, scale, 128, torch.float32)
+            acc = torch.zeros(m, n)
+            for j in range(k):
+                acc += xq[:, j, None] * w[:, j]
+            return acc.to(out_dtype)
+
+        got = run(w8a8_tt.fp8_linear_w8a8, dtype, cfg=cfg)
+        assert not got.isnan().any(), "every element written"
+        ref = [run(fp8_linear_ref.fp8_linear_w8a8, d, block=128) for d in (torch.float64, dtype)]
+        # x's values in dtype, in float64: the reference quantizes the values the kernel reads
+        ref[0] = run(lambda xx, *a, **kw: fp8_linear_ref.fp8_linear_w8a8(xx.to(dtype).double(), *a, **kw),
+                     torch.float64, block=128)
+        T.assert_close_to_ref(got, ref[0], [ref[1], in_order(dtype)], what=f"M={m}, quant={quant}")
+
+
+def _scaled_mm_model(a, b, scale_a, scale_b, out_dtype=None, out=None):
+    """torch._scaled_mm's blockwise contract (ScaledBlas.cpp, DeepSeek-style 1 x 128 / 128 x 128):
+    a [M, K] row-major, b [K, N] column-major, scale_a [M, K / 128] M-major (strides (1, M)),
+    scale_b [K / 128, N / 128] K-major (strides (1, K / 128)); the product in float64."""
+    (m, k), n = a.shape, b.shape[1]
+    kb, nb = k // 128, -(-n // 128)
+    assert a.is_contiguous() and b.t().is_contiguous() and a.dtype == b.dtype == torch.float8_e4m3fn
+    assert scale_a.shape == (m, kb) and scale_a.stride() == (1, m), (scale_a.shape, scale_a.stride())
+    assert scale_b.shape == (kb, nb) and scale_b.stride() == (1, kb), (scale_b.shape, scale_b.stride())
+    assert out.shape == (m, n) and out.is_contiguous() and out.dtype == out_dtype
+    xa = a.double().view(m, kb, 128) * scale_a.double()[:, :, None]
+    wb = b.t().double() * scale_b.t().double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+    out.copy_(xa.view(m, k) @ wb.t())
+    return out
+
+
+def test_w8a8_launcher_hands_cublaslt_the_blockwise_layouts(monkeypatch):
+    # The CUDA launcher's cuBLASLt route on CPU (routed from one token here): act_quant in the
+    # interpreter, torch._scaled_mm replaced by a model that asserts the layouts torch's blockwise
+    # check wants; rows padded to 16 and copied back, an out with a stride gap through a temporary;
+    # nothing written past out.
+    from dsv4ops.fp8_linear import rule
+    from dsv4ops.fp8_linear import w8a8
+
+    monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(w8a8, "DEFAULT_CUBLASLT_FROM", 1)
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_model)
+    n, k = 272, 512  # N: two 128-tiles and a partial one
+    weight, scale = builders.block_fp8_weight(n, k, 128, seed=4)
+    scale = scale.float()
+    for m, gap in ((3, 0), (32, 0), (32, 5)):
+        x = torch.randn(m, k).bfloat16()
+        wide = torch.full((m, n + gap), float("nan"), dtype=torch.bfloat16)
+        w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+        assert wide[:, n:].isnan().all() and not wide[:, :n].isnan().any()
+        want = torch.empty(m, n, dtype=torch.float64)
+        fp8_linear_ref.fp8_linear_w8a8(x.double(), weight, scale, want, 128)
+        T.assert_close_to_ref(wide[:, :n], want, want.bfloat16(), what=f"M={m}, gap={gap}")
+    before = wide.clone()
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.raises(RuntimeError, match=r"blockwise GEMM refused \[32, 512\] x \[512, 272\] .*NOT_SUPPORTED"):
+        w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+    assert builders.bytes_equal(wide, before)
+    # sm_100 (no cuBLASLt blockwise scaling): the Triton kernel serves every token count
+    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
+    wide.fill_(float("nan"))
+    w8a8.fp8_linear_w8a8(x, weight, scale, wide[:, :n], 128)
+    T.assert_close_to_ref(wide[:, :n], want, want.bfloat16(), what="sm_100")
+    assert wide[:, n:].isnan().all()
+
+
+def test_w8a8_probe_uses_the_launchers_layouts_and_turns_auto_off_where_torch_refuses(monkeypatch):
+    # The probe's call passes torch's blockwise contract (the model above asserts the layouts); a
+    # torch whose _scaled_mm refuses it turns "auto" to W8A16 (capability None), with a warning.
+    from dsv4ops.fp8_linear import rule
+
+    probe, cpu = rule.probe.__wrapped__, torch.device("cpu")  # uncached
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_model)
+    assert probe(cpu) is None
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.warns(UserWarning, match=r"W8A8 path is off on cpu .*refused 1 x 128 / 128 x 128 scaling: "
+                                         r"CUBLAS_STATUS_NOT_SUPPORTED\); activations='auto' runs W8A16"):
+        why = probe(cpu)
+    assert why.endswith("CUBLAS_STATUS_NOT_SUPPORTED")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(rule, "probe", lambda dev: why)
+    assert rule.serving_capability(cuda) is None
+    monkeypatch.setattr(rule, "probe", lambda dev: None)
+    assert rule.serving_capability(cuda) == (9, 0)
+    monkeypatch.setattr(rule, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr(rule, "probe", lambda dev: pytest.fail("probed off sm_90"))
+    assert rule.serving_capability(cuda) == (10, 0)  # pick's own reason applies there
+
+
+def test_fp8_linear_runs_the_gpus_prefill_config():
+    # What config() gives a GPU at 300 tokens of kv (4096 -> 512), run here: 3 row blocks (the last of
+    # 44 rows) x 6 splits of K (the last 256 wide): the partials of several row blocks and the reduce.
+    n, k, m = 512, 4096, 300
+    cfg = fp8_linear_tt.config(m, n, k, 128, interpret=False)
+    assert (cfg["BM"], cfg["SPLITS"], cfg["K_SPLIT"]) == (128, 6, 768)
+    weight, scale = builders.block_fp8_weight(n, k, 128, torch.float32, seed=1)
+    scale = scale * k**-0.5
+    x = torch.randn(m, k)
+
+    def run(fn, dt, **kw):
+        out = torch.full((m, n), float("nan"), dtype=dt)
+        fn(x.to(dt), weight, scale, out, 128, **kw)
+        return out
+
+    got = run(fp8_linear_tt.fp8_linear, torch.bfloat16, cfg=cfg)
+    assert not got.isnan().any(), "every element written"
+    T.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear, torch.float64),
+                                run(fp8_linear_ref.fp8_linear, torch.bfloat16))
+
+
+def test_fp8_linear_launch_config_fills_the_h100():
+    # The V4-Flash projections (q_a, q_b, kv, o_b) at decode batch 1 and 128: at least a wave of
+    # programs on the 132 SMs, every weight byte read by one row block, split-K partials within 2x
+    # the weight bytes; a prefill runs 128 x 128 tiles, split where they leave SMs idle (q_a at 256
+    # rows: 16 tiles, 60 us unsplit on an H200) as far as partials within 2x the weight bytes allow.
+    f = dsv4ops.DSV4AttentionConfig.flash()
+    shapes = [(f.q_lora_rank, f.hidden_size), (f.num_heads * f.head_dim, f.q_lora_rank), (f.head_dim, f.hidden_size),
+              (f.hidden_size, f.o_groups * f.o_lora_rank)]
+    assert shapes == [(1024, 4096), (32768, 1024), (512, 4096), (4096, 8192)]
+    for n, k in shapes:
+        for m in (1, 128):
+            c = fp8_linear_tt.config(m, n, k, 128, interpret=False)
+            programs = triton.cdiv(n, c["BN"]) * c["SPLITS"]
+            assert c["BM"] >= m and programs >= 128 and 4 * c["SPLITS"] * c["BM"] * n <= 2 * n * k, (n, k, m, c)
+            assert (c["SPLITS"] - 1) * c["K_SPLIT"] < k <= c["SPLITS"] * c["K_SPLIT"]
+        c = fp8_linear_tt.config(4096, n, k, 128, interpret=False)
+        assert (c["BM"], c["BN"], c["SPLITS"]) == (128, 128, 1)
+        for m in (256, 512, 1024):
+            c = fp8_linear_tt.config(m, n, k, 128, interpret=False)
+            tiles = triton.cdiv(n, 128) * triton.cdiv(m, 128)
+            assert (c["BM"], c["BN"]) == (128, 128), (n, k, m, c)
+            assert c["SPLITS"] == 1 or 4 * c["SPLITS"] * m * n <= 2 * n * k, (n, k, m, c)
+            assert tiles * c["SPLITS"] >= 128 or c["SPLITS"] == min(8, k // (2 * m)), (n, k, m, c)
+
+
+# ---- the launch table ----------------------------------------------------------------------------
+# The three tables launch_table.LAUNCH replaced, copied as they were: each reader's pick must be theirs.
+OLD_W8A8_FROM = {
+    (1024, 4096): 256,  # V4-Flash q_a_proj
+    (32768, 1024): 64,  # V4-Flash q_b_proj
+    (512, 4096): 256,  # V4-Flash kv_proj
+    (4096, 8192): 1,  # V4-Flash o_b_proj
+    (8192, 1024): 64,  # V4-Flash indexer q_b_proj
+    (1536, 7168): 1,  # V4-Pro q_a_proj
+    (65536, 1536): 64,  # V4-Pro q_b_proj
+    (512, 7168): 1,  # V4-Pro kv_proj
+    (7168, 16384): 1,  # V4-Pro o_b_proj
+    (8192, 1536): 64,  # V4-Pro indexer q_b_proj
+    (4096, 4096): 1,  # V4-Flash o_b_proj, TP2
+    (16384, 1024): 64,  # V4-Flash q_b_proj, TP2
+    (4096, 2048): 64,  # V4-Flash o_b_proj, TP4
+    (4096, 1024): 16,  # V4-Flash q_b_proj and o_b_proj, TP8
+    (2048, 1024): 128,  # V4-Flash q_b_proj, TP16
+    (7168, 8192): 1,  # V4-Pro o_b_proj, TP2
+    (32768, 1536): 64,  # V4-Pro q_b_proj, TP2
+    (7168, 4096): 1,  # V4-Pro o_b_proj, TP4
+    (16384, 1536): 64,  # V4-Pro q_b_proj, TP4
+    (7168, 2048): 1,  # V4-Pro o_b_proj, TP8
+    (4096, 1536): 64,  # V4-Pro q_b_proj, TP16
+    (7168, 1024): 64,  # V4-Pro o_b_proj, TP16
+}
+OLD_CUBLASLT_FROM = {
+    (32768, 1024): 128,  # V4-Flash q_b_proj
+    (512, 4096): 1024,  # V4-Flash kv_proj
+    (4096, 8192): 256,  # V4-Flash o_b_proj
+    (8192, 1024): 256,  # V4-Flash indexer q_b_proj
+    (65536, 1536): 128,  # V4-Pro q_b_proj
+    (512, 7168): 1024,  # V4-Pro kv_proj
+    (7168, 16384): 64,  # V4-Pro o_b_proj
+    (8192, 1536): 128,  # V4-Pro indexer q_b_proj
+    (4096, 4096): 256,  # V4-Flash o_b_proj, TP2
+    (16384, 1024): 128,  # V4-Flash q_b_proj, TP2
+    (4096, 2048): 256,  # V4-Flash o_b_proj, TP4
+    (4096, 1024): 256,  # V4-Flash q_b_proj and o_b_proj, TP8
+    (7168, 8192): 64,  # V4-Pro o_b_proj, TP2
+    (32768, 1536): 128,  # V4-Pro q_b_proj, TP2
+    (7168, 4096): 64,  # V4-Pro o_b_proj, TP4
+    (16384, 1536): 128,  # V4-Pro q_b_proj, TP4
+    (7168, 2048): 128,  # V4-Pro o_b_proj, TP8
+    (4096, 1536): 256,  # V4-Pro q_b_proj, TP16
+    (7168, 1024): 256,  # V4-Pro o_b_proj, TP16
+}
+OLD_TUNED = {
+    (1024, 4096): {1: (False, 16, 64, 8, 4, 3), 16: (True, 16, 64, 8, 4, 3), 64: (False, 64, 64, 8, 4, 4),
+                   128: (False, 64, 128, 8, 8, 4), 256: (False, 64, 64, 4, 4, 4)},  # V4-Flash q_a
+    (32768, 1024): {1: (True, 16, 256, 1, 8, 3), 16: (True, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Flash q_b
+    (512, 4096): {1: (True, 16, 64, 16, 4, 3), 16: (True, 16, 64, 16, 4, 3), 64: (True, 64, 64, 16, 4, 3),
+                  128: (False, 64, 64, 8, 4, 4), 256: (False, 64, 128, 8, 8, 4)},  # V4-Flash kv
+    (4096, 8192): {1: (True, 16, 128, 8, 4, 3), 16: (True, 16, 128, 8, 4, 3), 64: (False, 64, 64, 4, 4, 4),
+                   128: (False, 128, 64, 4, 4, 4), 256: (False, 128, 128, 2, 8, 4)},  # V4-Flash o_b
+    (8192, 1024): {1: (False, 16, 128, 4, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 8, 3), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash index q_b
+    (1536, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
+                   128: (False, 64, 64, 8, 4, 3), 256: (False, 64, 64, 4, 4, 4)},  # V4-Pro q_a
+    (65536, 1536): {1: (False, 16, 128, 1, 4, 3), 16: (False, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b
+    (512, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
+                  128: (False, 64, 64, 14, 4, 4), 256: (False, 128, 64, 8, 4, 3)},  # V4-Pro kv
+    (7168, 16384): {1: (False, 16, 64, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 2, 4, 4),
+                    128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 128, 1, 8, 4)},  # V4-Pro o_b
+    (8192, 1536): {1: (False, 16, 128, 1, 4, 4), 16: (True, 16, 64, 2, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro index q_b
+    (4096, 4096): {1: (True, 16, 128, 8, 4, 3), 16: (False, 16, 128, 4, 4, 4), 64: (False, 64, 64, 4, 4, 4),
+                   128: (False, 128, 64, 4, 4, 4), 256: (False, 128, 64, 2, 4, 4)},  # V4-Flash o_b_proj, TP2
+    (16384, 1024): {1: (False, 16, 64, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 128, 1, 4, 4),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Flash q_b_proj, TP2
+    (4096, 2048): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 64, 4, 4, 3), 64: (False, 64, 64, 4, 4, 4),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash o_b_proj, TP4
+    (4096, 1024): {1: (False, 16, 128, 8, 4, 4), 16: (True, 16, 32, 2, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash q_b and o_b, TP8
+    (2048, 1024): {1: (True, 16, 64, 8, 4, 3), 16: (True, 16, 32, 2, 4, 3), 64: (True, 64, 64, 8, 4, 3),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 64, 64, 1, 4, 4)},  # V4-Flash q_b_proj, TP16
+    (7168, 8192): {1: (False, 16, 64, 4, 4, 3), 16: (False, 16, 128, 2, 4, 4), 64: (False, 64, 128, 2, 4, 4),
+                   128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP2
+    (32768, 1536): {1: (True, 16, 128, 1, 4, 3), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 128, 1, 4, 3),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b_proj, TP2
+    (7168, 4096): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 2, 4, 4),
+                   128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP4
+    (16384, 1536): {1: (False, 16, 128, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
+                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b_proj, TP4
+    (7168, 2048): {1: (True, 16, 128, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP8
+    (4096, 1536): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 64, 4, 4, 3), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Pro q_b_proj, TP16
+    (7168, 1024): {1: (False, 16, 64, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
+                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP16
+}
+
+
+def test_launch_table_picks_what_the_three_tables_picked():
+    from dsv4ops.fp8_linear import launch_table, rule, triton_w8a8, w8a8
+
+    assert set(launch_table.LAUNCH) == set(OLD_W8A8_FROM) == set(OLD_TUNED) >= set(OLD_CUBLASLT_FROM)
+    h100, unlisted = (9, 0), [(384, 2048)]  # an unlisted shape takes each reader's default
+    for n, k in [*OLD_TUNED, *unlisted]:
+        assert rule.cublaslt_refuses(n, k, torch.bfloat16, h100) is None, (n, k)
+        for m in (1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 1023, 1024, 1025, 4096):
+            start = OLD_W8A8_FROM.get((n, k), 1024)
+            assert rule.pick(m, n, k, 128, h100) == ("fp8" if start is not None and m >= start else "exact"), (n, k, m)
+            want_route = "cublaslt" if m >= OLD_CUBLASLT_FROM.get((n, k), 512) else "triton"
+            assert w8a8.route(m, n, k, torch.bfloat16, h100) == want_route, (n, k, m)
+            cfg = triton_w8a8.config(m, n, k, interpret=False)
+            buckets = OLD_TUNED.get((n, k))
+            if buckets is None:
+                assert (n, k) not in triton_w8a8.TUNED
+                continue
+            quant, bm, bn, split, warps, stages = buckets[min((b for b in buckets if b >= m), default=max(buckets))]
+            k_split = -(-(k // 128) // min(split, k // 128)) * 128
+            want = dict(QUANT=quant, BM=bm, BN=bn, SPLITS=-(-k // k_split), K_SPLIT=k_split, WARPS=warps, STAGES=stages)
+            assert cfg == want, (n, k, m)

@@ -79,3 +79,11 @@ def test_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+
+
+def test_import_binds_cuda_kernels_without_triton():
+    code = ("import sys, dsv4ops, torch; assert 'triton' not in sys.modules; "
+            "assert all(torch._C._dispatch_has_kernel_for_dispatch_key(f'dsv4::{op}', 'CUDA') "
+            "for op in dsv4ops.backends.TRITON_LAUNCHERS); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

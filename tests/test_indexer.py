@@ -12,10 +12,17 @@ import torch
 from builders import FP8
 
 import format_model as M
+import triton
+from interp import BS, INV_FREQ, i32, new_pool, pool_fmt, pool_rows
 from dsv4ops import testing as T
+from dsv4ops.indexer import reference as indexer_ref
+from dsv4ops.indexer import triton as indexer_tt
+from dsv4ops.quant import reference as quant_ref
 from dsv4ops.quant.reference import pack_kv
 from dsv4ops.reference.functional import apply_rope, rope_angles
 from dsv4ops.reference.numerics import quantize_indexer_query, round_indexer_key
+
+tl = triton.language
 
 BF16, FP32, E4M3, I32 = torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int32
 
@@ -541,3 +548,344 @@ def test_workspace_rows_hold_the_grid_select_state():
         # the C++ host check: keys, then kGridHead + one word a tile + levels 1, 2 + candidates
         grid_end = n + h["kGridHead"] + -(-n // h["kGridTile"]) + h["kGridLevels12"] + h["kGridCand"] if grid else 0
         assert ws.row_words(n, k) == max(tree_end, grid_end), (n, k)
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+@pytest.mark.parametrize("out_dtype", [torch.float8_e4m3fn, torch.bfloat16], ids=["fp8", "bf16"])
+def test_indexer_q_prep(out_dtype):
+    t, h = 4, 3
+    q, w = 3 * torch.randn(t, h, 128), torch.randn(t, h)
+    pos = i32(0, 77, 5000, 3)
+
+    def run(fn, dtype, odt):
+        q_out, w_out = torch.empty(t, h, 128, dtype=odt), torch.empty(t, h)
+        fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, "fp8_132" if odt == torch.float8_e4m3fn else "exact")
+        return q_out.double() * w_out.double()[..., None]  # what the scores see
+
+    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, out_dtype)
+    lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, out_dtype)
+    ref = run(indexer_ref.indexer_q_prep, torch.float32, torch.float32)
+    T.assert_close_to_ref(got, ref, lowp, what="q x w")
+
+
+def _indexer_case(q_dtype, pool, integer: bool):
+    """Two requests over 3 pages of 4 entries; tokens see 0, 12 (all), 5, 8 (12 minus an
+    unallocated page) entries and one is padding.
+    Integer-valued q and keys with power-of-two weights make every score exact in fp32 (ties
+    included), so the selection must equal the reference's, order and tie-breaks included."""
+    t, h = 5, 3
+    keys = torch.randint(-8, 9, (7 * BS, 128)).float() if integer else torch.randn(7 * BS, 128)
+    cache = new_pool(pool, 128, 7)
+    table = i32(3, 0, 5, 1, 6, -1).view(2, 3)
+    used = torch.tensor([3, 0, 5, 1, 6])
+    slots = (used[:, None] * BS + torch.arange(BS)).flatten().to(torch.int32)
+    quant_ref.pack_kv(keys[slots.long()], slots, cache, pool_fmt(cache, 128))
+    q = torch.randint(-8, 9, (t, h, 128)).float() if integer else torch.randn(t, h, 128)
+    w = torch.tensor([1.0, -0.5, 2.0]).repeat(t, 1)
+    # Token 4: request 1 at position 47 sees 12 entries, of which the third block is unallocated.
+    return q.to(q_dtype), w, i32(3, 47, 20, 9, 47), i32(0, 0, 1, -1, 1), cache, table
+
+
+@pytest.mark.parametrize("k", [4, 16])
+@pytest.mark.parametrize("q_dtype,pool", [(torch.float8_e4m3fn, "fp8"), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float32, "fp8")], ids=["fp8", "bf16", "fp32-q"])
+def test_indexer_topk_exact(q_dtype, pool, k):
+    q, w, pos, req, cache, table = _indexer_case(q_dtype, pool, integer=True)
+    got, want = torch.full((5, k), 99, dtype=torch.int32), torch.empty(5, k, dtype=torch.int32)
+    fmt = pool_fmt(cache, 128)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(5, 12, k), 4, 0,
+                            fmt)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, fmt)
+    assert torch.equal(got, want)
+
+
+def test_indexer_topk_score_hook_replaces_the_triton_scoring_or_falls_back():
+    # The hook the sm_90 launcher passes (dsv4ops/indexer/cuda.py `score`): once per launch of tokens,
+    # with the launch's first token and count; declining runs the Triton scoring, serving replaces it
+    # (here a scoring that finds no entry: every row is the -1 fill).
+    q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
+    fmt = pool_fmt(cache, 128)
+    want = torch.empty(5, 4, dtype=torch.int32)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, fmt)
+    launches = []
+
+    def declines(*args):
+        launches.append(args[9:11])  # (t0, tokens)
+        return False
+
+    got = torch.full((5, 4), 99, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(2, 12, 4), 4, 0,
+                            fmt, score=declines)
+    assert torch.equal(got, want)
+    assert launches == [(0, 2), (2, 2), (4, 1)]
+
+    def serves_empty(*args):
+        args[7].zero_()  # the workspace: key 0 (no entry) in every column
+        return True
+
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(5, 12, 4), 4, 0,
+                            fmt, score=serves_empty)
+    assert (got == -1).all()
+
+
+def test_indexer_csrc_scoring_serves_sm90_byte_pages_only(monkeypatch):
+    """The wgmma scoring kernel takes sm_90, pages of a multiple of 4 entries, and fp8_132 keys with
+    e4m3 queries of 16-B aligned rows or mxfp4_68 keys with MX4 query rows of at most 32 heads;
+    everything else, sm_100 included, keeps Triton's."""
+    from dsv4ops.indexer import cuda as indexer_cuda
+
+    q, w = torch.zeros(3, 64, 128, dtype=torch.float8_e4m3fn), torch.zeros(3, 64)
+    cache = torch.zeros(2, 64 * 132, dtype=torch.uint8)
+    shifted = torch.zeros(q.numel() + 16, dtype=torch.uint8)[1:1 + q.numel()].view(torch.float8_e4m3fn).view(q.shape)
+    monkeypatch.setenv("DSV4OPS_ARCH", "sm_90a")
+    assert indexer_cuda.score_serves(q, w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(q, w, cache, "fp8_132", 6)
+    assert not indexer_cuda.score_serves(shifted, w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(q.float(), w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(q, w, cache, "exact", 64)
+    assert not indexer_cuda.score_serves(q, w.t().contiguous().t(), cache, "fp8_132", 64)
+    mx, mx_cache = torch.zeros(3, 32, 68, dtype=torch.uint8), torch.zeros(2, 128 * 68, dtype=torch.uint8)
+    assert indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "mxfp4_68", 128)
+    assert indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "mxfp4_68", 7)  # 64-B rows: any page size
+    assert not indexer_cuda.score_serves(torch.zeros(3, 64, 68, dtype=torch.uint8), w, mx_cache, "mxfp4_68", 128)
+    assert not indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "fp8_132", 128)
+    assert not indexer_cuda.score_serves(q, w, mx_cache, "mxfp4_68", 128)
+    monkeypatch.setenv("DSV4OPS_ARCH", "sm_100a")
+    assert not indexer_cuda.score_serves(q, w, cache, "fp8_132", 64)
+    assert not indexer_cuda.score_serves(mx, w[:, :32], mx_cache, "mxfp4_68", 128)
+
+
+@pytest.mark.parametrize("chunk", [2048, 8], ids=["one-chunk", "2-chunks-merged"])
+def test_indexer_topk_chunks_tokens_and_entries(chunk, monkeypatch):
+    # A workspace of one token's row: the launcher loops over 5 launches of one token. With 8-key
+    # chunks a token's 12 entries are selected (top 4) in 2 chunks, whose lists are then merged.
+    q, w, pos, req, cache, table = _indexer_case(torch.float8_e4m3fn, "fp8", integer=True)
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", chunk)
+    got, want = torch.empty(5, 4, dtype=torch.int32), torch.empty(5, 4, dtype=torch.int32)
+    fmt = pool_fmt(cache, 128)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(1, 12, 4), 4, 0,
+                            fmt)
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, fmt)
+    assert torch.equal(got, want)
+
+
+def test_indexer_topk_merge_levels_keep_ties_to_the_lower_entry(monkeypatch):
+    # Zero weights: every score is exactly 0, so each 8-key chunk keeps its first 4 entries and the
+    # merge levels (2 lists a level with k = 4 and 8-key blocks; 3 chunks need 2 levels for the
+    # 20-entry rows) must keep the lowest entries overall.
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 8)
+    monkeypatch.setattr(indexer_tt._ws, "MERGE_BLOCK", 8)
+    n, t = 20, 3
+    cache = new_pool("fp8", 128, n // BS)
+    quant_ref.pack_kv(torch.randn(n, 128), torch.arange(n, dtype=torch.int32), cache, "fp8_132")
+    table = torch.randperm(n // BS).int().view(1, -1)
+    q = torch.randn(t, 2, 128).to(torch.float8_e4m3fn)
+    w = torch.zeros(t, 2)
+    pos, req = i32(4 * n - 1, 4 * 17 - 1, 4 * 9 - 1), i32(0, 0, 0)
+    got, want = torch.empty(t, 4, dtype=torch.int32), torch.empty(t, 4, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(t, n, 4), 4, 0,
+                            "fp8_132")
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, "fp8_132")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_indexer_topk_long_rows_with_many_ties(chunks, monkeypatch):
+    # Up to 2600 visible entries (three 1024-key scan blocks, the last partial), k = 512. Keys from
+    # {-2, 0, 2} and queries with 3 nonzero dims make most scores exact ties: token 0 (weights of
+    # both signs) cuts at a positive score shared by ~275 entries, token 1 cuts inside its ~270
+    # exact zeros (ReLU), token 2 (negative weights, scores <= 0, its zeros -0.0) cuts among
+    # negative ties. Every score is exact (small integers), so the reference's selection, tie-break
+    # included, is the answer; 1024-key chunks add the merge of chunk candidates.
+    monkeypatch.setattr(indexer_tt._ws, "CHUNK", 4096 // chunks)  # 1024-key chunks: their lists merge in one level
+    n, bs = 2600, 64
+    blocks = -(-n // bs)
+    keys = torch.randint(-1, 2, (blocks * bs, 128)) * 2.0
+    cache = new_pool("fp8", 128, blocks, bs)
+    quant_ref.pack_kv(keys, torch.arange(blocks * bs, dtype=torch.int32), cache, "fp8_132")
+    table = torch.randperm(blocks).int().view(1, -1)
+    q = torch.zeros(3, 2, 128)
+    q[:, 0, :3], q[:, 1, :3] = torch.tensor([1.0, -1.0, 1.0]), torch.tensor([-1.0, 1.0, 1.0])
+    w = torch.tensor([[1.0, -1.0], [2.0, 1.0], [-1.0, -0.5]])
+    pos, req = i32(4 * n - 1, 4 * 702, 4 * 1500 + 3), i32(0, 0, 0)
+    got, want = torch.empty(3, 512, dtype=torch.int32), torch.empty(3, 512, dtype=torch.int32)
+    q8 = q.to(torch.float8_e4m3fn)
+    indexer_tt.indexer_topk(q8, w, pos, req, cache, table, None, got, None, builders.topk_workspace(3, blocks * bs, 512),
+                            4, 0, "fp8_132")
+    indexer_ref.indexer_topk(q8, w, pos, req, cache, table, None, want, None, 4, 0, "fp8_132")
+    assert torch.equal(got, want)
+
+
+def test_indexer_q_prep_mx4():
+    # V4.1's packed 68-B query rows: what the scores see (the decoded row times the weight) against
+    # the fp64 rotation, within the reference MX4 run's own error.
+    t, h = 4, 3
+    q, w = 3 * torch.randn(t, h, 128), torch.randn(t, h)
+    pos = i32(0, 77, 5000, 3)
+
+    def run(fn, dtype, fmt):
+        odt, width = (torch.uint8, 68) if fmt == "mxfp4_68" else (torch.float32, 128)
+        q_out, w_out = torch.empty(t, h, width, dtype=odt), torch.empty(t, h)
+        fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, fmt)
+        return indexer_ref.query_values(q_out).double() * w_out.double()[..., None]
+
+    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, "mxfp4_68")
+    lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, "mxfp4_68")
+    ref = run(indexer_ref.indexer_q_prep, torch.float32, "exact")
+    T.assert_close_to_ref(got, ref, lowp, what="q x w")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4_68", "fp8_132"])
+def test_indexer_q_prep_rotates_v4_queries(fmt):
+    # V4's 64 index heads, rotated by the Hadamard before the quantizer (the MXFP4 indexer; fp8_132 takes
+    # the flag too): what the scores see against the fp64 rotation of the fp32 RoPE'd query.
+    t, h = 3, 64
+    q, w = 3 * torch.randn(t, h, 128), torch.randn(t, h)
+    pos = i32(0, 77, 5000)
+
+    def run(fn, dtype, fmt, rotate):
+        odt, width = {"mxfp4_68": (torch.uint8, 68), "fp8_132": (torch.float8_e4m3fn, 128)}.get(fmt, (dtype, 128))
+        q_out, w_out = torch.empty(t, h, width, dtype=odt), torch.empty(t, h)
+        fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, fmt, rotate)
+        return indexer_ref.query_values(q_out).double() * w_out.double()[..., None]
+
+    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, fmt, True)
+    lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, fmt, True)
+    ref = quant_ref.hadamard(run(indexer_ref.indexer_q_prep, torch.float32, "exact", False))
+    T.assert_close_to_ref(got, ref, lowp, what="rotated q x w")
+
+
+def test_indexer_topk_mx4_keys_with_v4_heads():
+    # V4's CSA indexer on MXFP4 keys: 64 heads (the C++ MX4 scoring serves <= 32; V4 takes this one),
+    # ratio 4, pages of 128 keys. Grid values and power-of-two weights make every score exact: the
+    # selection equals the reference's, ties included.
+    g = torch.Generator().manual_seed(4)
+    grid = lambda *shape: E2M1_GRID[torch.randint(0, 8, shape, generator=g)] * (torch.randint(0, 2, shape, generator=g) * 2 - 1)  # noqa: E731
+    h, bs, pages, t, k = 64, 128, 3, 5, 16
+    cache = builders.page_pool(pages, bs, 128, "mxfp4_68")
+    quant_ref.pack_kv(grid(pages * bs, 128), torch.arange(pages * bs, dtype=torch.int32), cache, "mxfp4_68")
+    table = i32(2, 0, 1).view(1, 3)
+    q = builders.mx4_query(grid(t, h, 128))
+    w = (2.0 ** torch.randint(-2, 3, (t, h), generator=g)) * (torch.randint(0, 2, (t, h), generator=g) * 2 - 1)
+    pos, req = i32(3, 130, 700, 1535, 9), i32(0, 0, 0, 0, -1)
+    got, want = torch.full((t, k), 99, dtype=torch.int32), torch.empty(t, k, dtype=torch.int32)
+    indexer_tt.indexer_topk(q, w, pos, req, cache, table, None, got, None, builders.topk_workspace(t, pages * bs, k),
+                            4, 0, "mxfp4_68")
+    indexer_ref.indexer_topk(q, w, pos, req, cache, table, None, want, None, 4, 0, "mxfp4_68")
+    assert torch.equal(got, want)
+    assert (want[0, 1:] == -1).all() and (want[1:4] >= 0).all() and (want[4] == -1).all()
+
+
+@pytest.mark.parametrize("pool", ["mxfp4_68", torch.bfloat16], ids=["mxfp4_68", "bf16"])
+def test_indexer_k_prep(pool):
+    # V4.1's index keys from the compressor's latent: only closing live tokens write their entry.
+    t, ratio, d = 7, 2, 512
+    latent = torch.randn(t, d)
+    pos, req = i32(1, 2, 3, 9, 5, 0, 7), i32(0, 0, 0, 1, -1, 1, 1)  # token 4 is padding
+    slots = torch.where((req >= 0) & ((pos + 1) % ratio == 0), req * 8 + pos // ratio, -1).to(torch.int32)
+    wk, kw = torch.randn(128, d) / d**0.5, 1 + 0.1 * torch.randn(128)
+    bs = 7 if pool == "mxfp4_68" else BS
+
+    def run(fn, dtype, kind):
+        cache = builders.page_pool(16 // bs + 2, bs, 128, kind)
+        fn(latent.to(dtype), pos, req, slots, wk, kw, INV_FREQ, cache, ratio, 1e-6, builders.format_name(kind, 128))
+        return pool_rows(cache, 128, fmt=builders.format_name(kind, 128))
+
+    got = run(indexer_tt.indexer_k_prep, torch.bfloat16, pool)
+    lowp = run(indexer_ref.indexer_k_prep, torch.bfloat16, pool)
+    ref = run(indexer_ref.indexer_k_prep, torch.float64, torch.float64)
+    # Poisoned slots read back NaN (float pools) or -inf (0xFF bytes of mxfp4_68: -6 x 2^128).
+    written = ref.isfinite().all(1)
+    assert written.sum() == 4 and torch.equal(written, got.isfinite().all(1)), "entries written"
+    T.assert_close_to_ref(got[written], ref[written], lowp[written], what="index keys")
+
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _mx4_topk_case(n: int, t: int, bs: int = 7):
+    """A request of n entries (ratio 1) over shuffled pages of bs mxfp4_68 keys, and t tokens at
+    positions spread over it (the last one padding). Keys and queries take e2m1 grid values (exact
+    in MX4) and the weights are signed powers of two, so every score is exact in fp32 and ties are
+    frequent: the selection must equal the reference's, tie-breaks included."""
+    g = torch.Generator().manual_seed(n)
+    pages = -(-n // bs)
+
+    def grid(*shape):
+        v = E2M1_GRID[torch.randint(0, 8, shape, generator=g)]
+        return torch.where(torch.rand(shape, generator=g) < 0.5, -v, v)
+
+    cache = builders.page_pool(pages, bs, 128, "mxfp4_68")
+    quant_ref.pack_kv(grid(pages * bs, 128), torch.arange(pages * bs, dtype=torch.int32), cache, "mxfp4_68")
+    table = torch.randperm(pages, generator=g).int().view(1, -1)
+    q = builders.mx4_query(grid(t, 3, 128))
+    w = torch.tensor([1.0, -0.5, 2.0]).repeat(t, 1)
+    pos = torch.linspace(0, n - 1, t - 1).round().int()
+    pos = torch.cat([pos, i32(0)])
+    req = torch.cat([torch.zeros(t - 1, dtype=torch.int32), i32(-1)])
+    return q, w, pos, req, cache, table
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunks-merged"])
+def test_indexer_topk_mx4_candidate_source_and_reindex(chunked, monkeypatch):
+    # The candidate source (cand_out: block max, newest block forced, ascending) and a reindex
+    # layer scoring only the pool's columns (cand = the source's cand_out), both bit-exact against
+    # the reference. Chunked: 8-key chunks and 2-list merges for the entries and for the blocks.
+    if chunked:
+        monkeypatch.setattr(indexer_tt._ws, "CHUNK", 8)
+        monkeypatch.setattr(indexer_tt._ws, "MERGE_BLOCK", 8)
+    n, t, k, cb, keep = 60, 7, 4, 4, 5
+    q, w, pos, req, cache, table = _mx4_topk_case(n, t)
+    n_entries = table.shape[1] * 7
+    out = {}
+    for name, fn in (("kernel", indexer_tt.indexer_topk), ("ref", indexer_ref.indexer_topk)):
+        idx, cand_out = torch.full((t, k), 99, dtype=torch.int32), torch.full((t, keep), 99, dtype=torch.int32)
+        args = (q, w, pos, req, cache, table, None, idx, cand_out)
+        if name == "kernel":
+            args += (builders.topk_workspace(t, n_entries, k, keep=keep, cand_block=cb),)
+        fn(*args, 1, cb, "mxfp4_68")
+        out[name] = idx, cand_out
+    assert torch.equal(out["kernel"][1], out["ref"][1]), "cand_out"
+    assert torch.equal(out["kernel"][0], out["ref"][0]), "source top-k"
+    cand = out["ref"][1]
+    q2 = builders.mx4_query(torch.randn(t, 3, 128, generator=torch.Generator().manual_seed(5)).round())
+    got, want = torch.full((t, k), 99, dtype=torch.int32), torch.empty(t, k, dtype=torch.int32)
+    indexer_tt.indexer_topk(q2, w, pos, req, cache, table, cand, got, None,
+                            builders.topk_workspace(t, n_entries, k, cand_cols=keep * cb), 1, cb, "mxfp4_68")
+    indexer_ref.indexer_topk(q2, w, pos, req, cache, table, cand, want, None, 1, cb, "mxfp4_68")
+    assert torch.equal(got, want), "reindex top-k"
+
+
+def test_indexer_score_keys_order_like_scores():
+    # The uint32 keys of the radix select: ordered like the scores, -0.0 equal to +0.0 (a ReLU'd
+    # score can be either), and never 0 (which marks "no entry").
+    @triton.jit
+    def keys(x_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, indexer_tt._key_of(tl.load(x_ptr + i)).to(tl.int32, bitcast=True))
+
+    x = torch.tensor([float("-inf"), -3e38, -1.0, -1e-40, -0.0, 0.0, 1e-40, 1.0, 3e38, float("inf")])
+    x = torch.cat([x, x.new_zeros(6)])
+    out = torch.empty(16, dtype=torch.int32)
+    keys[(1,)](x, out, N=16)
+    k = out[:10].long() & 0xFFFFFFFF  # as unsigned
+    assert (k[1:] - k[:-1] > 0).tolist() == [True] * 4 + [False] + [True] * 4  # -0.0 == 0.0
+    assert (k > 0).all()
+
+
+def test_indexer_topk_kernel_rejects_other_layouts_by_name():
+    with pytest.raises(ValueError, match="q: .*index_head_dim 128"):
+        indexer_tt.indexer_topk(torch.randn(2, 2, 64), torch.randn(2, 2), i32(0, 1), i32(0, 0), torch.zeros(2, 4, 64),
+                                i32(0, 1).view(1, 2), None, torch.empty(2, 4, dtype=torch.int32), None,
+                                builders.topk_workspace(2, 8, 4), 4, 0, "exact")
+
+
+def test_indexer_topk_launcher_rejects_the_combinations_it_does_not_implement():
+    # The launcher names what it lacks instead of guessing, before writing anything: a float query
+    # over MX4 keys (the reference decodes both).
+    a = builders.indexer_topk_args(torch.float32, "mxfp4_68", ratio=1, block_size=7)
+    before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(NotImplementedError,
+                       match="the Triton kernel does not implement q of dtype torch.float32 with fmt='mxfp4_68'"):
+        indexer_tt.indexer_topk(*a.values())
+    assert all(builders.bytes_equal(a[k], v) for k, v in before.items())

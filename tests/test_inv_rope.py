@@ -4,8 +4,12 @@ position (interleaved pairs), the rest copied; every row written; bad inputs. Is
 from functools import partial
 
 import builders
+from interp import INV_FREQ, i32
 import pytest
 import torch
+from dsv4ops import testing as T
+from dsv4ops.inv_rope import reference as inv_rope_ref
+from dsv4ops.inv_rope import triton as inv_rope_tt
 
 from dsv4ops.reference.functional import apply_rope, rope_angles
 
@@ -76,3 +80,22 @@ BAD = [
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
     builders.assert_bad_case("inv_rope", ARGS(), mutate, match, via)
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+def test_inv_rope():
+    o, pos = torch.randn(3, 9, 512), i32(0, 129, 70000)
+
+    def run(fn, dtype):
+        out = torch.full((3, 9, 512), float("nan"), dtype=dtype)
+        fn(o.to(dtype), pos, INV_FREQ, out)
+        return out
+
+    got = run(inv_rope_tt.inv_rope, torch.bfloat16)
+    T.assert_close_to_ref(got, run(inv_rope_ref.inv_rope, torch.float64), run(inv_rope_ref.inv_rope, torch.bfloat16))
+    assert torch.equal(got[..., :448], o[..., :448].bfloat16()), "nope dims are copied"
+
+
+def test_inv_rope_kernel_rejects_other_layouts_by_name():
+    with pytest.raises(ValueError, match="inv_freq"):
+        inv_rope_tt.inv_rope(torch.randn(2, 2, 512), i32(0, 1), INV_FREQ[:16], torch.empty(2, 2, 512))

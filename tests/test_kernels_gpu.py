@@ -193,7 +193,7 @@ def test_compressor_state_row_holds_its_last_writer(case):
     `later == 0`). The interpreter runs programs one after another in order, so a missing guard shows
     only where programs run concurrently: one request's 8192-token chunk (CSA: 1024 writers per row,
     HCA: 64), three times with fresh data, the state rows bit-exact against the reference's (the last
-    writer's a and z + ape). tests/test_triton_interpret.py runs the same check on the CPU with the
+    writer's a and z + ape). tests/test_compressor.py runs the same check on the CPU with the
     interpreter's programs in reverse order."""
     d, ratio, overlap = (512, 4, True) if case == "csa" else (512, 128, False)
     width, rows = (2 * d, 2 * ratio) if overlap else (d, ratio)

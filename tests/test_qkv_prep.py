@@ -243,3 +243,44 @@ def test_a_padding_tokens_nan_row_is_not_refused():
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, factory, mutate, match, *via = case
     builders.assert_bad_case("qkv_prep", factory(), mutate, match, via)
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+from interp import BS, INV_FREQ, i32, new_pool, pool_rows  # noqa: E402
+
+from dsv4ops.qkv_prep import reference as qkv_prep_ref  # noqa: E402
+from dsv4ops.qkv_prep import triton as qkv_prep_tt  # noqa: E402
+
+
+@pytest.mark.parametrize("pool,q_norm", [("fp8", True), (torch.bfloat16, True), ("fp8_528", False)],
+                         ids=["fp8", "bf16", "v41-fp8_528"])
+def test_qkv_prep(pool, q_norm):
+    t, h, ring = 5, 3, 8
+    q, kv = torch.randn(t, h, 512), torch.randn(t, 512)
+    pos, req = i32(0, 7, 130, 5000, 3), i32(0, 1, 0, -1, 1)
+
+    def run(fn, dtype, pool_kind):
+        cache = new_pool(pool_kind, 512, 2 * ring // BS)
+        q_out = torch.full((t, h, 512), float("nan"), dtype=dtype)
+        fn(q.to(dtype), kv.to(dtype), pos, req, INV_FREQ, q_out, cache, ring, 1e-6, q_norm,
+           builders.format_name(pool_kind, 512))
+        return q_out, cache
+
+    fmt = builders.format_name(pool, 512)
+    q_k, c_k = run(qkv_prep_tt.qkv_prep, torch.bfloat16, pool)
+    q_r, c_r = run(qkv_prep_ref.qkv_prep, torch.bfloat16, pool)
+    q_64, c_64 = run(qkv_prep_ref.qkv_prep, torch.float64, torch.float64)
+    T.assert_close_to_ref(q_k, q_64, q_r, what="q_out")
+    rows_k, rows_r, rows_64 = pool_rows(c_k, 512, fmt=fmt), pool_rows(c_r, 512, fmt=fmt), pool_rows(c_64, 512)
+    written = ~rows_64.isnan().any(1)
+    assert written.sum() == 4 and torch.equal(written, ~rows_k.isnan().any(1)), "slots written"
+    T.assert_close_to_ref(rows_k[written], rows_64[written], rows_r[written], what="window rows")
+    # The nope dims involve no trig (and fill whole scale groups): their quantized entries are bit-exact.
+    assert torch.equal(rows_k[written, :448], rows_r[written, :448])
+
+
+def test_qkv_prep_kernel_rejects_other_layouts_by_name():
+    q, kv = torch.randn(2, 2, 256), torch.randn(2, 256)
+    pool = torch.zeros(4, BS, 256)
+    with pytest.raises(ValueError, match="head_dim.*512"):
+        qkv_prep_tt.qkv_prep(q, kv, i32(0, 1), i32(0, 0), INV_FREQ, torch.empty_like(q), pool, 8, 1e-6, True, "exact")

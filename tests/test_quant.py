@@ -13,7 +13,10 @@ import torch
 from builders import FP8
 
 import format_model as M
+from interp import i32, new_pool, pool_fmt
 from dsv4ops.quant import api, codecs, formats
+from dsv4ops.quant import reference as quant_ref
+from dsv4ops.quant import triton as quant_tt
 from dsv4ops.quant.reference import (
     INDEXER_ENTRY_BYTES,
     MAIN_DATA_BYTES,
@@ -374,3 +377,76 @@ def test_non_finite_values_are_stored_where_nothing_is_coded():
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, name, factory, mutate, match, *via = case
     builders.assert_bad_case(name, factory(), mutate, match, via)
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+@pytest.mark.parametrize("dim", [512, 128])
+@pytest.mark.parametrize("pool", ["fp8", torch.bfloat16, torch.float32], ids=["fp8", "bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_unpack_bit_exact(dim, pool, dtype):
+    # Rows spanning 6 decades, a zero block (amax floor), an exact power-of-two amax (the frexp
+    # edge), signed zeros and a padding slot (-1).
+    x = (torch.randn(7, dim) * torch.logspace(-3, 3, 7)[:, None]).to(dtype)
+    x[0, :64] = 0
+    x[1, 5] = 448 * 2.0**-3
+    x[2] = -0.0
+    slots = i32(0, 11, -1, 5, 3, 2, 7)
+    got, want = new_pool(pool, dim, 4), new_pool(pool, dim, 4)
+    out, expect = _pack_unpack_both(x, slots, got, want, pool_fmt(got, dim))
+    assert builders.bytes_equal(out, expect)
+
+
+def _pack_unpack_both(x, slots, got, want, fmt):
+    """Pack x at slots with the kernel into `got` and with the reference into `want` (the bytes must
+    be equal), then unpack `want` both ways: (kernel rows, poisoned first; reference rows)."""
+    quant_tt.pack_kv(x, slots, got, fmt)
+    quant_ref.pack_kv(x, slots, want, fmt)
+    assert builders.bytes_equal(got, want)
+    out, expect = torch.full(x.shape, 7.0, dtype=x.dtype), torch.empty_like(x)
+    quant_tt.unpack_kv(want, slots, out, fmt)
+    quant_ref.unpack_kv(want, slots, expect, fmt)
+    return out, expect
+
+
+V41_BS = {"fp8_528": 4, "fp4_288": 4, "mxfp4_68": 7}  # mxfp4_68 pages (512-B aligned) need 7 or 128 rows
+
+
+@pytest.mark.parametrize("fmt", sorted(V41_BS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_pack_unpack_v41_formats_bit_exact(fmt, dtype):
+    # Rows over 8 decades; a zero row (the amax floors); a row past fp4_288's scale range (amax / 6
+    # > 464: the NaN scale code); e2m1 tie points (0.25, 0.75, ..., 5 times a power of two: ties to
+    # the even code); signed zeros; subnormal e4m3 scales; a padding slot (-1).
+    dim = formats.FORMATS[fmt].dim
+    x = (torch.randn(9, dim) * torch.logspace(-4, 4, 9)[:, None]).to(dtype)
+    x[0] = 0
+    x[1, :40] = 3000.0
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    x[2] = (ties.repeat(dim // 8) * torch.tensor([1.0, -1.0]).repeat_interleave(4).repeat(dim // 8)).to(dtype)
+    x[3] = -0.0
+    x[4] = x[4] * 1e-3
+    bs = V41_BS[fmt]
+    slots = i32(0, 11, -1, 5, 3, 2, 7, 9, 1)
+    got, want = builders.page_pool(3, bs, dim, fmt), builders.page_pool(3, bs, dim, fmt)
+    out, expect = _pack_unpack_both(x, slots, got, want, fmt)
+    # The NaN-scale groups read back NaN on both sides (payloads may differ); the rest bit for bit.
+    nan = expect.isnan()
+    assert torch.equal(out.isnan(), nan) and builders.bytes_equal(out[~nan], expect[~nan])
+
+
+def test_fp8_casts_match_torch_on_every_code():
+    # Every e4m3 code decodes as torch does, and values between and around codes encode as torch
+    # rounds them (nearest even), through the same helpers the kernels use.
+    codes = torch.arange(256, dtype=torch.int32)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    vals = finite.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = torch.cat([vals, (vals[:-1] + vals[1:]) / 2, vals * (1 + 2**-10), vals * (1 - 2**-10)])
+    mids = mids[mids.abs() <= 448].reshape(1, -1)
+    mids = torch.nn.functional.pad(mids, (0, 128 - mids.shape[1] % 128)).reshape(-1, 128)
+    # Pack with scale 1: make each row's amax 448 so the UE8M0 exponent is 0.
+    mids[:, 0] = 448.0
+    slots = torch.arange(mids.shape[0], dtype=torch.int32)
+    got, want = new_pool("fp8", 128, mids.shape[0]), new_pool("fp8", 128, mids.shape[0])
+    quant_tt.pack_kv(mids.to(torch.float32), slots, got, "fp8_132")
+    quant_ref.pack_kv(mids.to(torch.float32), slots, want, "fp8_132")
+    assert torch.equal(got, want)

@@ -300,3 +300,118 @@ def test_csrc_heads_per_cta_and_tile_keys():
     assert split_plan(1, 640, 132, 8, 64) == (10, False)  # CSA 1 x 4K at 8 heads: one 64-key tile per split
     # CSA 32 x 4K at 16 heads: 4 splits of 3 tiles fill the wave (H100: 17.8 us; 2 splits 20.7, 5: 22.7)
     assert split_plan(32, 640, 132, 16, 64) == (4, False)
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+from interp import BS, i32, new_pool  # noqa: E402
+
+from dsv4ops.quant import reference as quant_ref  # noqa: E402
+from dsv4ops.sparse_attn import reference as sparse_attn_ref  # noqa: E402
+from dsv4ops.sparse_attn import triton as sparse_attn_tt  # noqa: E402
+
+
+@pytest.mark.parametrize("stages,n_split,blocks", [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)],
+                         ids=["skip-empty-tiles", "pipelined", "2-splits", "2-splits-draft-block"])
+@pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), (torch.bfloat16, torch.bfloat16), ("fp8", torch.float32),
+                                            ("fp8_528", "fp4_288"), ("fp8_528", torch.float32), ("fp8", "fp4_288")],
+                         ids=["fp8", "bf16", "fp8-window-fp32-comp", "v41", "v41-window-fp32-comp", "v4-fp4-entries"])
+def test_sparse_attn(w_pool, c_pool, stages, n_split, blocks, monkeypatch):
+    # 16-key tiles: the 8-key window is one tile, the 40 listed columns three more; two splits cut
+    # the entries between programs, merged with the sink by the combine kernel. Draft block: tokens
+    # 0 and 1 of request 0 (positions 3, 4) end their windows at 4.
+    hb = sparse_attn_tt.config(2, torch.bfloat16)[0]
+    monkeypatch.setattr(sparse_attn_tt, "config", lambda *args: (hb, 16, 4, stages))
+    monkeypatch.setattr(sparse_attn_tt, "splits", lambda *args: n_split)
+    t, h, window, ring = 5, 2, 8, 12
+    pos, req = i32(3, 4, 20, 9, 0), i32(0, 0, 1, -1, 1)
+    ends = i32(4, 4, 20, 9, 0) if blocks else None
+    wc, cc = new_pool(w_pool, 512, 2 * ring // BS), new_pool(c_pool, 512, 4)
+    w_fmt, c_fmt = builders.format_name(w_pool, 512), builders.format_name(c_pool, 512)
+    for p, r in zip((pos if ends is None else ends).tolist(), req.tolist()):  # only the windows' ring slots hold keys
+        if r >= 0:
+            held = torch.arange(max(0, p - window + 1), p + 1)
+            quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc, w_fmt)
+    quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc, c_fmt)
+    idx = torch.randint(0, 16, (t, 40), dtype=torch.int32)
+    idx[0, 2:] = -1
+    idx[2, 0] = -1
+    lens = i32(40, 40, 37, 40, 5)  # token 2 drops its last 3 columns, token 4 lists 5 (all in split 0)
+    q, sinks = torch.randn(t, h, 512), torch.randn(h)
+
+    def run(fn, dtype):
+        as_dtype = (lambda c: c if c.dtype == torch.uint8 else c.to(dtype)) if dtype == torch.float64 else (lambda c: c)
+        out = torch.full((t, h, 512), float("nan"), dtype=dtype)
+        w_, c_ = as_dtype(wc), as_dtype(cc)
+        fn(q.to(dtype), w_, c_, pos, req, idx, lens, ends, sinks, out, 512**-0.5, window, ring, w_fmt, c_fmt)
+        return out
+
+    got = run(sparse_attn_tt.sparse_attn, torch.bfloat16)
+    assert (got[3] == 0).all(), "padding token"
+    T.assert_close_to_ref(got, run(sparse_attn_ref.sparse_attn, torch.float64),
+                                run(sparse_attn_ref.sparse_attn, torch.bfloat16), what="attention output")
+
+
+@pytest.mark.parametrize("n_split", [1, 2], ids=["1-split", "2-splits"])
+@pytest.mark.parametrize("w_pool,c_pool", [("fp8", "fp8"), ("fp8_528", "fp4_288")], ids=["fp8", "v41"])
+def test_sparse_attn_lse(w_pool, c_pool, n_split, monkeypatch):
+    """A context-parallel shard's partial: out without the sink and lse (natural log) against the
+    reference; token 1 (window end -1: no window, and no listed entry) and token 3 (padding) get
+    exact zero rows and lse -inf; with two splits the combine merges them without the sink."""
+    hb = sparse_attn_tt.config(2, torch.bfloat16)[0]
+    monkeypatch.setattr(sparse_attn_tt, "config", lambda *args: (hb, 16, 4, 1))
+    monkeypatch.setattr(sparse_attn_tt, "splits", lambda *args: n_split)
+    t, h, window, ring = 5, 2, 8, 12
+    pos, req = i32(3, 4, 20, 9, 0), i32(0, 0, 1, -1, 1)
+    ends = i32(3, -1, 20, 9, -1)  # tokens 1 and 4: no window
+    wc, cc = new_pool(w_pool, 512, 2 * ring // BS), new_pool(c_pool, 512, 4)
+    w_fmt, c_fmt = builders.format_name(w_pool, 512), builders.format_name(c_pool, 512)
+    for p, r in ((3, 0), (20, 1)):
+        held = torch.arange(max(0, p - window + 1), p + 1)
+        quant_ref.pack_kv(torch.randn(len(held), 512), (r * ring + held % ring).to(torch.int32), wc, w_fmt)
+    quant_ref.pack_kv(torch.randn(16, 512), torch.arange(16, dtype=torch.int32), cc, c_fmt)
+    idx = torch.randint(0, 16, (t, 40), dtype=torch.int32)
+    lens = i32(40, 0, 37, 40, 5)
+    q, sinks = torch.randn(t, h, 512), torch.randn(h)
+
+    def run(fn, dtype):
+        as_dtype = (lambda c: c if c.dtype == torch.uint8 else c.to(dtype)) if dtype == torch.float64 else (lambda c: c)
+        out = torch.full((t, h, 512), float("nan"), dtype=dtype)
+        lse = torch.full((t, h), float("nan"))
+        fn(q.to(dtype), as_dtype(wc), as_dtype(cc), pos, req, idx, lens, ends, sinks, out, 512**-0.5, window, ring,
+           w_fmt, c_fmt, lse)
+        return out, lse
+
+    got, lse = run(sparse_attn_tt.sparse_attn, torch.bfloat16)
+    ref, ref_lse = run(sparse_attn_ref.sparse_attn, torch.float64)
+    low, low_lse = run(sparse_attn_ref.sparse_attn, torch.bfloat16)
+    assert (got[[1, 3]] == 0).all() and (lse[[1, 3]] == float("-inf")).all()
+    live = [0, 2, 4]
+    T.assert_close_to_ref(got, ref, low, what="partial output")
+    T.assert_close_to_ref(lse[live], ref_lse[live], low_lse[live], what="lse")
+
+
+def test_sparse_attn_fp32():
+    # fp32 activations and pools: the fp32 (IEEE) dot path, close to fp64.
+    t, h, window, ring = 2, 3, 8, 8
+    wc, cc = new_pool(torch.float32, 512, 4), new_pool(torch.float32, 512, 2)
+    wc.normal_()
+    cc.normal_()
+    q, sinks = torch.randn(t, h, 512), torch.randn(h)
+    pos, req, idx, lens = i32(5, 30), i32(1, 0), i32(0, 3, -1, 7).view(2, 2), i32(2, 2)
+    got, want = torch.empty(t, h, 512), torch.empty(t, h, 512, dtype=torch.float64)
+    sparse_attn_tt.sparse_attn(q, wc, cc, pos, req, idx, lens, None, sinks, got, 512**-0.5, window, ring, "exact",
+                               "exact")
+    sparse_attn_ref.sparse_attn(q.double(), wc.double(), cc.double(), pos, req, idx, lens, None, sinks, want,
+                                512**-0.5, window, ring, "exact", "exact")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_attn_launcher_rejects_the_combinations_it_does_not_implement():
+    # The launcher names what it lacks instead of guessing, before writing anything: V4's 584-B rows
+    # beside a V4.1 format.
+    a = builders.sparse_attn_args(torch.bfloat16, "fp8_528", comp_fmt="fp8_584")
+    before = {k: v.clone() for k, v in a.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(NotImplementedError,
+                       match="the Triton kernel does not implement window_fmt='fp8_528' with comp_fmt='fp8_584'"):
+        sparse_attn_tt.sparse_attn(*a.values())
+    assert all(builders.bytes_equal(a[k], v) for k, v in before.items())

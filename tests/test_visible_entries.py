@@ -179,3 +179,24 @@ def test_pool_blocks_must_be_a_count():
 def test_bad_input_is_rejected_and_writes_nothing(case):
     _, mutate, match, *via = case
     builders.assert_bad_case("visible_entries", ARGS(), mutate, match, via)
+
+
+# ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
+from dsv4ops.visible_entries import triton as visible_entries_tt  # noqa: E402
+
+
+# (ratio, block size, blocks): V4's HCA key list 2560 entries wide (three column programs; the
+# tokens' counts end in each of them, or before them), CSA's ratio over 16-entry blocks, ratio 1
+# over 3-entry blocks.
+@pytest.mark.parametrize("ratio,block_size,blocks", [(128, 64, 40), (4, 16, 5), (1, 3, 5)])
+def test_visible_entries(ratio, block_size, blocks):
+    args = random_case(ratio, block_size, blocks)
+    # Out-of-range tokens are padding in the kernel too: a request past the table, below -1, and a
+    # negative position of a live request.
+    args["req_slots"][1], args["req_slots"][2], args["positions"][3] = 4, -2, -5
+    wide = torch.full((args["out"].shape[0], args["out"].shape[1] + 3), 2**31 - 1, dtype=torch.int32)
+    args["out"] = wide[:, :-3]  # rows with a stride gap, poisoned
+    visible_entries_tt.visible_entries(*args.values())
+    want = expected_entries(args["block_table"], args["positions"], args["req_slots"], ratio, block_size)
+    assert torch.equal(args["out"], want) and (wide[:, -3:] == 2**31 - 1).all()
+    assert (want[:4] == -1).all() and (want >= 0).any()

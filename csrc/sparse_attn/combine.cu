@@ -10,7 +10,7 @@
 // long contexts), grouped_kernel: a CTA holds one pair and C of its four 128-dim chunks (a lane 4 dims)
 // with W warps a chunk; the W warps take the splits round robin, kLoads splits' loads in flight at
 // once, and add their sums through shared memory; C shrinks as W grows so that a CTA stays at 16
-// warps. launch_combine picks W. H100, 2026-11-27, sparse_attn with its combine at one token of
+// warps. launch_combine picks W. H100, sparse_attn with its combine at one token of
 // HCA 1 x 1M (130 splits at 16 heads): 43.3 us with serial_kernel, 17.8 with grouped_kernel.
 #include <cuda_bf16.h>
 

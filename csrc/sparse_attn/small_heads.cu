@@ -11,7 +11,7 @@
 // tensor work on the same keys.
 // A 32-head instantiation (three raw stages beside its buffers) was slower than sparse_attn.cu's
 // 64-head CTA running the 32 heads with 32 rows of padding at every point measured, 24-512 tokens
-// (H200, 2026-11-28, us, 32-head / 64-head CTA: CSA 128 x 4K 37.1 / 34.6, 512 x 4K 138.6 / 130.5,
+// (H200, us, 32-head / 64-head CTA: CSA 128 x 4K 37.1 / 34.6, 512 x 4K 138.6 / 130.5,
 // sliding 256 x 4K 23.5 / 21.3, HCA 512 x 4K 61.3 / 51.8), so 17-32 heads run on that one; at 16
 // heads this kernel wins on sliding layers (256 x 4K 18.3 / 20.3) and is within 5% at most CSA and
 // HCA points (6-14% either way at four of 24), at 8 heads it wins at every point (4-47%).

@@ -24,7 +24,7 @@
 // producer warpgroup, a warp per scheduler, left the consumers waiting for tiles 23% of their time
 // (50.3 us); two: 43.3 us. The consumers split S by dims before (each warpgroup half of S, added
 // through 16 KiB of shared memory, and the same softmax run twice, then both halves of P V, in
-// step): one warpgroup's chain per tile of S, exchange, softmax and P V. H100, 2026-11-27, same runs,
+// step): one warpgroup's chain per tile of S, exchange, softmax and P V. H100, same runs,
 // V4-Pro CSA 128 x 4K / V4-Flash CSA 128 x 4K, us: split S 129.2-132.6 / 42.1-43.0; S on warpgroup 0
 // with P handed over 118.8-120.8 / 39.8-40.8; with three bf16 tiles and three raw stages
 // 118.5-119.9 / 39.2-39.5; with warpgroup 0's P V beside the next S 116.2-117.2 / 38.6-38.7 (the

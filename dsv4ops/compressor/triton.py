@@ -15,7 +15,7 @@ Two launches on the current stream, in this order (three for an HCA decode step,
    later token of the step maps to the same row. It runs second because a closing token may read
    an older state row that a later token of the same step overwrites.
 
-At decode (H100, 2026-11-26) an update takes 5.2-6.1 us: the two launches are two dependent global
+At decode (H100) an update takes 5.2-6.1 us: the two launches are two dependent global
 round trips (at batch 1 the pooling is one program of 8 slots x 512 channels, 47% of its stalls on
 long scoreboard, the save another, 61%), not work. HCA's at batch 128, when every request closes a
 128-token entry in the same step (40.9 us), reads 64 MiB of fp32 state at 51% of DRAM peak, half its

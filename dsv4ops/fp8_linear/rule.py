@@ -21,46 +21,15 @@ import torch
 
 from dsv4ops import _arch
 from dsv4ops.fp8_linear.checks import W8A8_BLOCK
+from dsv4ops.fp8_linear.launch_table import LAUNCH
 
 ACTIVATIONS = ("exact", "fp8", "auto")
 # "fp8" must be 5% faster than "exact": most swept points repeat within 3% from run to run, some move
 # 5-10% (V4-Pro q_b at one token, W8A16: 42.1 us in the sweep, 48.1 in the bench run after it).
 MARGIN = 1.05
 
-# (N, K) -> the smallest M from which "fp8" beat "exact" by MARGIN at every swept M at or above it
-# (M = 1, 16, 64, 128, 256); None: never. From the sweep that chose triton_w8a8.TUNED and
-# w8a8.CUBLASLT_FROM (graph-timed, weights from HBM, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton
-# 3.6.0, 2026-11-27), "fp8" timed on the route the launcher takes. exact / fp8 us behind the starts:
-# V4-Flash q_a at 128: 9.3 / 9.1, at 256: 14.8 / 11.3; q_b at 16: 16.7 / 16.6, at 64: 25.8 / 19.4;
-# kv at 128: 7.2 / 7.6, at 256: 13.0 / 9.0; o_b at 1: 21.1 / 17.8; indexer q_b at 16: 6.6 / 7.5, at
-# 64: 9.4 / 7.9; V4-Pro q_a at 1: 10.0 / 8.8; kv at 1: 6.7 / 6.0; o_b at 1: 68.1 / 49.2; q_b at 16:
-# 43.6 / 44.0, at 64: 71.7 / 48.7; indexer q_b at 16: 8.9 / 9.3, at 64: 12.7 / 9.7.
-W8A8_FROM: dict[tuple[int, int], int | None] = {
-    (1024, 4096): 256,  # V4-Flash q_a_proj
-    (32768, 1024): 64,  # V4-Flash q_b_proj
-    (512, 4096): 256,  # V4-Flash kv_proj
-    (4096, 8192): 1,  # V4-Flash o_b_proj
-    (8192, 1024): 64,  # V4-Flash indexer q_b_proj
-    (1536, 7168): 1,  # V4-Pro q_a_proj
-    (65536, 1536): 64,  # V4-Pro q_b_proj
-    (512, 7168): 1,  # V4-Pro kv_proj
-    (7168, 16384): 1,  # V4-Pro o_b_proj
-    (8192, 1536): 64,  # V4-Pro indexer q_b_proj
-    # tensor-parallel shards (a rank's q_b_proj rows / o_b_proj columns, warmup._fp8_projections at TP 2-16):
-    # a second sweep of the same kind, same H100, same day
-    (4096, 4096): 1,  # V4-Flash o_b_proj, TP2
-    (16384, 1024): 64,  # V4-Flash q_b_proj, TP2
-    (4096, 2048): 64,  # V4-Flash o_b_proj, TP4
-    (4096, 1024): 16,  # V4-Flash q_b_proj and o_b_proj, TP8
-    (2048, 1024): 128,  # V4-Flash q_b_proj, TP16
-    (7168, 8192): 1,  # V4-Pro o_b_proj, TP2
-    (32768, 1536): 64,  # V4-Pro q_b_proj, TP2
-    (7168, 4096): 1,  # V4-Pro o_b_proj, TP4
-    (16384, 1536): 64,  # V4-Pro q_b_proj, TP4
-    (7168, 2048): 1,  # V4-Pro o_b_proj, TP8
-    (4096, 1536): 64,  # V4-Pro q_b_proj, TP16
-    (7168, 1024): 64,  # V4-Pro o_b_proj, TP16
-}
+# (N, K) -> the smallest M from which "fp8" runs (None: never): launch_table.LAUNCH's w8a8_from.
+W8A8_FROM: dict[tuple[int, int], int | None] = {shape: r.w8a8_from for shape, r in LAUNCH.items()}
 DEFAULT_W8A8_FROM = 1024  # shapes not swept: "fp8" beat "exact" from 1024 tokens at every swept shape
 
 

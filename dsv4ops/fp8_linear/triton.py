@@ -21,7 +21,7 @@ quantization of `dsv4::fp8_linear_w8a8` where it runs ahead of the GEMM (fp8_lin
   C++ kernels do) changed no time here by more than run-to-run noise (V4-Flash and V4-Pro
   projections, 1-512 tokens, two runs each), so the kernels do not.
 
-Against cuBLAS F.linear on the dequantized bf16 weight (H100, 2026-11-27, V4-Flash projections,
+Against cuBLAS F.linear on the dequantized bf16 weight (H100, V4-Flash projections,
 with PDL): 1.30-1.68x at one token (half the bytes would allow 2x: the small projections are
 launch- and latency-bound at 5-7 us), 0.71-1.18x at 128 tokens, where every K step converts a
 [BN, 128] e4m3 tile to bf16 in registers on the path cuBLAS spends on loads alone; the FP8 x FP8
@@ -119,14 +119,12 @@ def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> d
     the best config per shape, which this rule picks): at m = 1 q_a 4096 -> 1024 BN 32 x 8 splits
     6.4 us, kv 4096 -> 512 BN 32 x 8 5.5 us, indexer q_b 1024 -> 8192 BN 32 x 1 6.9 us, q_b
     1024 -> 32768 BN 32 x 1 16.8 us (BN 64: 16.7); at m = 128 q_a BN 64 x 8 10.2 us, kv BN 32 x 8 8.0 us, o_b
-    8192 -> 4096 BN 64 x 2 36.8 us, indexer q_b BN 64 x 1 11.2 us. The rule this replaced (BN 64,
-    splits up to two programs per SM, 4 stages) took up to 1.9x as long (indexer q_b at m = 128:
-    20.9 us). Not the best at one swept shape: o_b at m = 1 gets BN 32 x 2 splits, 22.0 us, where
+    8192 -> 4096 BN 64 x 2 36.8 us, indexer q_b BN 64 x 1 11.2 us. Not the best at one swept shape: o_b at m = 1 gets BN 32 x 2 splits, 22.0 us, where
     BN 64 x 8 measured 18.6.
     Prefill (m > 128): 128 x 128 tiles, 8 warps, split-K while the grid holds fewer than two programs
     per SM, the partials within 2x the weight bytes (4 x splits x m x N <= 2 x N x K). Unsplit, m = 256
     ran 16 programs on q_a and kv and took 60 us where m = 128 took 9.9 and 8.0; split, q_a at m = 256
-    takes 15.1 us and kv 13.2 (H200, 2026-11-27). BK = 128 (V4 tiles), or the tile size when it is smaller
+    takes 15.1 us and kv 13.2 (H200). BK = 128 (V4 tiles), or the tile size when it is smaller
     (V4.1's 32: one scale per weight row and K step)."""
     bk = min(block, 128)
     tiles = triton.cdiv(k, bk)

@@ -26,29 +26,22 @@ on V4-Flash q_a (act_quant first, 64 x 128 tiles, 8 splits) shows 128 CTAs of 8 
 a 4-step K loop whose loads, FP8 dot and per-block promotion follow one another; the indexer's q_b
 (one split, 8 steps) DRAM 22%. More splits add fp32 partials (swept: slower).
 
-What the extra launches cost (H100, 2026-11-27, graph-timed at 128 tokens, each launch skipped in
-turn; us: as built / without the reduce / without act_quant / the GEMM alone): V4-Flash q_a 9.9 /
-8.0 / 8.4 / 6.6, kv 7.6 / 5.8 / 6.0 / 4.3, o_b 24.9 / 22.5 / 23.1 / 20.6, indexer q_b (unsplit)
-9.5 / - / 8.2 / 8.2; act_quant alone on q_a's x 1.4. Taking the reduce into the GEMM was built and
-measured, and is slower: each split stored its partial, a per-tile arrival counter (atomic, acq_rel)
-picked the tile's last program, which summed the partials in split order (deterministic, results
-identical to the reduce kernel's) and reset the counter. Tuned configs, us, reduce kernel / in the
-last split (counters kept zero between calls) / counters zeroed per call: q_a 9.9 / 17.2 / 19.1,
-kv 7.6 / 10.3 / 12.8, o_b 26.1 / 31.8 / 32.3 (W8A16 q_a 9.1 / 14.1 / 17.4); the best of every W8A8
-config with it, q_a 11.3. The sum moves from the reduce kernel's 128 programs onto one program a
-tile (16 tiles at q_a: 256 KiB of partials each, read by one SM). A stream-K schedule would end in
-the same per-tile sum. Elements a program of the reduce kernel (256 / 512 / 1024) changed nothing
-beyond noise (q_a W8A16 8.9-9.1 us). What the GEMM alone moves at q_a (estimate): x's codes re-read
-by each of 8 column tiles (4 MB), the weight by each of 2 row blocks (8 MB, 4 MB of it from HBM),
-4 MB of partials written: ~16 MB between L2 and the SMs for 4 MB of weights; sharing x and weight
-tiles between the CTAs of a cluster (TMA multicast) would cut it, which this Triton kernel does not
-express.
+What the extra launches cost (H100, graph-timed at 128 tokens, each launch skipped in turn; us: as
+built / without the reduce / without act_quant / the GEMM alone): V4-Flash q_a 9.9 / 8.0 / 8.4 / 6.6,
+kv 7.6 / 5.8 / 6.0 / 4.3, o_b 24.9 / 22.5 / 23.1 / 20.6. The split-K sum stays a separate kernel:
+summed by each tile's last program instead (a per-tile arrival counter), it moves from the reduce
+kernel's 128 programs onto one program a tile and was slower (q_a 17.2 against 9.9 us, kv 10.3
+against 7.6). What the GEMM alone moves at q_a (estimate): x's codes re-read by each of 8 column tiles
+(4 MB), the weight by each of 2 row blocks (8 MB), 4 MB of partials: ~16 MB between L2 and the SMs for
+4 MB of weights; sharing x and weight tiles between a cluster's CTAs (TMA multicast) would cut it,
+which this Triton kernel does not express.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from dsv4ops.fp8_linear.launch_table import LAUNCH
 from dsv4ops.fp8_linear.reference import ACT_BLOCK
 from dsv4ops.fp8_linear.triton import act_quant, output_tile, reduce_splits
 from dsv4ops.triton_helpers import (
@@ -115,59 +108,8 @@ def _w8a8_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, mp, n, k, sx
                  mask=rm[:, None] & cm[None, :])
 
 
-# (N, K) -> {M bucket: (QUANT, BM, BN, splits, warps, stages)}: the fastest of 70-180 configs per point
-# in a sweep of the V4-Flash and V4-Pro projections (graph-timed on an NVIDIA H100 80GB HBM3, weights
-# from HBM, torch 2.11.0+cu130, triton 3.6.0, 2026-11-27). A call of M rows takes the smallest bucket
-# >= M (the largest above 256). The fastest at M = 128, us: V4-Flash q_a 9.1 (bf16 F.linear 9.3), kv
-# 7.6 (8.5), o_b 25.6 (29.2), index q_b 9.6 (9.3), V4-Pro o_b 68.7 (98.0).
-TUNED: dict[tuple[int, int], dict[int, tuple]] = {
-    (1024, 4096): {1: (False, 16, 64, 8, 4, 3), 16: (True, 16, 64, 8, 4, 3), 64: (False, 64, 64, 8, 4, 4),
-                   128: (False, 64, 128, 8, 8, 4), 256: (False, 64, 64, 4, 4, 4)},  # V4-Flash q_a
-    (32768, 1024): {1: (True, 16, 256, 1, 8, 3), 16: (True, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
-                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Flash q_b
-    (512, 4096): {1: (True, 16, 64, 16, 4, 3), 16: (True, 16, 64, 16, 4, 3), 64: (True, 64, 64, 16, 4, 3),
-                  128: (False, 64, 64, 8, 4, 4), 256: (False, 64, 128, 8, 8, 4)},  # V4-Flash kv
-    (4096, 8192): {1: (True, 16, 128, 8, 4, 3), 16: (True, 16, 128, 8, 4, 3), 64: (False, 64, 64, 4, 4, 4),
-                   128: (False, 128, 64, 4, 4, 4), 256: (False, 128, 128, 2, 8, 4)},  # V4-Flash o_b
-    (8192, 1024): {1: (False, 16, 128, 4, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
-                   128: (False, 128, 64, 1, 8, 3), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash index q_b
-    (1536, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
-                   128: (False, 64, 64, 8, 4, 3), 256: (False, 64, 64, 4, 4, 4)},  # V4-Pro q_a
-    (65536, 1536): {1: (False, 16, 128, 1, 4, 3), 16: (False, 16, 128, 1, 4, 3), 64: (False, 64, 128, 1, 4, 3),
-                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b
-    (512, 7168): {1: (True, 16, 64, 14, 4, 3), 16: (True, 16, 64, 14, 4, 3), 64: (False, 64, 64, 14, 4, 3),
-                  128: (False, 64, 64, 14, 4, 4), 256: (False, 128, 64, 8, 4, 3)},  # V4-Pro kv
-    (7168, 16384): {1: (False, 16, 64, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 2, 4, 4),
-                    128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 128, 1, 8, 4)},  # V4-Pro o_b
-    (8192, 1536): {1: (False, 16, 128, 1, 4, 4), 16: (True, 16, 64, 2, 4, 3), 64: (False, 64, 64, 1, 4, 4),
-                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro index q_b
-    # tensor-parallel shards (a rank's q_b_proj rows / o_b_proj columns, warmup._fp8_projections at TP 2-16):
-    # a second sweep of the same kind, same H100, same day
-    (4096, 4096): {1: (True, 16, 128, 8, 4, 3), 16: (False, 16, 128, 4, 4, 4), 64: (False, 64, 64, 4, 4, 4),
-                   128: (False, 128, 64, 4, 4, 4), 256: (False, 128, 64, 2, 4, 4)},  # V4-Flash o_b_proj, TP2
-    (16384, 1024): {1: (False, 16, 64, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 128, 1, 4, 4),
-                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Flash q_b_proj, TP2
-    (4096, 2048): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 64, 4, 4, 3), 64: (False, 64, 64, 4, 4, 4),
-                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash o_b_proj, TP4
-    (4096, 1024): {1: (False, 16, 128, 8, 4, 4), 16: (True, 16, 32, 2, 4, 3), 64: (False, 64, 64, 1, 4, 4),
-                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Flash q_b and o_b, TP8
-    (2048, 1024): {1: (True, 16, 64, 8, 4, 3), 16: (True, 16, 32, 2, 4, 3), 64: (True, 64, 64, 8, 4, 3),
-                   128: (False, 64, 64, 1, 4, 4), 256: (False, 64, 64, 1, 4, 4)},  # V4-Flash q_b_proj, TP16
-    (7168, 8192): {1: (False, 16, 64, 4, 4, 3), 16: (False, 16, 128, 2, 4, 4), 64: (False, 64, 128, 2, 4, 4),
-                   128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP2
-    (32768, 1536): {1: (True, 16, 128, 1, 4, 3), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 128, 1, 4, 3),
-                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b_proj, TP2
-    (7168, 4096): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 2, 4, 4),
-                   128: (False, 128, 64, 2, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP4
-    (16384, 1536): {1: (False, 16, 128, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
-                    128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro q_b_proj, TP4
-    (7168, 2048): {1: (True, 16, 128, 4, 4, 3), 16: (True, 16, 128, 4, 4, 3), 64: (False, 64, 64, 1, 4, 4),
-                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP8
-    (4096, 1536): {1: (True, 16, 64, 4, 4, 3), 16: (True, 16, 64, 4, 4, 3), 64: (False, 64, 64, 1, 4, 4),
-                   128: (False, 64, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 3)},  # V4-Pro q_b_proj, TP16
-    (7168, 1024): {1: (False, 16, 64, 1, 4, 4), 16: (False, 16, 128, 1, 4, 4), 64: (False, 64, 64, 1, 4, 4),
-                   128: (False, 128, 64, 1, 4, 4), 256: (False, 128, 64, 1, 4, 4)},  # V4-Pro o_b_proj, TP16
-}
+# (N, K) -> {M bucket: (QUANT, BM, BN, splits, warps, stages)}: launch_table.LAUNCH's tiles.
+TUNED: dict[tuple[int, int], dict[int, tuple]] = {shape: r.tiles for shape, r in LAUNCH.items()}
 
 
 def config(m: int, n: int, k: int, interpret: bool = INTERPRET) -> dict:

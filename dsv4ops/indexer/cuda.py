@@ -19,8 +19,8 @@ The scoring kernel reads 277 MB in 113 us at 128 x 64K, 82% of the copy ceiling.
 the select's state words (a memset node less), and the scoring, the chunk tree and the
 one-CTA-a-token grid select launch with programmatic dependent launch; the scoring does not let the
 select in early (its CTAs, resident beside the scoring's, doubled up on the few SMs with room:
-147.9 us against 140.4 at 128 x 64K). Where the op misses its targets (H100, 2026-11-26, README
-Benchmarks; ncu at base clocks, caches flushed):
+147.9 us against 140.4 at 128 x 64K). Where the op misses its targets (H100, README Benchmarks;
+ncu at base clocks, caches flushed):
 - 1 x 4K (9.0 us, target 8) and 128 x 4K (16.8, target 15): two latency-bound kernels. At 1 x 4K the
   scoring's 17 CTAs run at 0.8% of DRAM peak, 42% of their stall cycles on long scoreboard (the
   block-table load, then the dependent gather); the select's one CTA keeps 23% of issue slots busy
@@ -35,13 +35,12 @@ Benchmarks; ncu at base clocks, caches flushed):
   peak under ncu) within 6% of the target alone; one CTA walks each token's 16384 keys (issue slots
   38% busy). The chunk tree holds them in registers and takes 136.6 us in all, but runs a 16384-key
   CTA whatever the real row (29.8 us against the grid's 19.6 at a 4K context in a 1M table), so the
-  launcher takes the grid. Two CTAs a token (143.8) and prefetching the next tile's keys (142.9)
-  were tried and not kept.
+  launcher takes the grid.
 - 4K in a 1M table (1 x: 12.2 against 9.0, 128 x: 19.6 against 16.8): the selects' fixed cost of a
   wider launch (CTAs that leave at once; at batch 128, 512 threads of 8 keys on a 4096-key tile
   against the tree's 512 of 4). The attention core stays within 1.11x of its 4K-table time.
 
-MX4 scoring (V4.1's 68-B keys, H100, 2026-11-27, whole indexer_topk): 128 x 64K ratio-2 source 262.9
+MX4 scoring (V4.1's 68-B keys, H100, whole indexer_topk): 128 x 64K ratio-2 source 262.9
 us (1.09 TB/s of keys; the Triton scoring: 486), candidate source 552 us, reindex in the pool 174 us;
 1 x 1M 50.7 us. It misses 70% of copy: the kernel is issue-bound, not memory-bound. ncu (base clocks,
 the previous build at 138 registers and 3 CTAs an SM; 275 us graph-timed): SM 65% busy, DRAM 28%,
