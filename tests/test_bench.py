@@ -464,6 +464,9 @@ def test_layer_floor_counts_each_weight_once_and_the_rows_the_step_reads(kind):
     want = sum(t.numel() * t.element_size() for n, t in [*layer.named_parameters(), *layer.named_buffers()]
                if t is not None and n != "x_packed")
     assert layer_step.weight_bytes(layer) == want
+    oa = layer.o_a_proj.weight  # bf16 as held, block-FP8 in the checkpoint
+    assert layer_step.checkpoint_bytes(layer) == want - oa.numel() * 2 + oa.numel() + -(-oa.shape[0] // 128) * -(
+        -oa.shape[1] // 128)
     case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model, layer=layer)
     fmt = layer.cache.fmt
     # two tokens at position 299: a full window each, and 299 // ratio + ... entries by the spec's count

@@ -6,9 +6,9 @@ projections).
   `torch.compile(fullgraph=True)`, the FP8_PROJECTIONS kept block-FP8 as `keep_fp8=True` loads a
   checkpoint (BlockFP8Linear, activations "auto") and the dsv4:: ops; kernels: the kernels one compiled
   step launches (torch.profiler, memcpy / memset not counted).
-- floor_us: the bytes the step must read (the layer's weights as held, each storage once, plus the
-  KV rows its tokens read: window, selected or visible entries, indexer keys) at the copy bandwidth
-  measured in the same run; at batch >= 128 the larger of that and the GEMM FLOPs (2 x tokens x
+- floor_us: the bytes the step must read (the layer's checkpoint weights, FP8 where the checkpoint is
+  FP8 and bf16 where it is bf16, plus the KV rows its tokens read: window, selected or visible
+  entries, indexer keys) at the copy bandwidth measured in the same run; at batch >= 128 the larger of that and the GEMM FLOPs (2 x tokens x
   weight elements) at the bf16 dense rate measured in the same run.
 - flashmla_bf16_us: the same layer with bf16 projections (the FP8 weights dequantized: the same
   values) and FlashMLA's decode as its core, through `_attend`'s core seam, captured likewise in eager.
@@ -103,6 +103,15 @@ def weight_bytes(layer) -> int:
     return sum(seen.values())
 
 
+def checkpoint_bytes(layer) -> int:
+    """weight_bytes with the grouped o_a_proj at its checkpoint's size: block-FP8 in V4's checkpoints
+    (one e4m3 byte a weight and one UE8M0 byte a 128 x 128 tile), while the layer holds it dequantized
+    (it runs as a bf16 einsum): the floor is the checkpoint's bytes, not what the layer makes of them."""
+    w = layer.o_a_proj.weight
+    tiles = -(-w.shape[0] // BLOCK) * -(-w.shape[1] // BLOCK)
+    return weight_bytes(layer) - w.numel() * w.element_size() + w.numel() + tiles
+
+
 def weight_elements(layer) -> int:
     """Multiply-adds per token of the layer's projections (each weight element once)."""
     seen = {}
@@ -183,10 +192,10 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
                 row = dict(model=model, layer=KIND_NAMES[kind], batch=batch, context=CONTEXT, heads=cfg.num_heads)
                 row["eager_us"], row["compiled_us"] = timer(eager), timer(comp)
                 row["kernels"] = kernel_count(comp)
-                floor = (weight_bytes(layer) + kv_bytes(case)) / bandwidth
+                floor = (checkpoint_bytes(layer) + kv_bytes(case)) / bandwidth
                 if batch >= FLOPS_FROM:
                     floor = max(floor, 2 * case.x.shape[0] * weight_elements(layer) / flops)
-                row["floor_us"] = floor * 1e6
+                row["floor_us"], row["copy_TBps"] = floor * 1e6, bandwidth / 1e12
                 row["vs_floor"] = row["compiled_us"] / row["floor_us"]
                 if twin is not None:
                     base = _attend_with(twin, case, flashmla_core(case))
@@ -210,5 +219,5 @@ def _attend_with(twin, case: Case, core):
     return lambda: _attend(twin, case.x, case.step, case.layer.cache, core=core)
 
 
-COLUMNS = ["model", "layer", "batch", "context", "heads", "eager_us", "compiled_us", "kernels", "floor_us", "vs_floor",
-           "flashmla_bf16_us", "vs_flashmla_bf16", "rel_diff"]
+COLUMNS = ["model", "layer", "batch", "context", "heads", "eager_us", "compiled_us", "kernels", "floor_us", "copy_TBps",
+           "vs_floor", "flashmla_bf16_us", "vs_flashmla_bf16", "rel_diff"]
