@@ -123,7 +123,7 @@ def _pool_bytes(layer):
     """Every pool and state of the layer's cache, as bytes (not the slot generations, bookkeeping,
     nor the indexer's top-k scratch, which holds no state)."""
     return {name: buf.clone().view(torch.uint8) for name, buf in layer.cache.named_buffers()
-            if name not in ("generations", "topk_workspace")}
+            if name not in ("generations", "ran_step", "topk_workspace")}
 
 
 @pytest.mark.parametrize("kind", [CSA, HCA])

@@ -709,13 +709,32 @@ class KVCacheManager:
 
     def commit(self, step: StepMeta) -> None:
         """Close the open step after its forward: its requests' lengths advance (a request released
-        since planning is skipped), their slots get a new generation (the step no longer runs)."""
+        since planning is skipped), their slots get a new generation (the step no longer runs).
+
+        Every attached layer cache must have run the step (each forward marks its cache on the
+        device: live_tokens): a step some cache did not run is rolled back (abort) and refused,
+        since its requests would move on over positions that cache never wrote (their next output
+        NaN). Reading the marks is one device-to-host copy: on a GPU, commit waits for the step's
+        forward (a serving loop reads its output next anyway)."""
         self._check_open(step, "commit")
+        self._check_ran(step)
         live = [p for p in step.origin.requests if self._unchanged(p)]
         for p in live:
             self.length[p.request_id] = p.start + p.tokens
         self._open = None
         self._bump([p.slot for p in live])
+
+    def _check_ran(self, step: StepMeta) -> None:
+        caches = list(self._caches)
+        if not caches:  # a planner without layers: nothing to write
+            return
+        mark = step.origin.requests[0].generation  # the first token's: what the forwards wrote
+        ran = sum(m == mark for m in torch.cat([c.ran_step for c in caches]).tolist())
+        if ran < len(caches):
+            self.abort(step)
+            raise RuntimeError(f"commit: step {step.origin.step_id} ran on {ran} of the {len(caches)} attached layer "
+                               f"caches (each runs every step); it was rolled back (abort): its requests stay as "
+                               f"before it. Run every attached layer's forward(x, step) before commit, or abort(step)")
 
     def abort(self, step: StepMeta) -> None:
         """Undo the open step (its forward failed or will not run): lengths stay, the blocks it took

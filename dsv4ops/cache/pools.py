@@ -24,6 +24,15 @@ class PoolCache(nn.Module):
     block_pools: dict
     dcp: Group | None = None
 
+    def register_step_state(self, cfg: CacheConfig, device) -> None:
+        """`generations` (int32 [max_requests]): each request slot's current generation, -1 (matches
+        no step) until a manager attaches the cache (KVCacheManager.attach); `ran_step` (int32 [1]):
+        the mark of the last step a forward ran on this cache (its first token's generation, written
+        on the device by live_tokens), which the manager's commit checks."""
+        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.register_buffer("ran_step", torch.full((1,), -1, dtype=torch.int32, device=device), persistent=False)
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Request slot dst's window rings and compressor states become slot src's."""
         for name, n in self.slot_pools.items():
@@ -74,9 +83,7 @@ class LayerCache(PoolCache):
                 topk_workspace = torch.empty(topk_workspace_words(model, cfg, 1 if dcp is None else dcp.size),
                                              dtype=torch.int32, device=device)
             self.register_buffer("topk_workspace", topk_workspace, persistent=False)
-        # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
-        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
-                             persistent=False)
+        self.register_step_state(cfg, device)
         # (state buffer, compress ratio, positions one entry pools): what abort may have to restore.
         kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
         self.state_rings = []

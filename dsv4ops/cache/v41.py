@@ -114,9 +114,7 @@ class V41StackCache(PoolCache):
             fill = 255 if spec.dtype == torch.uint8 else float("nan")
             self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
                                  persistent=False)
-        # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
-        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
-                             persistent=False)
+        self.register_step_state(cfg, device)
         # (state buffer, ratio, positions one entry pools): the ratio-2 sources' pending rows, what
         # abort may have to restore (ratio 1 pools its own token only).
         self.state_rings = [(f"state_{r.layer}", r.ratio, r.ratio) for r in model.roles
