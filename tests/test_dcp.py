@@ -261,7 +261,7 @@ def _patch_body(rank, group):
                         exact_dtype=torch.float32, block_size=4)
     patched = T._patched(base, cache, process_group=group, parallel="dcp")
     manager = patched.model.layers[0].self_attn.cache_manager
-    assert manager.dcp is not None and all(layer.self_attn.tp_group is None for layer in patched.model.layers)
+    assert manager.dcp.size == 2 and all(layer.self_attn.tp_group is None for layer in patched.model.layers)
     tokens, _ = T._against_transformers(base, patched, T._prompts(2), what=f"rank {rank} generate")
     return tokens
 

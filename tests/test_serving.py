@@ -228,7 +228,7 @@ def test_full_cache_and_released_requests_are_rejected():
     with pytest.raises(CacheFullError, match=f"prepare_step: the {CSA} pool needs 1 more blocks, 0 are free"):
         manager.prepare_step({"d": 4})  # entry 64 opens a second block for d
     _assert_same(before, _snapshot(manager, layer))
-    manager.commit(manager.prepare_step({"d": 3}))  # still inside d's first block: fine
+    manager.abort(manager.prepare_step({"d": 3}))  # still inside d's first block: planned
     manager.release("d")
     with pytest.raises(KeyError, match="request_id: 'd' is not admitted"):
         manager.prepare_step({"d": 1})

@@ -23,7 +23,7 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import PoolCache
 from dsv4ops.cache.step import StepOrigin
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.parallel import Group
+from dsv4ops.parallel.dcp import Ownership
 from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.reference.v41 import V41Numerics
 
@@ -103,10 +103,10 @@ class V41StackCache(PoolCache):
     blocks, and the manager adds `block_index_{ratio}`."""
 
     def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, device=None,
-                 dcp: Group | None = None, dcp_topk: str = "exact"):
+                 dcp: Ownership = Ownership(), dcp_topk: str = "exact"):
         super().__init__()
         self.cfg, self.numerics, self.dcp, self.dcp_topk = cfg, numerics, dcp, dcp_topk
-        shards = 1 if dcp is None else dcp.size
+        shards = dcp.size
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}
         for spec in stack_pools(model, cfg, numerics, shards):
@@ -179,7 +179,7 @@ class V41CacheManager(KVCacheManager):
 
     def _pool_bytes(self) -> tuple[dict, int]:
         block, slot = {m: 0 for m in self.ratios}, 0
-        for spec in stack_pools(self.model, self.cfg, self.numerics, self.shards):
+        for spec in stack_pools(self.model, self.cfg, self.numerics, self.dcp.size):
             kind, layer = spec.name.rsplit("_", 1)
             if kind in ("comp", "keys"):
                 block[self.model.role(int(layer)).ratio] += spec.nbytes // spec.shape[0]
