@@ -179,8 +179,8 @@ def _disagree_body(rank, group):
     layer = DeepseekV4Attention(CFG, 1)
     layer.attach_cache(manager)
     manager.admit("a")
-    with manager.step({"a": 40}):
-        pass
+    with manager.step({"a": 40}) as step:
+        layer(torch.zeros(step.positions.shape[0], CFG.hidden_size), step)
     before = _state(manager)
     match = r"prepare_step: the ranks of the context-parallel group disagree on the step \(ranks \[\d\] agree with " \
             r"rank \d, of 2\); every rank must plan the same steps"
@@ -198,6 +198,7 @@ def _disagree_body(rank, group):
         manager.release("only here")
     with manager.step({"a": 1}) as step:  # the ranks agree again: the step runs
         assert step.positions.shape[0] == 1
+        layer(torch.zeros(1, CFG.hidden_size), step)
     # Both process groups at once; a top-k mode that does not exist; V4.1 blocks that split a
     # candidate block.
     with pytest.raises(NotImplementedError, match="a context-parallel cache for a tensor-parallel layer"):

@@ -115,6 +115,11 @@ class KVCacheManager:
         self._steps = itertools.count(1)
         self._topk_workspace: dict[torch.device, torch.Tensor] = {}
 
+    @property
+    def shards(self) -> int:
+        """The ranks that share each request's blocks (dcp.size; 1 without a group)."""
+        return self.dcp.size
+
     def _check_args(self, model, cfg) -> None:
         if not isinstance(model, self.model_type):
             raise TypeError(f"model: expected a {self.model_type.__name__}, got {type(model).__name__} (V4: "
