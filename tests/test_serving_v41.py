@@ -136,10 +136,10 @@ def test_the_candidate_pool_prunes_and_the_reindex_layer_picks_inside_it():
 
 
 def _pool_bytes(stack):
-    """Every pool and state of the stack's cache (not the slot generations, bookkeeping, nor the
-    indexers' scratch, which holds no state)."""
+    """Every pool and state of the stack's cache (not the slot generations, bookkeeping such as the
+    block index, nor the indexers' scratch, which holds no state)."""
     return {name: buf.clone().view(torch.uint8) for name, buf in stack.cache.named_buffers()
-            if name not in ("generations", "ran_step", "topk_workspace")}
+            if name not in ("generations", "ran_step", "topk_workspace") and not name.startswith("block_index_")}
 
 
 def test_padding_tokens_change_nothing():
@@ -227,8 +227,10 @@ def test_eager_forward_rejects_foreign_stale_and_closed_steps():
             stack(xs, step)
         manager.abort(step)
         manager.admit("a")
-        with manager.step({"a": 8}) as step, pytest.raises(ValueError, match=r"expected 8 rows"):
-            stack(xs[:, :7], step)
+        # The refused forward ran nothing: the commit refuses the step and rolls it back (closed).
+        with pytest.raises(RuntimeError, match=r"commit: step \d+ ran on 0 of the 1 attached layer caches"):
+            with manager.step({"a": 8}) as step, pytest.raises(ValueError, match=r"expected 8 rows"):
+                stack(xs[:, :7], step)
         with pytest.raises(ValueError, match=r"step: step \d+ is closed"):
             stack(xs, step)
     after = _pool_bytes(stack)
