@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv4ops import checkpoint, packing
+from dsv4ops import layers_dcp as _dcp
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
@@ -22,7 +23,6 @@ from dsv4ops.fp8_linear import rule as fp8_rule
 from dsv4ops.fp8_linear.api import BlockFP8Linear, fp32_scale, fp8_linear
 from dsv4ops.indexer.reference import query_values
 from dsv4ops.parallel import Group, all_reduce
-from dsv4ops.parallel import dcp as _dcp
 from dsv4ops.parallel import tp as _tp
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
@@ -344,8 +344,8 @@ class DeepseekV4Attention(nn.Module):
         device = self.q_a_proj.weight.device
         if manager.device != device:
             raise ValueError(f"manager: plans steps on {manager.device}, the layer is on {device}")
-        dcp = getattr(manager, "dcp", None)
-        if dcp is not None and self.tp_group is not None:
+        dcp = manager.dcp
+        if dcp.size > 1 and self.tp_group is not None:
             raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel layer (both process "
                                       "groups at once) is not supported; use one or the other")
         cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device),
@@ -448,26 +448,26 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
                       step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index, fmt["index"], eps,
                       hadamard=indexer_rotates(layer.numerics))
             w = px["compressor.indexer.scorer.weights_proj"]
-            if dcp is None:
+            if dcp.size == 1:
                 comp_idx = _select(c.indexer, w, qr, step, pos, req, layer, cache)
             else:
                 comp_idx, comp_lens, _ = _select_dcp(c.indexer, w, qr, step, pos, req, layer, cache)
         else:  # HCA: every complete entry of the token's request (context parallel: of this rank's blocks)
             table, bs = step.block_table(kind), cache.cfg.block_size
             comp_idx = torch.empty(t, table.shape[1] * bs, dtype=torch.int32, device=x.device)
-            if dcp is None:
+            if dcp.size == 1:
                 ops.visible_entries(table, pos, req, comp_idx, ratio, bs)
             else:  # the rank's compact entries c < n_local, as ratio-1 entries of "position" n_local - 1
                 n_local = _dcp.owned_count(visible, bs, dcp)
                 ops.visible_entries(table, n_local - 1, req, comp_idx, 1, bs)
                 comp_lens = n_local.clamp(max=comp_idx.shape[1])
-        if dcp is None:
+        if dcp.size == 1:
             # The selection lists its entries first, so the first min(visible, k) columns hold them all.
             comp_lens = visible.clamp(max=comp_idx.shape[1])
 
-    if core is not None and cache.dcp is None:
+    if core is not None and cache.dcp.size == 1:
         o = core(q_rot, comp_cache, comp_fmt, comp_idx, comp_lens)
-    elif cache.dcp is None:
+    elif cache.dcp.size == 1:
         o = torch.empty_like(q_rot)
         ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
                         o, cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)

@@ -31,7 +31,7 @@ from dsv4ops.cache.step import live_tokens
 from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.parallel import Group, all_reduce
-from dsv4ops.parallel import dcp as _dcp
+from dsv4ops import layers_dcp as _dcp
 from dsv4ops.parallel import tp as _tp
 from dsv4ops.indexer.reference import query_values
 from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm, serving_cache
@@ -170,13 +170,13 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
             raise RuntimeError(f"layer {i} reads the top-k of index source {role.index_source}, which has not run in "
                                f"this step: run the layers of a step in order (a stale top-k would be read)")
         comp_idx = shared["topk", role.index_source]
-        if cache.dcp is None:
+        if cache.dcp.size == 1:
             # The selection lists its entries first: the first min(visible, k) columns hold them all.
             comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
         else:  # the selection's entries in this rank's blocks, as its pool slots
             comp_idx, comp_lens = _dcp.front(_dcp.local_slots(comp_idx, req, step.block_table(role.ratio),
                                                               cache.cfg.block_size, cache.dcp))
-    if cache.dcp is None or role.sliding:
+    if cache.dcp.size == 1 or role.sliding:
         o = torch.empty_like(q_rot)
         ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
                         cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
@@ -231,7 +231,7 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
     if role.uses_candidates and "pool" not in shared:
         raise RuntimeError(f"layer {role.layer} scores inside the candidate pool of layer "
                            f"{cfg.candidate_source_layer}, which has not run in this step: run the layers in order")
-    if cache.dcp is not None:
+    if cache.dcp.size > 1:
         _select_dcp(layer, q_out, w_out, step, pos, req, cache, shared)
         return
     cand = shared["pool"] if role.uses_candidates else None
@@ -330,7 +330,7 @@ class DeepseekV41AttentionStack(nn.Module):
         device = self.layers[0].sinks.device
         if manager.device != device:
             raise ValueError(f"manager: plans steps on {manager.device}, the stack is on {device}")
-        if manager.dcp is not None and self.tp_group is not None:
+        if manager.dcp.size > 1 and self.tp_group is not None:
             raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel stack (both process "
                                       "groups at once) is not supported; use one or the other")
         cache = V41StackCache(self.config, manager.cfg, self.numerics, device=device, dcp=manager.dcp,

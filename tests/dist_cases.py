@@ -96,7 +96,7 @@ def serve_v41(stack, manager, block: int):
             if isinstance(key, tuple):
                 table = step.block_table(cfg.role(key[1]).ratio)
                 for r, s in kept_rows(idx, spec).items():
-                    if manager.dcp is None:
+                    if manager.dcp.size == 1:
                         s = slots_to_entries(s, table[manager.slot_of[r]].cpu(), block)
                     topk[r].setdefault(key[1], []).append(s.long())
         for r, s in kept_rows(published["pool"], spec).items():

@@ -341,7 +341,7 @@ def test_sweep_cache_estimate_is_what_a_case_allocates(kind):
     case = attention.Case(kind, batch=3, context=300, new_tokens=1, device="cpu", model=model)
     cache = case.layer.cache
     held = sum(b.numel() * b.element_size() for name, b in cache.named_buffers()
-               if name not in ("generations", "topk_workspace"))
+               if name not in ("generations", "ran_step", "topk_workspace"))
     held += case.manager.topk_workspace("cpu").numel() * 4
     assert sweep.cache_bytes(sweep.Point("flash", kind, 3, 300), model) == held
 

@@ -59,41 +59,44 @@ def test_serving_forward_is_one_graph_with_the_ops_in_order(kind):
         check = check.check(f"torch.ops.dsv4.{op}.default")
     check.run(ops)
     # Every pool the layer owns is written back in place (one copy_ per mutated buffer; CSA: also
-    # the indexer's top-k workspace).
-    assert ops.count("aten.copy_.default") == {SLIDING: 1, CSA: 6, HCA: 3}[kind]
+    # the indexer's top-k workspace), and the cache's ran_step mark (commit checks it).
+    assert ops.count("aten.copy_.default") == {SLIDING: 2, CSA: 7, HCA: 4}[kind]
     if not PINNED_TORCH:
         return
     if kind == SLIDING:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg9_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg10_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_2, positions = where, req_slots = where_1, comp_idx = empty, comp_lens = zeros_like, window_ends = arg12_1, sinks = arg11_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_4, positions = where, inv_freq = arg9_1, _out_base_index = 0, _all_bases = [empty_like_2])
-copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg10_1, getitem_2)""")
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg12_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_2, positions = where, req_slots = where_1, comp_idx = empty, comp_lens = zeros_like, window_ends = arg14_1, sinks = arg13_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_4, positions = where, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
+copy_: "i32[1]" = torch.ops.aten.copy_.default(arg1_1, copy)
+copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg12_1, getitem_2)""")
     elif kind == CSA:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg9_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg10_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_4, score = slice_5, ape = arg13_1, positions = where, req_slots = where_1, entry_slots = arg15_1, norm_weight = arg14_1, inv_freq = arg9_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg11_1, arg12_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_6, score = slice_7, ape = arg18_1, positions = where, req_slots = where_1, entry_slots = arg15_1, norm_weight = arg19_1, inv_freq = arg9_1, eps = 1e-06, fmt = 'fp8_132', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg16_1, arg17_1])
-auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_q_prep.default, q = view_1, weights = slice_3, positions = where, inv_freq = arg9_1, fmt = 'fp8_132', hadamard = False, _q_out_base_index = 0, _w_out_base_index = 1, _all_bases = [empty_1, empty_2])
-auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_topk.default, q = getitem_10, weights = getitem_11, positions = where, req_slots = where_1, cache = getitem_8, block_table = arg22_1, cand = None, ratio = 4, cand_block = 0, fmt = 'fp8_132', _idx_out_base_index = 0, _cand_out_base_index = None, _workspace_base_index = 1, _all_bases = [empty_3, arg21_1])
-auto_functionalized_v2_5 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_13, comp_lens = clamp_1, window_ends = arg24_1, sinks = arg23_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
-auto_functionalized_v2_6 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_16, positions = where, inv_freq = arg9_1, _out_base_index = 0, _all_bases = [empty_like_2])
-copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg10_1, getitem_2)
-copy__1: "f32[2, 8, 2048]" = torch.ops.aten.copy_.default(arg11_1, getitem_4)
-copy__2: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg12_1, getitem_5)
-copy__3: "f32[2, 8, 512]" = torch.ops.aten.copy_.default(arg16_1, getitem_7)
-copy__4: "u8[6, 8448]" = torch.ops.aten.copy_.default(arg17_1, getitem_8)
-copy__5: "i32[2048]" = torch.ops.aten.copy_.default(arg21_1, getitem_14)""")
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg12_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_3, score = mm_4, ape = arg17_1, positions = where, req_slots = where_1, entry_slots = arg19_1, norm_weight = arg18_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg13_1, arg14_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_5, score = mm_6, ape = arg24_1, positions = where, req_slots = where_1, entry_slots = arg19_1, norm_weight = arg25_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_132', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg20_1, arg21_1])
+auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_q_prep.default, q = view_1, weights = mm_8, positions = where, inv_freq = arg11_1, fmt = 'fp8_132', hadamard = False, _q_out_base_index = 0, _w_out_base_index = 1, _all_bases = [empty_1, empty_2])
+auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_topk.default, q = getitem_10, weights = getitem_11, positions = where, req_slots = where_1, cache = getitem_8, block_table = arg29_1, cand = None, ratio = 4, cand_block = 0, fmt = 'fp8_132', _idx_out_base_index = 0, _cand_out_base_index = None, _workspace_base_index = 1, _all_bases = [empty_3, arg28_1])
+auto_functionalized_v2_5 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_13, comp_lens = clamp_1, window_ends = arg31_1, sinks = arg30_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
+auto_functionalized_v2_6 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_16, positions = where, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
+copy_: "i32[1]" = torch.ops.aten.copy_.default(arg1_1, copy)
+copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg12_1, getitem_2)
+copy__2: "f32[2, 8, 2048]" = torch.ops.aten.copy_.default(arg13_1, getitem_4)
+copy__3: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg14_1, getitem_5)
+copy__4: "f32[2, 8, 512]" = torch.ops.aten.copy_.default(arg20_1, getitem_7)
+copy__5: "u8[6, 8448]" = torch.ops.aten.copy_.default(arg21_1, getitem_8)
+copy__6: "i32[2048]" = torch.ops.aten.copy_.default(arg28_1, getitem_14)""")
     else:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg9_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg10_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_3, score = slice_4, ape = arg13_1, positions = where, req_slots = where_1, entry_slots = arg15_1, norm_weight = arg14_1, inv_freq = arg9_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg11_1, arg12_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.visible_entries.default, block_table = arg16_1, positions = where, req_slots = where_1, ratio = 128, block_size = 64, _out_base_index = 0, _all_bases = [empty_1])
-auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_7, comp_lens = clamp_1, window_ends = arg18_1, sinks = arg17_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
-auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_9, positions = where, inv_freq = arg9_1, _out_base_index = 0, _all_bases = [empty_like_2])
-copy_: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg10_1, getitem_2)
-copy__1: "f32[2, 128, 1024]" = torch.ops.aten.copy_.default(arg11_1, getitem_4)
-copy__2: "u8[3, 37440]" = torch.ops.aten.copy_.default(arg12_1, getitem_5)""")
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg12_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = mm_3, score = mm_4, ape = arg17_1, positions = where, req_slots = where_1, entry_slots = arg19_1, norm_weight = arg18_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg13_1, arg14_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.visible_entries.default, block_table = arg20_1, positions = where, req_slots = where_1, ratio = 128, block_size = 64, _out_base_index = 0, _all_bases = [empty_1])
+auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_7, comp_lens = clamp_1, window_ends = arg22_1, sinks = arg21_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
+auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_9, positions = where, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
+copy_: "i32[1]" = torch.ops.aten.copy_.default(arg1_1, copy)
+copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg12_1, getitem_2)
+copy__2: "f32[2, 128, 1024]" = torch.ops.aten.copy_.default(arg13_1, getitem_4)
+copy__3: "u8[3, 37440]" = torch.ops.aten.copy_.default(arg14_1, getitem_5)""")
 
 
 def test_no_recompile_across_decode_steps_crossing_block_boundaries():

@@ -179,8 +179,8 @@ def _disagree_body(rank, group):
     layer = DeepseekV4Attention(CFG, 1)
     layer.attach_cache(manager)
     manager.admit("a")
-    with manager.step({"a": 40}):
-        pass
+    with manager.step({"a": 40}) as step:
+        layer(torch.zeros(step.positions.shape[0], CFG.hidden_size), step)
     before = _state(manager)
     match = r"prepare_step: the ranks of the context-parallel group disagree on the step \(ranks \[\d\] agree with " \
             r"rank \d, of 2\); every rank must plan the same steps"
@@ -204,6 +204,7 @@ def _disagree_body(rank, group):
         manager.release("only here")
     with manager.step({"a": 1}) as step:  # the ranks agree again: the step runs
         assert step.positions.shape[0] == 1
+        layer(torch.zeros(1, CFG.hidden_size), step)
     # Both process groups at once; a top-k mode that does not exist; V4.1 blocks that split a
     # candidate block.
     with pytest.raises(NotImplementedError, match="a context-parallel cache for a tensor-parallel layer"):
@@ -267,7 +268,7 @@ def _patch_body(rank, group):
                         exact_dtype=torch.float32, block_size=4)
     patched = T._patched(base, cache, process_group=group, parallel="dcp")
     manager = patched.model.layers[0].self_attn.cache_manager
-    assert manager.dcp is not None and all(layer.self_attn.tp_group is None for layer in patched.model.layers)
+    assert manager.dcp.size == 2 and all(layer.self_attn.tp_group is None for layer in patched.model.layers)
     tokens, _ = T._against_transformers(base, patched, T._prompts(2), what=f"rank {rank} generate")
     return tokens
 

@@ -123,7 +123,7 @@ def _pool_bytes(layer):
     """Every pool and state of the layer's cache, as bytes (not the slot generations, bookkeeping,
     nor the indexer's top-k scratch, which holds no state)."""
     return {name: buf.clone().view(torch.uint8) for name, buf in layer.cache.named_buffers()
-            if name not in ("generations", "topk_workspace")}
+            if name not in ("generations", "ran_step", "topk_workspace")}
 
 
 @pytest.mark.parametrize("kind", [CSA, HCA])
@@ -228,7 +228,7 @@ def test_full_cache_and_released_requests_are_rejected():
     with pytest.raises(CacheFullError, match=f"prepare_step: the {CSA} pool needs 1 more blocks, 0 are free"):
         manager.prepare_step({"d": 4})  # entry 64 opens a second block for d
     _assert_same(before, _snapshot(manager, layer))
-    manager.commit(manager.prepare_step({"d": 3}))  # still inside d's first block: fine
+    manager.abort(manager.prepare_step({"d": 3}))  # still inside d's first block: planned
     manager.release("d")
     with pytest.raises(KeyError, match="request_id: 'd' is not admitted"):
         manager.prepare_step({"d": 1})

@@ -136,10 +136,10 @@ def test_the_candidate_pool_prunes_and_the_reindex_layer_picks_inside_it():
 
 
 def _pool_bytes(stack):
-    """Every pool and state of the stack's cache (not the slot generations, bookkeeping, nor the
-    indexers' scratch, which holds no state)."""
+    """Every pool and state of the stack's cache (not the slot generations, bookkeeping such as the
+    block index, nor the indexers' scratch, which holds no state)."""
     return {name: buf.clone().view(torch.uint8) for name, buf in stack.cache.named_buffers()
-            if name not in ("generations", "topk_workspace")}
+            if name not in ("generations", "ran_step", "topk_workspace") and not name.startswith("block_index_")}
 
 
 def test_padding_tokens_change_nothing():
@@ -227,8 +227,10 @@ def test_eager_forward_rejects_foreign_stale_and_closed_steps():
             stack(xs, step)
         manager.abort(step)
         manager.admit("a")
-        with manager.step({"a": 8}) as step, pytest.raises(ValueError, match=r"expected 8 rows"):
-            stack(xs[:, :7], step)
+        # The refused forward ran nothing: the commit refuses the step and rolls it back (closed).
+        with pytest.raises(RuntimeError, match=r"commit: step \d+ ran on 0 of the 1 attached layer caches"):
+            with manager.step({"a": 8}) as step, pytest.raises(ValueError, match=r"expected 8 rows"):
+                stack(xs[:, :7], step)
         with pytest.raises(ValueError, match=r"step: step \d+ is closed"):
             stack(xs, step)
     after = _pool_bytes(stack)
@@ -359,3 +361,19 @@ def test_flash_memory_matches_the_spec():
     assert memory(flash, cfg, layers=43)["fixed_bytes_per_request"] - states == 2_906_112
     fp8_keys = memory(flash, cfg, V41Numerics(index="fp8_132"))
     assert fp8_keys["bytes_per_token"] == 1050
+
+
+def test_a_step_the_stack_did_not_run_is_refused_at_commit_and_rolled_back():
+    """Issue 52, as test_step_lifecycle's V4 case: a step committed without the stack's forward
+    raises and is rolled back; the request then runs as if it had never been planned."""
+    stack, manager, inputs = _setup("exact")
+    manager.admit("a")
+    with pytest.raises(RuntimeError, match=r"commit: step \d+ ran on 0 of the 1 attached layer caches"):
+        with manager.step({"a": 4}):
+            pass
+    assert manager.length == {"a": 0} and manager.open_step is None
+    x = inputs["a"][:, :4]
+    with manager.step({"a": 4}) as step:
+        y = stack(x, step)
+    assert manager.length == {"a": 4}
+    torch.testing.assert_close(y, stack(x[:, None])[:, 0], rtol=1e-4, atol=1e-4)

@@ -9,7 +9,7 @@ import torch
 from test_serving import CFG, LENGTHS, _check_against_stateless, _pool_bytes, _setup
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4ops import layers
+from dsv4ops import DeepseekV4Attention, Numerics, layers, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
@@ -116,11 +116,14 @@ def test_explicit_commit_and_abort():
     with pytest.raises(ValueError, match=r"commit: expected the open step \(none is open\)"):
         manager.commit(step)
     step = manager.prepare_step({"a": 70, "b": 3})
+    x = torch.cat([inputs["a"][:70], inputs["b"][:3]])
+    layer(torch.cat([x, x.new_zeros(step.positions.shape[0] - 73, x.shape[1])]), step)
     manager.commit(step)
     assert manager.length == {"a": 70, "b": 3} and manager.open_step is None
     decode = manager.prepare_step({"a": 1})
     with pytest.raises(ValueError, match=r"commit: expected the open step \(\d+\) of manager \d+, got step \d+"):
         manager.commit(step)
+    layer(_step_x(inputs, "a", 70, 1, decode), decode)
     manager.commit(decode)
 
 
@@ -414,3 +417,41 @@ def test_live_tokens_is_the_elementwise_rule(compiled):
         in_range = 0 <= p < top
         live = in_range and 0 <= r < slots and g
         assert (int(got_pos[i]), int(got_req[i])) == (p if in_range else 0, r if live else -1), (p, r, g)
+
+
+def test_a_step_that_no_layer_ran_is_refused_at_commit_and_rolled_back():
+    """Issue 52: `with manager.step({"a": 5}): pass` committed a step nothing wrote: the request moved
+    on over positions that hold no entry, and its next output was all NaN. The commit raises, the
+    step is rolled back (the request stays as before it), and the request then runs as if the step
+    had never been planned. A step that only some of the attached layers ran is refused the same
+    way (the others' pools would miss its tokens). A step of a manager without layers commits."""
+    layer, manager, inputs = _setup(CSA, "bf16")
+    other = testing.randomize_(DeepseekV4Attention(CFG, 2, numerics=Numerics()), seed=2)  # an HCA layer
+    other.attach_cache(manager)
+    manager.admit("a")
+    before = _bookkeeping(manager)
+    with pytest.raises(RuntimeError, match=r"commit: step \d+ ran on 0 of the 2 attached layer caches \(each runs "
+                                           r"every step\); it was rolled back \(abort\): its requests stay as before it"):
+        with manager.step({"a": 5}):
+            pass
+    _same_bookkeeping(before, _bookkeeping(manager))
+    assert manager.open_step is None and manager.length == {"a": 0}
+    with pytest.raises(RuntimeError, match=r"commit: step \d+ ran on 1 of the 2 attached layer caches"):
+        with manager.step({"a": 5}) as step:
+            layer(_step_x(inputs, "a", 0, 5, step), step)
+    _same_bookkeeping(before, _bookkeeping(manager))
+    x = inputs["a"][:6]
+    outs = []
+    for start, n in ((0, 5), (5, 1)):
+        with manager.step({"a": n}) as step:
+            outs.append(layer(_step_x(inputs, "a", start, n, step), step)[:n])
+            other(_step_x(inputs, "a", start, n, step), step)
+    assert manager.length == {"a": 6}
+    torch.testing.assert_close(torch.cat(outs), layer(x[None])[0], rtol=1e-4, atol=1e-4)
+
+    bare = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=64, max_step_tokens=16))
+    bare.admit("a")
+    with bare.step({"a": 4}):
+        pass
+    assert bare.length == {"a": 4}
+

@@ -6,7 +6,7 @@ from torch import nn
 
 from dsv4ops.cache.config import CacheConfig, layer_pools, topk_workspace_words
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
-from dsv4ops.parallel import Group
+from dsv4ops.parallel.dcp import Ownership
 
 
 class PoolCache(nn.Module):
@@ -17,12 +17,21 @@ class PoolCache(nn.Module):
     manager's block table of that group). Copies are in place on the buffers' device, issued
     between steps (the buffers keep their addresses: CUDA graphs stay valid).
 
-    `dcp` (a dsv4ops.parallel.Group, or None): the context-parallel group whose rank this cache is; its
-    block pools hold that rank's blocks only (block id = local block x ranks + rank)."""
+    `dcp` (the manager's dsv4ops.parallel.dcp.Ownership): which blocks this rank holds; its block
+    pools hold those only (block id = local block x ranks + rank; one rank: every block)."""
 
     slot_pools: dict
     block_pools: dict
-    dcp: Group | None = None
+    dcp: Ownership = Ownership()
+
+    def register_step_state(self, cfg: CacheConfig, device) -> None:
+        """`generations` (int32 [max_requests]): each request slot's current generation, -1 (matches
+        no step) until a manager attaches the cache (KVCacheManager.attach); `ran_step` (int32 [1]):
+        the mark of the last step a forward ran on this cache (its first token's generation, written
+        on the device by live_tokens), which the manager's commit checks."""
+        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.register_buffer("ran_step", torch.full((1,), -1, dtype=torch.int32, device=device), persistent=False)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Request slot dst's window rings and compressor states become slot src's."""
@@ -34,9 +43,8 @@ class PoolCache(nn.Module):
         """Blocks dst[i] of the group's pools become copies of blocks src[i] (context parallel: the
         pairs this rank holds; a copy stays on the rank of its block's index, so src[i] and dst[i]
         have the same owner)."""
-        if self.dcp is not None:
-            n, mine = self.dcp.size, [(a, b) for a, b in zip(src, dst) if a % self.dcp.size == self.dcp.rank]
-            src, dst = [a // n for a, _ in mine], [b // n for _, b in mine]
+        n, mine = self.dcp.size, [(a, b) for a, b in zip(src, dst) if a % self.dcp.size == self.dcp.rank]
+        src, dst = [a // n for a, _ in mine], [b // n for _, b in mine]
         if not src:
             return
         for name, g in self.block_pools.items():
@@ -57,12 +65,12 @@ class LayerCache(PoolCache):
     (each local block's index in its request's table)."""
 
     def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None,
-                 topk_workspace: torch.Tensor | None = None, dcp: Group | None = None, dcp_topk: str = "exact"):
+                 topk_workspace: torch.Tensor | None = None, dcp: Ownership = Ownership(), dcp_topk: str = "exact"):
         super().__init__()
         self.cfg, self.dcp, self.dcp_topk = cfg, dcp, dcp_topk
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}  # pool name -> its row format (the ops take it explicitly)
-        for spec in layer_pools(model, layer_idx, cfg, 1 if dcp is None else dcp.size):
+        for spec in layer_pools(model, layer_idx, cfg, dcp.size):
             self.fmt[spec.name] = spec.fmt
             # Poisoned at birth: FP8 pools with 0xFF (e4m3 NaN), float pools and states with NaN, so
             # any read of an entry that was never written shows up in the output.
@@ -71,12 +79,10 @@ class LayerCache(PoolCache):
                                  persistent=False)
         if model.layer_type(layer_idx) == CSA:
             if topk_workspace is None:
-                topk_workspace = torch.empty(topk_workspace_words(model, cfg, 1 if dcp is None else dcp.size),
+                topk_workspace = torch.empty(topk_workspace_words(model, cfg, dcp.size),
                                              dtype=torch.int32, device=device)
             self.register_buffer("topk_workspace", topk_workspace, persistent=False)
-        # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
-        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
-                             persistent=False)
+        self.register_step_state(cfg, device)
         # (state buffer, compress ratio, positions one entry pools): what abort may have to restore.
         kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
         self.state_rings = []

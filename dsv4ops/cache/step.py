@@ -97,7 +97,11 @@ def live_tokens(step, cache) -> tuple[Tensor, Tensor]:
     """(positions, req_slots) of `step` (a StepMeta or V41StepMeta) with every token that must not
     run turned into padding, on the device and without a sync, against `cache` (its `generations`
     and CacheConfig): request slot out of range, slot generation != the step's (a foreign, stale
-    or closed step), position outside [0, max_context)."""
+    or closed step), position outside [0, max_context). Every serving forward of a layer calls it
+    first, so it also marks the step as run on `cache` (`ran_step` = the step's first token's
+    generation, never padding, unique to the step): a device write, so eager and compiled forwards
+    (CUDA graphs included) mark alike, and commit refuses a step that an attached cache did not run."""
+    cache.ran_step.copy_(step.req_gens[:1])
     pos, req = step.positions, step.req_slots
     n = cache.generations.shape[0]
     pos_ok = (pos >= 0) & (pos < cache.cfg.max_context)

@@ -23,7 +23,7 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import PoolCache
 from dsv4ops.cache.step import StepOrigin
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.parallel import Group
+from dsv4ops.parallel.dcp import Ownership
 from dsv4ops.indexer.workspace import workspace_words
 from dsv4ops.reference.v41 import V41Numerics
 
@@ -103,10 +103,10 @@ class V41StackCache(PoolCache):
     blocks, and the manager adds `block_index_{ratio}`."""
 
     def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, device=None,
-                 dcp: Group | None = None, dcp_topk: str = "exact"):
+                 dcp: Ownership = Ownership(), dcp_topk: str = "exact"):
         super().__init__()
         self.cfg, self.numerics, self.dcp, self.dcp_topk = cfg, numerics, dcp, dcp_topk
-        shards = 1 if dcp is None else dcp.size
+        shards = dcp.size
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}
         for spec in stack_pools(model, cfg, numerics, shards):
@@ -114,9 +114,7 @@ class V41StackCache(PoolCache):
             fill = 255 if spec.dtype == torch.uint8 else float("nan")
             self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
                                  persistent=False)
-        # -1 matches no step until a manager attaches the cache (KVCacheManager.attach).
-        self.register_buffer("generations", torch.full((cfg.max_requests,), -1, dtype=torch.int32, device=device),
-                             persistent=False)
+        self.register_step_state(cfg, device)
         # (state buffer, ratio, positions one entry pools): the ratio-2 sources' pending rows, what
         # abort may have to restore (ratio 1 pools its own token only).
         self.state_rings = [(f"state_{r.layer}", r.ratio, r.ratio) for r in model.roles
@@ -181,7 +179,7 @@ class V41CacheManager(KVCacheManager):
 
     def _pool_bytes(self) -> tuple[dict, int]:
         block, slot = {m: 0 for m in self.ratios}, 0
-        for spec in stack_pools(self.model, self.cfg, self.numerics, self.shards):
+        for spec in stack_pools(self.model, self.cfg, self.numerics, self.dcp.size):
             kind, layer = spec.name.rsplit("_", 1)
             if kind in ("comp", "keys"):
                 block[self.model.role(int(layer)).ratio] += spec.nbytes // spec.shape[0]

@@ -31,6 +31,9 @@ Top-k (CSA, V4.1 index sources). Each rank selects the top-k of its own entries 
 Attention. Each rank runs sparse_attn over its window share and its entries with `lse` (its output
 normalized without the sink, and ln of its sum); the ranks' (out, lse) are all-gathered and
 dsv4::attn_merge applies the sink once. An empty share gives zeros and -inf, and is not read.
+
+This module is index math and collectives only (plain torch): what runs dsv4:: ops on a rank's
+share (the candidates' scores, the merged attention) is the layers', in dsv4ops.layers_dcp.
 """
 
 from __future__ import annotations
@@ -95,27 +98,48 @@ class Agreement:
                                f"release, commit, abort, rewind, fork); nothing was changed")
 
 
-def check_layout(model, cfg) -> None:
-    """A V4.1 candidate block (candidate_block_size entries) must lie in one rank's block."""
-    cb = getattr(model, "candidate_block_size", None)
-    if cb and cfg.block_size % cb:
-        raise ValueError(f"block_size: context parallelism keeps each candidate block of {cb} entries on one rank; "
-                         f"expected a multiple of {cb}, got {cfg.block_size}")
-
-
 # ---- ownership and the compact entries of a rank ----------------------------------------------------------
-def owned_count(n: Tensor, block_size: int, group: Group) -> Tensor:
+class Ownership:
+    """Which rank holds which block of a request's compressed entries: block b on rank b % size,
+    where it is local block b // size (block ids: local block x size + rank). A cache manager, and
+    every cache attached to it, holds one. `Ownership()` (no group) is one rank: rank 0 of 1 holds
+    every block, each formula of this module is the identity and `agree` / `check_layout` check
+    nothing, so the planner and the pools have one path. `group` (a Group, None on one rank) is what
+    the collectives take."""
+
+    def __init__(self, process_group=None, what: str = "process_group"):
+        self.group = Group.of(process_group, what)
+        self.rank, self.size = (0, 1) if self.group is None else (self.group.rank, self.group.size)
+        self._agreement = None if self.group is None else Agreement(process_group)
+
+    def __repr__(self) -> str:
+        return f"Ownership(rank={self.rank}, size={self.size})"
+
+    def agree(self, what: str, state) -> None:
+        """Raise on every rank unless every rank's `state` is the same (Agreement); one rank: nothing."""
+        if self._agreement is not None:
+            self._agreement.check(what, state)
+
+    def check_layout(self, model, cfg) -> None:
+        """A V4.1 candidate block (candidate_block_size entries) must lie in one rank's block."""
+        cb = getattr(model, "candidate_block_size", None)
+        if self.size > 1 and cb and cfg.block_size % cb:
+            raise ValueError(f"block_size: context parallelism keeps each candidate block of {cb} entries on one "
+                             f"rank; expected a multiple of {cb}, got {cfg.block_size}")
+
+
+def owned_count(n: Tensor, block_size: int, own: Ownership) -> Tensor:
     """[T] int32: how many of the entries w < n[t] lie in this rank's blocks."""
     n = n.long()
     full, rem = n // block_size, n % block_size
-    mine = (full - group.rank + group.size - 1).clamp(min=0) // group.size
-    part = torch.where(full % group.size == group.rank, rem, 0)
+    mine = (full - own.rank + own.size - 1).clamp(min=0) // own.size
+    part = torch.where(full % own.size == own.rank, rem, 0)
     return (mine * block_size + part).to(torch.int32)
 
 
-def compact_to_global(c: Tensor, block_size: int, group: Group) -> Tensor:
+def compact_to_global(c: Tensor, block_size: int, own: Ownership) -> Tensor:
     """Global entry of this rank's compact entry c (c >= 0)."""
-    return ((c // block_size) * group.size + group.rank) * block_size + c % block_size
+    return ((c // block_size) * own.size + own.rank) * block_size + c % block_size
 
 
 def compact_slots(c: Tensor, valid: Tensor, req: Tensor, table: Tensor, block_size: int) -> Tensor:
@@ -128,13 +152,13 @@ def compact_slots(c: Tensor, valid: Tensor, req: Tensor, table: Tensor, block_si
     return torch.where(ok, blk * block_size + c % block_size, -1).to(torch.int32)
 
 
-def local_slots(entries: Tensor, req: Tensor, table: Tensor, block_size: int, group: Group) -> Tensor:
+def local_slots(entries: Tensor, req: Tensor, table: Tensor, block_size: int, own: Ownership) -> Tensor:
     """This rank's pool slots of global entries [T, k] (-1: none) of each token's request; -1 for
     the entries of other ranks' blocks."""
     e = entries.long()
     b = e.clamp(min=0) // block_size
-    mine = (e >= 0) & (b % group.size == group.rank)
-    c = (b // group.size) * block_size + e.clamp(min=0) % block_size
+    mine = (e >= 0) & (b % own.size == own.rank)
+    c = (b // own.size) * block_size + e.clamp(min=0) % block_size
     return compact_slots(c, mine, req, table, block_size)
 
 
@@ -154,25 +178,13 @@ def front(slots: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ---- the selection --------------------------------------------------------------------------------------
-def entry_scores(q_values: Tensor, weights: Tensor, keys: Tensor, slots: Tensor, fmt: str) -> Tensor:
-    """[T, k] fp32 sum_h w_h relu(q_h . key) of the keys at pool slots [T, k] (-1: -inf); q_values
-    [T, H, d] fp32 (the prepared query's values), weights [T, H] (w_out of indexer_q_prep)."""
-    t, k = slots.shape
-    d = q_values.shape[-1]
-    rows = torch.empty(t * k, d, dtype=torch.float32, device=slots.device)
-    torch.ops.dsv4.unpack_kv(keys, slots.reshape(-1).contiguous(), rows, fmt)
-    s = torch.einsum("thd,tkd->thk", q_values, rows.view(t, k, d)).relu()
-    s = (s * weights.float()[..., None]).sum(1)
-    return s.masked_fill(slots < 0, float("-inf"))
-
-
-def merge_best(ids: Tensor, scores: Tensor, k: int, group: Group) -> Tensor:
+def merge_best(ids: Tensor, scores: Tensor, k: int, own: Ownership) -> Tensor:
     """The best k of every rank's candidates: ids [T, c] (-1: none) with scores [T, c] (-inf: not
     eligible) on each rank -> [T, k] int32, the chosen ids ascending, -1 after them; ties go to the
     lower id (the single-process ops' rule)."""
     t = ids.shape[0]
-    every_id = all_gather(ids.to(torch.int32), group).permute(1, 0, 2).reshape(t, -1)
-    every_score = all_gather(scores.float(), group).permute(1, 0, 2).reshape(t, -1)
+    every_id = all_gather(ids.to(torch.int32), own.group).permute(1, 0, 2).reshape(t, -1)
+    every_score = all_gather(scores.float(), own.group).permute(1, 0, 2).reshape(t, -1)
     ok = (every_id >= 0) & (every_score > float("-inf"))
     key = torch.where(ok, every_id, _NONE)
     by_id = torch.sort(key, dim=1, stable=True)
@@ -186,47 +198,17 @@ def merge_best(ids: Tensor, scores: Tensor, k: int, group: Group) -> Tensor:
     return out.to(torch.int32)
 
 
-def block_scores(cand: Tensor, n_local: Tensor, q_values: Tensor, weights: Tensor, keys: Tensor, req: Tensor,
-                 table: Tensor, cand_block: int, block_size: int, fmt: str) -> Tensor:
-    """[T, blocks] fp32: the max score of the visible entries of each of this rank's candidate
-    blocks `cand` (compact blocks, -1: none -> -inf)."""
-    t, width = cand.shape
-    c = cand.long()[..., None] * cand_block + torch.arange(cand_block, device=cand.device)
-    valid = (cand >= 0)[..., None] & (c < n_local.long()[:, None, None])
-    slots = compact_slots(c.clamp(min=0), valid, req, table, block_size).view(t, -1)
-    return entry_scores(q_values, weights, keys, slots, fmt).view(t, width, cand_block).amax(-1)
-
-
-def global_blocks(cand: Tensor, cand_block: int, block_size: int, group: Group) -> Tensor:
+def global_blocks(cand: Tensor, cand_block: int, block_size: int, own: Ownership) -> Tensor:
     """Global candidate blocks of this rank's compact candidate blocks (-1 stays -1)."""
-    g = compact_to_global(cand.long().clamp(min=0) * cand_block, block_size, group) // cand_block
+    g = compact_to_global(cand.long().clamp(min=0) * cand_block, block_size, own) // cand_block
     return torch.where(cand >= 0, g, -1).to(torch.int32)
 
 
-def local_blocks(blocks: Tensor, cand_block: int, block_size: int, group: Group) -> Tensor:
+def local_blocks(blocks: Tensor, cand_block: int, block_size: int, own: Ownership) -> Tensor:
     """This rank's compact candidate blocks of global candidate blocks [T, n] (ascending, -1 fill):
     the ones in its blocks, ascending, then -1."""
     e = blocks.long().clamp(min=0) * cand_block
     b = e // block_size
-    mine = (blocks >= 0) & (b % group.size == group.rank)
-    c = ((b // group.size) * block_size + e % block_size) // cand_block
+    mine = (blocks >= 0) & (b % own.size == own.rank)
+    c = ((b // own.size) * block_size + e % block_size) // cand_block
     return front(torch.where(mine, c, -1).to(torch.int32))[0]
-
-
-# ---- attention ------------------------------------------------------------------------------------------
-def attend(q: Tensor, window_cache: Tensor, comp_cache: Tensor, pos: Tensor, req: Tensor, comp_idx: Tensor,
-           comp_lens: Tensor, window_ends: Tensor, sinks: Tensor, scale: float, window: int, ring_size: int,
-           window_fmt: str, comp_fmt: str, group: Group) -> Tensor:
-    """Sparse attention of a step whose entries are shared over the group: this rank's share (its
-    listed entries comp_idx, and the windows of the tokens t with t % ranks == rank) without the
-    sink, with its log-sum-exp; every rank's share all-gathered and merged with the sink."""
-    t = q.shape[0]
-    mine = torch.arange(t, device=q.device) % group.size == group.rank
-    ends = torch.where(mine, window_ends, -1)
-    o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    torch.ops.dsv4.sparse_attn(q, window_cache, comp_cache, pos, req, comp_idx, comp_lens, ends, sinks, o, scale,
-                               window, ring_size, window_fmt, comp_fmt, lse)
-    out = torch.empty_like(q)
-    torch.ops.dsv4.attn_merge(all_gather(o, group), all_gather(lse, group), sinks, out)
-    return out
