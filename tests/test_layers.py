@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention as HFAttention
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.config import CSA
 
@@ -93,30 +93,30 @@ def test_stateless_forward_rejects_bad_inputs(x, match):
         DeepseekV4Attention(CFG, 1)(x)
 
 
-MODES = {"exact": Numerics(), "kv-fp8": Numerics(kv="fp8"), "indexer-fp8": Numerics(indexer="fp8"),
-         "fp8": Numerics(kv="fp8", indexer="fp8")}
+MODES = {"exact": CacheFormats.exact(), "kv-fp8": CacheFormats("fp8_584", "fp8_584", "exact"),
+         "indexer-fp8": CacheFormats("exact", "exact", "fp8_132"), "fp8": CacheFormats.v4()}
 
 
-def _fp32_compressor_weights(numerics: Numerics, layer_idx: int) -> set:
-    """The compressor weights the reference keeps in fp32 (spec 3.3): those of a mode that is not exact."""
-    main = {"compressor.kv_proj.weight", "compressor.gate_proj.weight"} if numerics.kv != "exact" else set()
+def _fp32_compressor_weights(fmts: CacheFormats, layer_idx: int) -> set:
+    """The compressor weights the reference keeps in fp32 (spec 3.3): those of a quantized pool."""
+    main = {"compressor.kv_proj.weight", "compressor.gate_proj.weight"} if fmts.comp != "exact" else set()
     index = {"compressor.indexer.kv_proj.weight", "compressor.indexer.gate_proj.weight"}
-    return main | (index if numerics.indexer != "exact" and CFG.layer_type(layer_idx) == CSA else set())
+    return main | (index if fmts.index != "exact" and CFG.layer_type(layer_idx) == CSA else set())
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_to_bf16_keeps_sinks_norms_rope_tables_and_the_quantized_modes_compressors_in_fp32(mode):
-    numerics = MODES[mode]
+    fmts = MODES[mode]
     for li in (1, 2):  # CSA, HCA
-        layer = DeepseekV4Attention(CFG, li, numerics=numerics).to(torch.bfloat16)
-        fp32 = _fp32_compressor_weights(numerics, li)
+        layer = DeepseekV4Attention(CFG, li, formats=fmts).to(torch.bfloat16)
+        fp32 = _fp32_compressor_weights(fmts, li)
         for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
             keep = name.endswith(("sinks", "position_bias", "norm.weight", "inv_freq")) or name in fp32
             assert t.dtype == (torch.float32 if keep else torch.bfloat16), (mode, li, name)
         # The values too: a frequency rounded through bf16 turns the angle by up to 1.2 rad at 740.
         assert torch.equal(layer.inv_freq, CFG.inv_freq(li)), (mode, li)
         with torch.device("meta"), _default_dtype(torch.bfloat16):  # built in bf16: the same dtypes
-            built = DeepseekV4Attention(CFG, li, numerics=numerics)
+            built = DeepseekV4Attention(CFG, li, formats=fmts)
         assert {n: t.dtype for n, t in built.named_parameters()} == {n: t.dtype for n, t in layer.named_parameters()}
 
 
@@ -135,7 +135,7 @@ def test_bf16_state_dicts_load_into_the_fp32_compressor_weights_and_back():
     casts) -> transformers' again: every tensor round-trips bit for bit."""
     hc = testing.hf_config(CFG)
     hf = testing.randomize_(HFAttention(hc, 1), seed=1).to(torch.bfloat16)
-    ours = DeepseekV4Attention(hc, 1, numerics=MODES["fp8"]).to(torch.bfloat16)
+    ours = DeepseekV4Attention(hc, 1, formats=MODES["fp8"]).to(torch.bfloat16)
     ours.load_state_dict(hf.state_dict(), strict=True)
     assert ours.compressor.indexer.gate_proj.weight.dtype == torch.float32
     back = HFAttention(hc, 1).to(torch.bfloat16)
@@ -163,11 +163,10 @@ class _WeightConversions(TorchDispatchMode):
 @pytest.mark.parametrize("mode", ["exact", "fp8"])
 @pytest.mark.parametrize("layer_idx", [1, 2], ids=["CSA", "HCA"])
 def test_a_serving_step_of_a_bf16_layer_converts_no_weight(mode, layer_idx):
-    numerics = MODES[mode]
-    layer = testing.randomize_(DeepseekV4Attention(CFG, layer_idx, numerics=numerics), seed=3).to(torch.bfloat16)
-    cache_mode = "bf16" if mode == "exact" else "fp8"
-    manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, kv_cache=cache_mode,
-                                              indexer_cache=cache_mode, exact_dtype=torch.bfloat16))
+    fmts = MODES[mode]
+    layer = testing.randomize_(DeepseekV4Attention(CFG, layer_idx, formats=fmts), seed=3).to(torch.bfloat16)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, formats=fmts,
+                                              exact_dtype=torch.bfloat16))
     layer.attach_cache(manager)
     manager.admit("a")
     x = torch.randn(16, CFG.hidden_size).bfloat16()
