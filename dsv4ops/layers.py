@@ -339,8 +339,9 @@ class DeepseekV4Attention(nn.Module):
         self.formats, self.numerics, self.follows_cache = fmts, v4_numerics(fmts), False
         dtype, params = self.q_a_proj.weight.dtype, dict(self.named_parameters())
         for mode, names in _COMPRESSOR_WEIGHTS.items():
-            for name in names if getattr(self.numerics, mode) == "exact" and name in params else ():
-                params[name].data = params[name].data.to(dtype)
+            for name in names if getattr(self.numerics, mode) == "exact" else ():
+                if name in params:  # the indexer's: CSA layers only
+                    params[name].data = params[name].data.to(dtype)
 
     def forward(self, hidden_states: Tensor, step: StepMeta | None = None) -> Tensor:
         """step=None: hidden_states [B, S, hidden], each row a sequence from position 0 (a private

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig
 from dsv4ops import testing as T
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.fp8_linear.api import BlockFP8Linear, fp8_linear
@@ -212,7 +212,7 @@ def test_layer_with_fp8_projections_serves_like_the_dequantized_layer():
     outs = {}
     for name, dtype, keep in (("fp8", BF16, True), ("deq", BF16, False), ("ref", FP32, False)):
         layer = _loaded(1, sd, dtype, keep)
-        cache = CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, kv_cache="bf16", indexer_cache="bf16",
+        cache = CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, formats=CacheFormats.exact(),
                             exact_dtype=dtype)
         manager = KVCacheManager(CFG, cache)
         layer.attach_cache(manager)

@@ -160,11 +160,12 @@ class _WeightConversions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp8"])
+@pytest.mark.parametrize("mode", ["exact", "fp8", "none"])  # none: built without formats, takes the exact cache's
 @pytest.mark.parametrize("layer_idx", [1, 2], ids=["CSA", "HCA"])
 def test_a_serving_step_of_a_bf16_layer_converts_no_weight(mode, layer_idx):
-    fmts = MODES[mode]
-    layer = testing.randomize_(DeepseekV4Attention(CFG, layer_idx, formats=fmts), seed=3).to(torch.bfloat16)
+    fmts = MODES.get(mode, CacheFormats.exact())
+    layer = DeepseekV4Attention(CFG, layer_idx, formats=None if mode == "none" else fmts)
+    layer = testing.randomize_(layer, seed=3).to(torch.bfloat16)
     manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, formats=fmts,
                                               exact_dtype=torch.bfloat16))
     layer.attach_cache(manager)

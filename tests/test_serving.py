@@ -1,6 +1,7 @@
 """The serving path: paged cache + step planner + the layer's forward(x, step). Issue: paged KV cache
 and the serving step."""
 
+import dataclasses
 import random
 
 import drivers
@@ -289,6 +290,66 @@ def test_serving_forward_needs_an_attached_cache():
     with pytest.raises(RuntimeError, match=r"DeepseekV4Attention\(layer 1\): no cache attached; call "
                                            r"layer.attach_cache\(manager\)"), manager.step({0: 8}) as step:
         layer(torch.randn(8, CFG.hidden_size), step)
+
+
+def test_a_layer_and_a_cache_with_every_default_attach_and_serve():
+    """Issue 52: every default was refused ("cache modes kv='fp8' ... the layer computes
+    Numerics(kv='exact')"). Both default to CacheFormats.v4(), the serving cache's FP8 formats."""
+    layer = testing.randomize_(DeepseekV4Attention(CFG, 1), seed=1)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8))
+    layer.attach_cache(manager)
+    assert layer.formats == manager.cfg.formats == CacheFormats.v4()
+    assert layer.cache.fmt == {"window": "fp8_584", "comp": "fp8_584", "state": "", "index": "fp8_132",
+                               "index_state": ""}
+    manager.admit(0)
+    with torch.no_grad(), manager.step({0: 8}) as step:
+        y = layer(torch.randn(step.positions.shape[0], CFG.hidden_size), step)
+    assert torch.isfinite(y).all()
+
+
+def test_explicit_formats_that_differ_from_the_cache_are_refused():
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8))
+    layer = DeepseekV4Attention(CFG, 1, formats=CacheFormats.exact())
+    with pytest.raises(ValueError, match=r"manager: its pools hold CacheFormats\(window='fp8_584', comp='fp8_584', "
+                                         r"index='fp8_132'\), the layer computes CacheFormats\(window='exact', "
+                                         r"comp='exact', index='exact'\) \(build the layer with "
+                                         r"formats=manager.cfg.formats, or with none to take the cache's\)"):
+        layer.attach_cache(manager)
+    assert not hasattr(layer, "cache") and not list(manager._caches)
+
+
+def test_a_layer_without_formats_takes_its_first_caches():
+    """Built without formats, a layer holds the default's weights (CacheFormats.v4(): every
+    compressor weight fp32) and takes the formats of the first cache it attaches to: an exact
+    cache's rounding runs in the model dtype, so the compressor weights go to bf16 (as `.to` leaves
+    them for a layer built exact). Then its formats are fixed: another cache's are refused."""
+    layer = DeepseekV4Attention(CFG, 1).to(torch.bfloat16)
+    compressors = (layer.compressor.kv_proj.weight, layer.compressor.indexer.gate_proj.weight)
+    assert [w.dtype for w in compressors] == [torch.float32] * 2
+    exact = CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, formats=CacheFormats.exact(),
+                        exact_dtype=torch.bfloat16)
+    layer.attach_cache(KVCacheManager(CFG, exact))
+    assert layer.formats == CacheFormats.exact() and layer.numerics == reference.Numerics()
+    assert [w.dtype for w in (layer.compressor.kv_proj.weight, layer.compressor.indexer.gate_proj.weight)] == \
+        [torch.bfloat16] * 2
+    with pytest.raises(ValueError, match=r"manager: its pools hold CacheFormats\(window='fp8_584'"):
+        layer.attach_cache(KVCacheManager(CFG, dataclasses.replace(exact, formats=CacheFormats.v4())))
+
+
+def test_v4_refuses_formats_it_cannot_hold_and_the_old_spellings():
+    match = (r"formats: a V4 cache holds \(window, comp\) in .*, got \('fp8_528', 'fp4_288'\) \(V4.1's formats "
+             r"need a V4.1 stack\)")
+    with pytest.raises(ValueError, match=match):
+        DeepseekV4Attention(CFG, 1, formats=CacheFormats.v41())
+    with pytest.raises(ValueError, match=match):
+        KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, formats=CacheFormats.v41()))
+    replaced = r"DeepseekV4Attention: numerics was replaced by formats=dsv4ops.CacheFormats\(window=..., comp=..., "
+    with pytest.raises(TypeError, match=replaced):
+        DeepseekV4Attention(CFG, 1, numerics=CacheFormats.v4())
+    with pytest.raises(TypeError, match=replaced):
+        DeepseekV4Attention(CFG, 1, reference.Numerics("fp8", "fp8"))
+    with pytest.raises(ImportError, match=r"dsv4ops.Numerics was replaced by dsv4ops.CacheFormats"):
+        from dsv4ops import Numerics  # noqa: F401
 
 
 def test_attach_cache_is_refused_while_requests_hold_tokens():
