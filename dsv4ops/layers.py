@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from dsv4ops import checkpoint
 from dsv4ops._autograd import no_backward
-from dsv4ops.cache.config import CacheConfig, default_formats, v4_numerics
+from dsv4ops.cache.config import CacheConfig, v4_numerics
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
@@ -150,10 +150,11 @@ class DeepseekV4Attention(nn.Module):
     `dsv4ops.CacheFormats`) are the row formats of the cache pools, i.e. the rounding of the window
     KV, the compressed entries and the indexer (`self.numerics`: their modes in the oracle,
     `dsv4ops.reference.numerics`); CacheFormats.exact() = transformers. None (the default): the
-    formats of the first cache the layer attaches to, and without a cache the cache's default,
-    CacheFormats.v4(). Given explicitly, a cache of other formats is refused. Outside exact rounding
-    the compressor projection weights of that compressor stay fp32 through `.to(dtype)` (their
-    projections compute in fp32; `_apply`).
+    formats of the first cache the layer attaches to (CacheConfig's default: CacheFormats.v4()),
+    and until then exact, the drop-in transformers layer; its compressor projection weights stay
+    fp32 until the cache's formats say which ones compute in fp32. Given explicitly, a cache of
+    other formats is refused. Outside exact rounding the compressor projection weights of that
+    compressor stay fp32 through `.to(dtype)` (their projections compute in fp32; `_apply`).
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
     from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
@@ -181,10 +182,10 @@ class DeepseekV4Attention(nn.Module):
             raise TypeError(f"config: expected a DSV4AttentionConfig or a transformers DeepseekV4Config, got "
                             f"{type(config).__name__} (from a config.json dict: transformers.DeepseekV4Config(**d); "
                             f"a V4.1 config: DeepseekV41AttentionStack)")
-        # Without formats the layer holds the default's weights (v4(): every compressor weight fp32, a
-        # superset of what any formats keep fp32), so the first attached cache's formats can be taken.
+        # Without formats the layer computes exact until a cache gives it formats, and keeps every
+        # compressor weight fp32 (what any formats keep fp32), so the cache's can be taken unrounded.
         self.follows_cache = formats is None
-        self.formats = default_formats(cfg) if formats is None else formats
+        self.formats = CacheFormats.exact() if formats is None else formats
         self.numerics = v4_numerics(self.formats)
         self.config, self.layer_idx = cfg, layer_idx
         self.layer_type = cfg.layer_type(layer_idx)  # checks 0 <= layer_idx < num_layers
@@ -216,7 +217,7 @@ class DeepseekV4Attention(nn.Module):
 
     def _keep_fp32(self) -> None:
         weights = {name for mode, names in _COMPRESSOR_WEIGHTS.items()
-                   if getattr(self.numerics, mode) != "exact" for name in names}
+                   if getattr(self.numerics, mode) != "exact" or self.follows_cache for name in names}
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
             keep = name.endswith(_KEEP_FP32) or name in weights
             if keep and t.is_floating_point() and t.dtype != torch.float32:

@@ -319,11 +319,13 @@ def test_explicit_formats_that_differ_from_the_cache_are_refused():
 
 
 def test_a_layer_without_formats_takes_its_first_caches():
-    """Built without formats, a layer holds the default's weights (CacheFormats.v4(): every
-    compressor weight fp32) and takes the formats of the first cache it attaches to: an exact
-    cache's rounding runs in the model dtype, so the compressor weights go to bf16 (as `.to` leaves
-    them for a layer built exact). Then its formats are fixed: another cache's are refused."""
+    """Built without formats, a layer computes exact (transformers') until it attaches, keeps every
+    compressor weight fp32 (what any formats keep fp32) and takes the formats of the first cache
+    it attaches to: an exact cache's rounding runs in the model dtype, so the compressor weights go
+    to bf16 (as `.to` leaves them for a layer built exact). Then its formats are fixed: another
+    cache's are refused."""
     layer = DeepseekV4Attention(CFG, 1).to(torch.bfloat16)
+    assert layer.formats == CacheFormats.exact() and layer.follows_cache
     compressors = (layer.compressor.kv_proj.weight, layer.compressor.indexer.gate_proj.weight)
     assert [w.dtype for w in compressors] == [torch.float32] * 2
     exact = CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, formats=CacheFormats.exact(),
