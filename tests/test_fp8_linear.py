@@ -176,7 +176,7 @@ def _fp8_checkpoint(layer, scale_dtype) -> dict:
 
 
 def _loaded(layer_idx, sd, dtype, keep_fp8):
-    layer = DeepseekV4Attention(CFG, layer_idx).to(dtype)
+    layer = DeepseekV4Attention(CFG, layer_idx, formats=CacheFormats.exact()).to(dtype)
     layer.load_deepseek_state_dict(sd, keep_fp8=keep_fp8)
     return layer
 

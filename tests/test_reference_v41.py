@@ -124,7 +124,7 @@ def test_mx4_query_is_the_format_codec_per_head():
 
 
 def test_numerics_and_inputs_are_checked():
-    with pytest.raises(ValueError, match=r"window: expected 'exact' or a format of 512-d rows"):
+    with pytest.raises(ValueError, match=r"window: expected one of \['exact', 'fp8_584', 'fp8_528', 'fp4_288'\], got 'mxfp4_68'"):
         CacheFormats.v41().replace(window="mxfp4_68")
     with pytest.raises(ValueError, match=r"index: expected one of \['exact', 'fp8_132', 'mxfp4_68'\]"):
         CacheFormats.v41().replace(index="fp4_288")
