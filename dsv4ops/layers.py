@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from dsv4ops import checkpoint, packing
 from dsv4ops import layers_dcp as _dcp
 from dsv4ops._autograd import no_backward
-from dsv4ops.cache.config import CacheConfig
+from dsv4ops.cache.config import CacheConfig, v4_numerics
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
@@ -25,6 +25,7 @@ from dsv4ops.indexer.reference import query_values
 from dsv4ops.parallel import Group, all_reduce
 from dsv4ops.parallel import tp as _tp
 from dsv4ops.quant import formats
+from dsv4ops.quant.formats import CacheFormats
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
 from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
@@ -162,10 +163,15 @@ class Compressor(nn.Module):
 class DeepseekV4Attention(nn.Module):
     """One DeepSeek-V4 attention layer (sliding window, CSA or HCA by `layer_idx`).
 
-    `config` is a `DSV4AttentionConfig` or a transformers `DeepseekV4Config`. `numerics` picks the
-    rounding of the main KV and indexer (see `dsv4ops.reference.numerics`); exact = transformers.
-    Outside exact mode the compressor projection weights of the mode's compressor stay fp32 through
-    `.to(dtype)` (their projections compute in fp32; `_apply`).
+    `config` is a `DSV4AttentionConfig` or a transformers `DeepseekV4Config`. `formats` (a
+    `dsv4ops.CacheFormats`) are the row formats of the cache pools, i.e. the rounding of the window
+    KV, the compressed entries and the indexer (`self.numerics`: their modes in the oracle,
+    `dsv4ops.reference.numerics`); CacheFormats.exact() = transformers. None (the default): the
+    formats of the first cache the layer attaches to (CacheConfig's default: CacheFormats.v4()),
+    and until then exact, the drop-in transformers layer; its compressor projection weights stay
+    fp32 until the cache's formats say which ones compute in fp32. Given explicitly, a cache of
+    other formats is refused. Outside exact rounding the compressor projection weights of that
+    compressor stay fp32 through `.to(dtype)` (their projections compute in fp32; `_apply`).
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
     from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
@@ -178,8 +184,13 @@ class DeepseekV4Attention(nn.Module):
     the same forward on the same input. `load_state_dict` and `load_deepseek_state_dict` take the
     full tensors and keep this rank's share."""
 
-    def __init__(self, config, layer_idx: int, numerics: Numerics = Numerics(), process_group=None):
+    def __init__(self, config, layer_idx: int, formats: CacheFormats | None = None, process_group=None, **renamed):
         super().__init__()
+        if "numerics" in renamed or isinstance(formats, Numerics):
+            raise TypeError("DeepseekV4Attention: numerics was replaced by formats=dsv4ops.CacheFormats(window=..., "
+                            "comp=..., index=...) (presets CacheFormats.v4(), .exact(); None: the attached cache's)")
+        if renamed:
+            raise TypeError(f"DeepseekV4Attention: unexpected keyword argument {sorted(renamed)[0]!r}")
         if isinstance(config, DSV4AttentionConfig):
             cfg = config
         elif hasattr(config, "compress_rates"):  # a transformers DeepseekV4Config
@@ -188,9 +199,11 @@ class DeepseekV4Attention(nn.Module):
             raise TypeError(f"config: expected a DSV4AttentionConfig or a transformers DeepseekV4Config, got "
                             f"{type(config).__name__} (from a config.json dict: transformers.DeepseekV4Config(**d); "
                             f"a V4.1 config: DeepseekV41AttentionStack)")
-        if not isinstance(numerics, Numerics):
-            raise TypeError(f"numerics: expected a dsv4ops.Numerics, got {type(numerics).__name__}")
-        self.config, self.layer_idx, self.numerics = cfg, layer_idx, numerics
+        # Without formats the layer computes exact until a cache gives it formats.
+        self.follows_cache = formats is None
+        self.formats = CacheFormats.exact() if formats is None else formats
+        self.numerics = v4_numerics(self.formats)
+        self.config, self.layer_idx = cfg, layer_idx
         self.layer_type = cfg.layer_type(layer_idx)  # checks 0 <= layer_idx < num_layers
         self.tp_group = Group.of(process_group)
         _tp.check_divides(self.tp_group, cfg.num_heads, cfg.o_groups, f"DeepseekV4Attention(layer {layer_idx})")
@@ -338,9 +351,9 @@ class DeepseekV4Attention(nn.Module):
             if mine != theirs:
                 raise ValueError(f"manager: built for a model with {field} {theirs}, the layer's config has {mine}")
         cfg = manager.cfg
-        if cfg.numerics() != self.numerics:
-            raise ValueError(f"manager: cache modes kv={cfg.kv_cache!r}, indexer={cfg.indexer_cache!r} give numerics "
-                             f"{cfg.numerics()}, the layer computes {self.numerics}")
+        if cfg.formats != self.formats and not self.follows_cache:
+            raise ValueError(f"manager: its pools hold {cfg.formats}, the layer computes {self.formats} (build the "
+                             f"layer with formats=manager.cfg.formats, or with none to take the cache's)")
         device = self.q_a_proj.weight.device
         if manager.device != device:
             raise ValueError(f"manager: plans steps on {manager.device}, the layer is on {device}")
@@ -351,8 +364,15 @@ class DeepseekV4Attention(nn.Module):
         cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device),
                            dcp=dcp, dcp_topk=getattr(manager, "dcp_topk", "exact"))
         manager.attach(cache)
+        if self.follows_cache:
+            self._take_formats(cfg.formats)
         self.cache = cache
         self.cache_manager = manager
+
+    def _take_formats(self, fmts: CacheFormats) -> None:
+        """Compute `fmts` from now on (a layer built without formats, at its first attach). No weight
+        changes: the compressors' are held in the model dtype in every format (X_PROJECTIONS)."""
+        self.formats, self.numerics, self.follows_cache = fmts, v4_numerics(fmts), False
 
     def forward(self, hidden_states: Tensor, step: StepMeta | None = None) -> Tensor:
         """step=None: hidden_states [B, S, hidden], each row a sequence from position 0 (a private
@@ -382,8 +402,8 @@ class DeepseekV4Attention(nn.Module):
         if not torch.compiler.is_compiling():
             self._check_input(hidden_states, 3, "[batch, seq, hidden]")
         b, s, _ = hidden_states.shape
-        cfg = CacheConfig.for_numerics(self.numerics, hidden_states.dtype, max_requests=b, max_context=s,
-                                       max_step_tokens=b * s, max_request_step_tokens=s, buckets=(b * s,))
+        cfg = CacheConfig(max_requests=b, max_context=s, max_step_tokens=b * s, max_request_step_tokens=s,
+                          buckets=(b * s,), formats=self.formats, exact_dtype=hidden_states.dtype)
         manager = KVCacheManager(self.config, cfg, device=hidden_states.device)
         cache = LayerCache(self.config, self.layer_idx, cfg, device=hidden_states.device)
         manager.attach(cache)

@@ -36,8 +36,9 @@ from dsv4ops.parallel import tp as _tp
 from dsv4ops.indexer.reference import query_values
 from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm, serving_cache
 from dsv4ops.quant import formats
+from dsv4ops.quant.formats import CacheFormats
 from dsv4ops.reference.functional import grouped_output, rms_norm
-from dsv4ops.reference.v41 import V41Numerics, compressor_dtype, entry_dtype
+from dsv4ops.reference.v41 import compressor_dtype, entry_dtype
 
 _KEEP_FP32 = ("sinks", "norm.weight", "ape")  # inv_freq: rebuilt by DeepseekV41Attention._apply
 # Rows per page of the stateless forward's private cache: a size every format pages (mxfp4_68 pages
@@ -291,16 +292,30 @@ class DeepseekV41AttentionStack(nn.Module):
     - with a step (from the attached V41CacheManager): xs [num_layers, T, hidden], the step's flat
       batch per layer (padded to its bucket) -> [num_layers, T, hidden], reading and writing the
       attached cache.
-    `numerics` gives the caches' formats (QAT formats by default; V41Numerics.exact() for none).
+    `formats` (a `dsv4ops.CacheFormats`): the caches' row formats, i.e. the stack's fake quantizers.
+    None (the default): the formats of the first cache the stack attaches to, and without a cache
+    the cache's default, CacheFormats.v41() (the QAT formats; CacheFormats.exact() for none). Given
+    explicitly, a cache of other formats is refused.
 
     `process_group`: tensor parallelism over its ranks (every layer holds this rank's query heads and
     output groups, dsv4ops.parallel.tp); the layers' outputs are summed over the ranks by one all-reduce
     of the stacked [num_layers, T, hidden] (the layers' inputs are given, so no layer waits for
     another's sum). Every rank runs the same forward on the same inputs."""
 
-    def __init__(self, config: DSV41AttentionConfig, numerics: V41Numerics = V41Numerics(), process_group=None):
+    def __init__(self, config: DSV41AttentionConfig, formats: CacheFormats | None = None, process_group=None,
+                 **renamed):
         super().__init__()
-        self.config, self.numerics = config, numerics
+        if "numerics" in renamed:
+            raise TypeError("DeepseekV41AttentionStack: numerics was replaced by formats=dsv4ops.CacheFormats(window=..., "
+                            "comp=..., index=...) (presets CacheFormats.v41(), .exact(); None: the attached cache's)")
+        if renamed:
+            raise TypeError(f"DeepseekV41AttentionStack: unexpected keyword argument {sorted(renamed)[0]!r}")
+        if formats is not None and not isinstance(formats, CacheFormats):
+            raise TypeError(f"formats: expected a dsv4ops.CacheFormats or None, got {type(formats).__name__}")
+        # The formats decide no weight's dtype here (the compressors' follow their ratio), so a stack
+        # built without formats can take its first cache's.
+        self.follows_cache = formats is None
+        self.config, self.formats = config, CacheFormats.v41() if formats is None else formats
         self.tp_group = Group.of(process_group)
         self.layers = nn.ModuleList(DeepseekV41Attention(config, i, process_group) for i in range(config.num_layers))
 
@@ -323,8 +338,9 @@ class DeepseekV41AttentionStack(nn.Module):
         follow the manager's slots). Attach after moving the stack, before compiling."""
         if not isinstance(manager, V41CacheManager):
             raise TypeError(f"manager: expected a dsv4ops V41CacheManager, got {type(manager).__name__}")
-        if manager.numerics != self.numerics:
-            raise ValueError(f"manager: its pools hold {manager.numerics}, the stack computes {self.numerics}")
+        if manager.cfg.formats != self.formats and not self.follows_cache:
+            raise ValueError(f"manager: its pools hold {manager.cfg.formats}, the stack computes {self.formats} (build "
+                             f"the stack with formats=manager.cfg.formats, or with none to take the cache's)")
         if manager.model != self.config:
             raise ValueError("manager: it was built for another DSV41AttentionConfig than this stack's")
         device = self.layers[0].sinks.device
@@ -333,9 +349,10 @@ class DeepseekV41AttentionStack(nn.Module):
         if manager.dcp.size > 1 and self.tp_group is not None:
             raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel stack (both process "
                                       "groups at once) is not supported; use one or the other")
-        cache = V41StackCache(self.config, manager.cfg, self.numerics, device=device, dcp=manager.dcp,
+        cache = V41StackCache(self.config, manager.cfg, device=device, dcp=manager.dcp,
                               dcp_topk=manager.dcp_topk)
         manager.attach(cache)
+        self.formats, self.follows_cache = manager.cfg.formats, False
         self.cache = cache
         self.cache_manager = manager
 
@@ -365,9 +382,9 @@ class DeepseekV41AttentionStack(nn.Module):
             self._check_input(xs, 4, "[num_layers, batch, seq, hidden]")
         n, b, s, _ = xs.shape
         cfg = CacheConfig(max_requests=b, max_context=s, max_step_tokens=b * s, max_request_step_tokens=s,
-                          buckets=(b * s,), block_size=STATELESS_BLOCK, exact_dtype=xs.dtype)
-        manager = V41CacheManager(self.config, cfg, self.numerics, device=xs.device)
-        cache = V41StackCache(self.config, cfg, self.numerics, device=xs.device)
+                          buckets=(b * s,), block_size=STATELESS_BLOCK, exact_dtype=xs.dtype, formats=self.formats)
+        manager = V41CacheManager(self.config, cfg, device=xs.device)
+        cache = V41StackCache(self.config, cfg, device=xs.device)
         manager.attach(cache)
         for r in range(b):
             manager.admit(r)

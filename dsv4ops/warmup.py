@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4ops.cache.config import CacheConfig, blocks_per_request, topk_workspace_words
+from dsv4ops.cache.config import CacheConfig, blocks_per_request, topk_workspace_words, v4_numerics
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear import rule as fp8_rule
 from dsv4ops.cache.config import paged_pool
@@ -43,8 +43,9 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
     for i in range(model_cfg.num_layers):
         first.setdefault(model_cfg.layer_type(i), i)
     kinds = set(first)
-    numerics = cache_cfg.numerics()
-    main_fmt, comp_fmt, index_fmt = cache_cfg.formats()
+    cache_cfg = cache_cfg.for_model(model_cfg)
+    numerics = v4_numerics(cache_cfg.formats)
+    main_fmt, comp_fmt, index_fmt = cache_cfg.formats.window, cache_cfg.formats.comp, cache_cfg.formats.index
     rotates = indexer_rotates(numerics)
     bs, ring = cache_cfg.block_size, cache_cfg.ring_size(model_cfg.window)
     h, d = model_cfg.num_heads // tp, model_cfg.head_dim

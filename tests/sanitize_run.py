@@ -29,12 +29,11 @@ import builders
 import torch
 from drivers_v41 import serve_schedule
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics
 from dsv4ops.indexer.api import indexer_q_prep, indexer_topk
 from dsv4ops.attn_merge.api import attn_merge
 from dsv4ops.fp8_linear.api import fp8_linear
@@ -53,13 +52,12 @@ def say(text: str):
 
 
 def layers():
-    for numerics in (Numerics(kv="fp8", indexer="fp8"), Numerics()):
+    for fmts in (CacheFormats.v4(), CacheFormats.exact()):
         for li in range(3):
-            layer = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li)
+            layer = testing.randomize_(DeepseekV4Attention(CFG, li, formats=fmts), seed=li)
             layer = layer.to(DEV, torch.bfloat16)
-            mode = "fp8" if numerics.kv == "fp8" else "bf16"
             manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=300, max_step_tokens=160,
-                                                      kv_cache=mode, indexer_cache=mode), device=DEV)
+                                                      formats=fmts), device=DEV)
             layer.attach_cache(manager)
             manager.admit(0)
             manager.admit(1)
@@ -82,7 +80,7 @@ def layers_v41():
     cfg = DSV41AttentionConfig.tiny()
     stack = testing.randomize_(DeepseekV41AttentionStack(cfg), seed=0).to(DEV, torch.bfloat16)
     manager = V41CacheManager(cfg, CacheConfig(max_requests=2, max_context=128, max_step_tokens=128, block_size=7,
-                                               buckets=(2, 128)), V41Numerics(), device=DEV)
+                                               buckets=(2, 128)), device=DEV)
     stack.attach_cache(manager)
     inputs = {r: torch.randn(cfg.num_layers, n, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
               for r, n in (("a", 84), ("b", 33))}

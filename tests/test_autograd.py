@@ -9,7 +9,7 @@ import builders
 import pytest
 import torch
 
-from dsv4ops import DeepseekV4Attention, DeepseekV4HashRouter, DeepseekV4Router, DSV4AttentionConfig, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DeepseekV4HashRouter, DeepseekV4Router, DSV4AttentionConfig, testing
 from dsv4ops._autograd import op_names
 from dsv4ops.cache import CacheConfig, KVCacheManager
 
@@ -87,8 +87,8 @@ def test_layer_backward_raises_and_leaves_no_gradient(layer_idx):
 def test_compiled_serving_forward_backward_raises():
     torch._dynamo.reset()
     layer = testing.randomize_(DeepseekV4Attention(CFG, 1))
-    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=32, max_step_tokens=16, kv_cache="bf16",
-                                              indexer_cache="bf16", exact_dtype=torch.float32))
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=32, max_step_tokens=16,
+                                              formats=CacheFormats.exact(), exact_dtype=torch.float32))
     layer.attach_cache(manager)
     manager.admit(0)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)

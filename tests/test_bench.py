@@ -16,7 +16,7 @@ def test_attention_case_core_is_the_layer_step(kind, cache, monkeypatch):
     monkeypatch.setattr(attention, "ceilings", lambda: {"copy": 1e12, "gather": 1e12, "bf16": 1e14})
     model = DSV4AttentionConfig.tiny()
     case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model,
-                          numerics=attention.CACHES[cache])
+                          formats=attention.CACHES[cache])
     with torch.no_grad():
         rows = attention.bench_case(case, with_reference=True)
         y_layer = case.layer(case.x, case.step)

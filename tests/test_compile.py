@@ -11,20 +11,20 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
 from torch.testing import FileCheck
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, reference, testing
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
 
 CFG = DSV4AttentionConfig.tiny(index_topk=128)
 LAYER = {SLIDING: 0, CSA: 1, HCA: 2}
-FP8 = Numerics(kv="fp8", indexer="fp8")
+FP8 = CacheFormats.v4()
 # Goldens are written on the torch CI runs; other versions print other argument names.
 PINNED_TORCH = torch.__version__.startswith("2.13.")
 
 
 def _served(kind, max_step_tokens=16, seed=0):
-    layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], numerics=FP8), seed=seed)
+    layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], formats=FP8), seed=seed)
     manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=512, max_step_tokens=max_step_tokens))
     layer.attach_cache(manager)
     return layer, manager
@@ -129,7 +129,7 @@ def test_inductor_cpu_matches_eager(kind):
     for compile_it in (False, True):
         layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind]), seed=3)
         manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=64, max_step_tokens=16,
-                                                  kv_cache="bf16", indexer_cache="bf16", exact_dtype=torch.float32))
+                                                  formats=CacheFormats.exact(), exact_dtype=torch.float32))
         layer.attach_cache(manager)
         fn = torch.compile(layer, fullgraph=True) if compile_it else layer
         x = torch.randn(48, CFG.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -10,21 +10,21 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
 from torch.testing import FileCheck
 
-from dsv4ops import testing
+from dsv4ops import CacheFormats, testing
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.reference.v41 import stack_attention
 from dsv4ops.testing_v41 import check_selection, slots_to_entries
 
 CFG = DSV41AttentionConfig.tiny()
 
 
-def _served(numerics=V41Numerics(), max_step_tokens=64, max_context=256, seed=0):
+def _served(numerics=CacheFormats.v41(), max_step_tokens=64, max_context=256, seed=0):
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG, numerics), seed=seed)
     manager = V41CacheManager(CFG, CacheConfig(max_requests=2, max_context=max_context, max_step_tokens=max_step_tokens,
-                                               block_size=7, exact_dtype=torch.float32), numerics)
+                                               block_size=7, exact_dtype=torch.float32, formats=numerics))
     stack.attach_cache(manager)
     return stack, manager
 
@@ -96,7 +96,7 @@ def test_inductor_cpu_matches_the_oracle():
     """Exact (unquantized fp32) pools, two chunks and decode steps through Inductor; against the fp64
     oracle fed the compiled run's own selections (tie-aware), budget from the fp32 oracle."""
     torch._dynamo.reset()
-    stack, manager = _served(V41Numerics.exact(), max_step_tokens=32, max_context=64, seed=3)
+    stack, manager = _served(CacheFormats.exact(), max_step_tokens=32, max_context=64, seed=3)
     compiled = torch.compile(stack, fullgraph=True)
     x = torch.randn(CFG.num_layers, 40, CFG.hidden_size, generator=torch.Generator().manual_seed(0))
     manager.admit(0)
@@ -115,9 +115,9 @@ def test_inductor_cpu_matches_the_oracle():
     sel = {L: torch.cat(v)[None] for L, v in topk.items()}
     pool = {5: torch.cat(pools)[None]}
     params = dict(stack.named_parameters())
-    ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG, x[:, None].double(), V41Numerics.exact(),
+    ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG, x[:, None].double(), CacheFormats.exact(),
                             sel, pool)
-    ref32 = stack_attention(params, CFG, x[:, None], V41Numerics.exact(), sel, pool)
+    ref32 = stack_attention(params, CFG, x[:, None], CacheFormats.exact(), sel, pool)
     testing.assert_close_to_ref(y, ref64.y[:, 0], ref32.y[:, 0], what="inductor")
     for L in sel:
         check_selection(sel[L][0], ref64.scores[L][0], ref32.scores[L][0], f"layer {L}")
@@ -129,7 +129,7 @@ def test_compiled_equals_eager_bit_for_bit_with_the_aot_eager_backend():
     runs = []
     for compile_it in (False, True):
         torch._dynamo.reset()
-        stack, manager = _served(V41Numerics(), max_step_tokens=32, seed=1)
+        stack, manager = _served(CacheFormats.v41(), max_step_tokens=32, seed=1)
         fn = torch.compile(stack, backend="aot_eager", fullgraph=True) if compile_it else stack
         x = torch.randn(CFG.num_layers, 40, CFG.hidden_size, generator=torch.Generator().manual_seed(2))
         manager.admit(0)

@@ -6,14 +6,14 @@ the error of the oracle's own fp32 run against its fp64 run. Issue 3."""
 import pytest
 import torch
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 
 # 260 tokens: past the 128-token window, two HCA entries (t = 127, 255), 65 CSA entries (t = 3 mod 4).
 # Batch 2: two requests share the pools. "csa-all" selects every visible entry (index_topk 128 >= 65,
 # no ties possible); "csa-top16" makes the indexer choose 16 of up to 65 entries.
 SHAPE = (2, 260)
 LAYERS = {"sliding": (0, 16), "hca": (2, 16), "csa-all": (1, 128), "csa-top16": (1, 16)}
-NUMERICS = {"exact": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
+NUMERICS = {"exact": CacheFormats.exact(), "fp8": CacheFormats.v4()}
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)

@@ -42,7 +42,7 @@ _SCRIPT = r"""
 import json, resource, sys, time
 import torch
 from dsv4ops import (DeepseekV4Attention, DeepseekV41AttentionStack, DSV4AttentionConfig, DSV41AttentionConfig,
-                     Numerics, V41Numerics, testing)
+                     testing)
 from dsv4ops.cache import CacheConfig, KVCacheManager, V41CacheManager
 
 max_context = int(sys.argv[1])
@@ -93,7 +93,7 @@ def serve(module, manager, rows):  # a warm-up request's 8-token step; request r
 capacity = dict(max_requests=2, max_context=max_context, max_step_tokens=512, max_total_tokens=4096)
 cfg = DSV4AttentionConfig.tiny()
 manager = KVCacheManager(cfg, CacheConfig(**capacity))
-layers = [testing.randomize_(DeepseekV4Attention(cfg, i, numerics=Numerics(kv="fp8", indexer="fp8"))) for i in (1, 2)]
+layers = [testing.randomize_(DeepseekV4Attention(cfg, i)) for i in (1, 2)]  # the cache's default formats: FP8
 for layer in layers:
     layer.attach_cache(manager)
 csa_hca = lambda x, step: layers[1](layers[0](x, step), step)
@@ -101,7 +101,7 @@ result = {"v4_layers": serve(csa_hca, manager, lambda step: torch.randn(step.pos
 
 cfg41 = DSV41AttentionConfig.tiny()
 stack = testing.randomize_(DeepseekV41AttentionStack(cfg41))
-manager41 = V41CacheManager(cfg41, CacheConfig(block_size=128, **capacity), V41Numerics())
+manager41 = V41CacheManager(cfg41, CacheConfig(**capacity))  # V4.1's default formats, pages of 128 keys
 stack.attach_cache(manager41)
 result["v41_stack"] = serve(stack, manager41,
                            lambda step: torch.randn(cfg41.num_layers, step.positions.shape[0], cfg41.hidden_size))

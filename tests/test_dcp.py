@@ -13,24 +13,24 @@ import torch.distributed as dist
 
 import dist_cases
 import multiproc
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, layers, reference, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, layers, reference, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager, V41CacheManager
 from dsv4ops.cache.config import pool_blocks
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.reference.v41 import stack_attention
 
 # HCA ratio 16: the scenario's requests close up to 8 HCA entries; index_topk 8 < the 34 CSA entries
 # of the longest request (a real selection). Blocks of 4 entries: both ranks own blocks of every
 # request past 4 entries, the fork's point (100 // 4 = 25 entries) falls inside a block.
 CFG = DSV4AttentionConfig.tiny(hca_ratio=16, compress_ratios=(0, 4, 16, 4), index_topk=8)
-MODES = {"exact": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
+MODES = {"exact": CacheFormats.exact(), "fp8": CacheFormats.v4()}
 BLOCK = 4
 
 
-def _cache(numerics):
-    return CacheConfig.for_numerics(numerics, torch.float32, max_requests=3, max_context=160, max_step_tokens=96,
-                                    block_size=BLOCK, max_draft_tokens=dist_cases.MAX_DRAFT)
+def _cache(fmts):
+    return CacheConfig(formats=fmts, exact_dtype=torch.float32, max_requests=3, max_context=160, max_step_tokens=96,
+                       block_size=BLOCK, max_draft_tokens=dist_cases.MAX_DRAFT)
 
 
 def _serve(layer, manager, record):
@@ -63,7 +63,7 @@ def _record_single():
 
 def _v4_body(rank, group, li, mode, topk):
     numerics = MODES[mode]
-    full = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li)
+    full = testing.randomize_(DeepseekV4Attention(CFG, li, formats=numerics), seed=li)
     sharded = copy.deepcopy(full)
     log1, log2 = [], []
     original, original_dcp = layers._select, layers._select_dcp
@@ -105,8 +105,8 @@ def _v4_body(rank, group, li, mode, topk):
             union = torch.cat(every, 1)
             p64 = {k: v.detach().double() for k, v in full.named_parameters()}
             p32 = {k: v.detach() for k, v in full.named_parameters()}
-            ref64 = reference.attention(p64, CFG, li, x[None].double(), numerics, topk=union[None])[0]
-            low = reference.attention(p32, CFG, li, x[None], numerics, topk=union[None])[0]
+            ref64 = reference.attention(p64, CFG, li, x[None].double(), full.numerics, topk=union[None])[0]
+            low = reference.attention(p32, CFG, li, x[None], full.numerics, topk=union[None])[0]
             testing.assert_close_to_ref(got[r], ref64, low, what=f"rank {rank} union request {r}")
             continue
         err, budget = testing.assert_matches_oracle(full, x, got[r], sel2.get(r), what=f"rank {rank} request {r}")
@@ -134,13 +134,13 @@ BLOCK41 = {"exact": 4, "qat": 52}
 
 
 def _v41_body(rank, group, mode):
-    numerics = V41Numerics.exact() if mode == "exact" else V41Numerics()
+    numerics = CacheFormats.exact() if mode == "exact" else CacheFormats.v41()
     full = testing.randomize_(DeepseekV41AttentionStack(CFG41, numerics), seed=5)
     sharded = copy.deepcopy(full)
     cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41[mode],
-                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT)
-    rows, single, topk1, pools1 = dist_cases.serve_v41(full, V41CacheManager(CFG41, cache, numerics), BLOCK41[mode])
-    manager = V41CacheManager(CFG41, cache, numerics, process_group=group)
+                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT, formats=numerics)
+    rows, single, topk1, pools1 = dist_cases.serve_v41(full, V41CacheManager(CFG41, cache), BLOCK41[mode])
+    manager = V41CacheManager(CFG41, cache, process_group=group)
     _, got, topk2, pools2 = dist_cases.serve_v41(sharded, manager, BLOCK41[mode])
     assert sharded.cache.comp_5.shape[0] == pool_blocks(cache, 1, 2) < full.cache.comp_5.shape[0]
     lowp = torch.float32 if mode == "exact" else torch.bfloat16
@@ -175,7 +175,7 @@ def _same(a, b) -> bool:
 
 
 def _disagree_body(rank, group):
-    manager = KVCacheManager(CFG, _cache(Numerics()), process_group=group)
+    manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), process_group=group)
     layer = DeepseekV4Attention(CFG, 1)
     layer.attach_cache(manager)
     manager.admit("a")
@@ -210,11 +210,11 @@ def _disagree_body(rank, group):
     with pytest.raises(NotImplementedError, match="a context-parallel cache for a tensor-parallel layer"):
         DeepseekV4Attention(CFG, 1, process_group=group).attach_cache(manager)
     with pytest.raises(ValueError, match=r"topk: expected one of \('exact', 'union'\), got 'all'"):
-        KVCacheManager(CFG, _cache(Numerics()), process_group=group, topk="all")
+        KVCacheManager(CFG, _cache(CacheFormats.exact()), process_group=group, topk="all")
     with pytest.raises(ValueError, match=r"block_size: context parallelism keeps each candidate block of 4 entries on "
                                          r"one rank; expected a multiple of 4, got 6"):
         V41CacheManager(CFG41, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, block_size=6,
-                                           exact_dtype=torch.float32), V41Numerics.exact(), process_group=group)
+                                           exact_dtype=torch.float32, formats=CacheFormats.exact()), process_group=group)
     return True
 
 
@@ -238,7 +238,7 @@ def _compiled_body(rank, group):
     backend = aot_autograd(fw_compiler=record)
     for li in (1, 2):
         layer = testing.randomize_(DeepseekV4Attention(CFG, li), seed=li)
-        manager = KVCacheManager(CFG, _cache(Numerics()), process_group=group)
+        manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), process_group=group)
         layer.attach_cache(manager)
         torch._dynamo.reset()
         fn = torch.compile(layer, fullgraph=True, backend=backend)
@@ -264,7 +264,7 @@ def _patch_body(rank, group):
     import test_transformers as T
 
     base = T._model()
-    cache = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512, kv_cache="bf16", indexer_cache="bf16",
+    cache = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512, formats=CacheFormats.exact(),
                         exact_dtype=torch.float32, block_size=4)
     patched = T._patched(base, cache, process_group=group, parallel="dcp")
     manager = patched.model.layers[0].self_attn.cache_manager
@@ -330,11 +330,11 @@ def _v41_union_body(rank, group):
     """topk="union": each rank's index sources select inside its own blocks (and the reindex layer
     inside its own candidate pool); the output equals the fp64 oracle fed every rank's selections
     together (up to 2 x index_topk entries a token), within its fp32 run's error."""
-    numerics = V41Numerics.exact()
+    numerics = CacheFormats.exact()
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG41, numerics), seed=5)
     cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41["exact"],
-                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT)
-    manager = V41CacheManager(CFG41, cache, numerics, process_group=group, topk="union")
+                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT, formats=numerics)
+    manager = V41CacheManager(CFG41, cache, process_group=group, topk="union")
     rows, got, topk, _ = dist_cases.serve_v41(stack, manager, BLOCK41["exact"])
     p32 = dict(stack.named_parameters())
     p64 = {k: v.double() for k, v in p32.items()}

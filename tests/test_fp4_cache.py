@@ -1,22 +1,22 @@
-"""V4 layers with the low-bit cache option (issue 29, item 5): kv_cache="fp4" (288-B FP4 compressed
-entries beside the 584-B FP8 window ring) and indexer_cache="mxfp4" (68-B MXFP4 index keys, query and
-keys rotated by V4's Hadamard), the numerics Numerics(kv="fp4", indexer="mxfp4"). The cache
-configuration and memory, and the serving layer against the fp64 oracle of the same mode (one-shot,
-chunked, decode, compiled; with real selection). The Triton kernels are checked in each op's test
-file (tests/interp.py)."""
+"""V4 layers with the low-bit cache option (issue 29, item 5): CacheFormats("fp8_584", "fp4_288",
+"mxfp4_68") (288-B FP4 compressed entries beside the 584-B FP8 window ring, 68-B MXFP4 index keys,
+query and keys rotated by V4's Hadamard), the oracle's Numerics(kv="fp4", indexer="mxfp4"). The cache
+formats (one vocabulary for V4 and V4.1, issue 52) and memory, and the serving layer against the fp64
+oracle of the same mode (one-shot, chunked, decode, compiled; with real selection). The Triton kernels
+are checked in each op's test file (tests/interp.py)."""
 
 import pytest
 import torch
 import drivers
 from torch._dynamo.testing import AotEagerAndRecordGraphs, normalize_gm
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
-from dsv4ops.cache.config import CacheConfig, layer_pools, memory
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, reference, testing
+from dsv4ops.cache.config import CacheConfig, layer_pools, memory, v4_numerics
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.config import CSA, HCA
+from dsv4ops.reference import Numerics
 
-FP4 = Numerics(kv="fp4", indexer="mxfp4")
-MODES = dict(kv_cache="fp4", indexer_cache="mxfp4", block_size=128)  # mxfp4_68 pages: 128 keys (formats.py)
+FP4 = CacheFormats("fp8_584", "fp4_288", "mxfp4_68")  # mxfp4_68 pages: 128 keys (formats.py), CacheConfig's default
 # index_topk >= the visible entries (260 // 4 = 65): every entry is selected, so the outputs compare
 # without near-ties; SELECTING picks 8 of up to 65 (the selection itself checked against the oracle).
 CFG = DSV4AttentionConfig.tiny(index_topk=128)
@@ -26,48 +26,58 @@ LENGTHS = {"a": 260, "b": 131, "c": 9}
 
 
 # ---- configuration --------------------------------------------------------------------------------
-def test_cache_modes_name_their_formats_and_numerics():
-    cfg = CacheConfig(max_requests=2, max_context=512, max_step_tokens=16, **MODES)
-    assert cfg.formats() == ("fp8_584", "fp4_288", "mxfp4_68")  # (window ring, compressed entries, index keys)
-    assert cfg.numerics() == FP4
-    back = CacheConfig.for_numerics(FP4, torch.float32, max_requests=2, max_context=512, max_step_tokens=16)
-    assert (back.kv_cache, back.indexer_cache, back.block_size) == ("fp4", "mxfp4", 128)
-    mixed = CacheConfig(max_requests=2, max_context=512, max_step_tokens=16, kv_cache="fp4", indexer_cache="fp8")
-    assert mixed.formats() == ("fp8_584", "fp4_288", "fp8_132") and mixed.numerics() == Numerics("fp4", "fp8")
-    assert CacheConfig.for_numerics(Numerics("fp8", "mxfp4"), torch.float32, max_requests=1, max_context=8,
-                                    max_step_tokens=8).formats() == ("fp8_584", "fp8_584", "mxfp4_68")
+def test_cache_formats_give_the_v4_numerics_and_the_block_size():
+    cfg = CacheConfig(max_requests=2, max_context=512, max_step_tokens=16, formats=FP4)
+    assert cfg.block_size == 128 and v4_numerics(cfg.formats) == Numerics("fp4", "mxfp4")
+    mixed = CacheConfig(max_requests=2, max_context=512, max_step_tokens=16, formats=FP4.replace(index="fp8_132"))
+    assert mixed.block_size == 64 and v4_numerics(mixed.formats) == Numerics("fp4", "fp8")
+    assert v4_numerics(CacheFormats.v4()) == Numerics("fp8", "fp8")
+    assert v4_numerics(CacheFormats.exact()) == Numerics()
+    # Unresolved until a manager or a pool function knows the model: V4's default, V4.1's default.
+    bare = CacheConfig(max_requests=2, max_context=512, max_step_tokens=16)
+    assert (bare.formats, bare.block_size) == (None, None)
+    assert bare.for_model(CFG).formats == CacheFormats.v4() and bare.for_model(CFG).block_size == 64
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(kv_cache="mxfp4"), r"kv_cache: expected one of \('bf16', 'fp8', 'fp4'\), got 'mxfp4'"),
-    (dict(indexer_cache="fp4"), r"indexer_cache: expected one of \('bf16', 'fp8', 'mxfp4'\), got 'fp4'"),
-    # 64 keys of 68 B = 4352 B, padded to 4608 (512-B alignment): 256 B of padding, more than a row.
-    (dict(indexer_cache="mxfp4"), r"block_size: mxfp4_68 pages are padded to a multiple of 512 B; 64 rows \(4352 B\) "
-                                  r"leave 256 B of padding"),
-], ids=["kv-name", "indexer-name", "mxfp4-block-size"])
-def test_bad_cache_modes_are_rejected(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(formats=CacheFormats.v4().replace(index="mxfp4_68"), block_size=64), ValueError,
+     # 64 keys of 68 B = 4352 B, padded to 4608 (512-B alignment): 256 B of padding, more than a row.
+     r"block_size: mxfp4_68 pages are padded to a multiple of 512 B; 64 rows \(4352 B\) leave 256 B of padding"),
+    (dict(formats=Numerics("fp8", "fp8")), TypeError,
+     r"formats: expected a dsv4ops.CacheFormats or None \(the model's default\), got Numerics"),
+    (dict(kv_cache="fp8"), TypeError, r"CacheConfig: kv_cache= was replaced by formats=CacheFormats\(window=..., "
+                                      r"comp=..., index=...\) \(dsv4ops.CacheFormats; presets CacheFormats.v4\(\)"),
+    (dict(indexer_cache="mxfp4"), TypeError, r"CacheConfig: indexer_cache= was replaced by formats=CacheFormats\("),
+], ids=["mxfp4-block-size", "numerics", "old-kv_cache", "old-indexer_cache"])
+def test_bad_cache_configs_are_rejected(kwargs, error, match):
+    with pytest.raises(error, match=match):
         CacheConfig(max_requests=1, max_context=64, max_step_tokens=8, **kwargs)
 
 
-def test_numerics_names_the_fp4_mode():
-    assert Numerics(kv="fp4").kv == "fp4"
-    with pytest.raises(ValueError, match=r"kv: expected one of \('exact', 'fp8', 'fp4'\), got 'mxfp4'"):
-        Numerics(kv="mxfp4")
+@pytest.mark.parametrize("fields, match", [
+    (dict(window="fp4_288"), None), (dict(comp="mxfp4_68"), r"comp: expected one of \['exact', 'fp8_584', "),
+    (dict(index="fp4_288"), r"index: expected one of \['exact', 'fp8_132', 'mxfp4_68'\], got 'fp4_288'"),
+    (dict(window="fp8"), r"window: expected one of \['exact', 'fp8_584', 'fp8_528', 'fp4_288'\], got 'fp8'"),
+], ids=["fp4-window", "comp", "index", "mode-name"])
+def test_cache_formats_take_format_names_only(fields, match):
+    if match is None:  # a V4.1 stack may hold any 512-d rows; V4 cannot
+        fmts = CacheFormats.v41().replace(**fields)
+        with pytest.raises(ValueError, match=r"formats: a V4 cache holds \(window, comp\) in .*, got \('fp4_288', "
+                                             r"'fp4_288'\) \(V4.1's formats need a V4.1 stack\)"):
+            v4_numerics(fmts)
+        return
+    with pytest.raises(ValueError, match=match):
+        CacheFormats.v4().replace(**fields)
 
 
-def test_layer_pools_are_pages_of_the_formats_and_the_layer_checks_its_mode():
-    cfg = CacheConfig(max_requests=2, max_context=512, max_step_tokens=16, **MODES)
+def test_layer_pools_are_pages_of_the_formats():
+    cfg = CacheConfig(max_requests=2, max_context=512, max_step_tokens=16, formats=FP4)
     pools = {p.name: p for p in layer_pools(CFG, LAYER[CSA], cfg)}
     # Page bytes from the spec's row sizes: 128 x 584 = 74752 B padded to 576 B: 74880; 128 x 288;
     # 128 x 68 = 8704 B = 17 x 512.
     want = {"window": ("fp8_584", 74880), "comp": ("fp4_288", 128 * 288), "index": ("mxfp4_68", 8704)}
     for name, (fmt, page) in want.items():
         assert (pools[name].fmt, pools[name].dtype, pools[name].shape[1]) == (fmt, torch.uint8, page), name
-    manager = KVCacheManager(CFG, cfg)
-    with pytest.raises(ValueError, match=r"manager: cache modes kv='fp4', indexer='mxfp4' give numerics "
-                                         r"Numerics\(kv='fp4', indexer='mxfp4'\), the layer computes"):
-        DeepseekV4Attention(CFG, LAYER[CSA], numerics=Numerics("fp8", "fp8")).attach_cache(manager)
 
 
 def test_memory_per_context_token_of_v4_flash():
@@ -76,7 +86,7 @@ def test_memory_per_context_token_of_v4_flash():
     68-B keys; the window rings and compressor states per request stay the same."""
     flash = DSV4AttentionConfig.flash()
     cfg = {mode: CacheConfig(max_requests=1, max_context=1 << 20, max_step_tokens=512, **kw)
-           for mode, kw in (("fp8", dict(kv_cache="fp8", indexer_cache="fp8")), ("fp4", MODES))}
+           for mode, kw in (("fp8", dict(formats=CacheFormats.v4())), ("fp4", dict(formats=FP4)))}
     got = {mode: memory(flash, c) for mode, c in cfg.items()}
     assert got["fp8"]["bytes_per_token"] == pytest.approx(21 * (585 + 132) / 4 + 20 * 585 / 128)  # 3855.8
     assert got["fp4"]["bytes_per_token"] == pytest.approx(21 * (288 + 68) / 4 + 20 * 288 / 128)  # 1914.0
@@ -87,8 +97,8 @@ def test_memory_per_context_token_of_v4_flash():
 
 # ---- the serving layer against the fp64 oracle -----------------------------------------------------
 def _setup(kind, cfg=CFG, seed=0, device="cpu", dtype=torch.float32):
-    layer = testing.randomize_(DeepseekV4Attention(cfg, LAYER[kind], numerics=FP4), seed=LAYER[kind]).to(device, dtype)
-    manager = KVCacheManager(cfg, CacheConfig(max_requests=4, max_context=272, max_step_tokens=400, **MODES),
+    layer = testing.randomize_(DeepseekV4Attention(cfg, LAYER[kind], formats=FP4), seed=LAYER[kind]).to(device, dtype)
+    manager = KVCacheManager(cfg, CacheConfig(max_requests=4, max_context=272, max_step_tokens=400, formats=FP4),
                              device=device)
     layer.attach_cache(manager)
     g = torch.Generator().manual_seed(seed)
@@ -106,8 +116,8 @@ def check_against_oracle(layer, inputs: dict, outs: dict):
     p64 = {k: v.double() for k, v in params.items()}
     for rid, x in inputs.items():
         with torch.no_grad():
-            lowp = reference.attention(params, cfg, li, x[None], FP4)[0]
-            run64 = lambda: reference.attention(p64, cfg, li, x[None].double(), FP4)[0]  # noqa: E731
+            lowp = reference.attention(params, cfg, li, x[None], layer.numerics)[0]
+            run64 = lambda: reference.attention(p64, cfg, li, x[None].double(), layer.numerics)[0]  # noqa: E731
             ref64 = run64()
             twins = testing.rounding_twins(run64)
         testing.assert_close_to_ref(outs[rid], ref64, [lowp, *twins], what=f"request {rid}")
@@ -150,7 +160,7 @@ def test_serving_with_real_selection_equals_the_oracle(schedule, compiled):
 
 
 def test_stateless_forward_in_the_fp4_mode_equals_the_oracle():
-    layer = testing.randomize_(DeepseekV4Attention(SELECTING, LAYER[CSA], numerics=FP4), seed=5)
+    layer = testing.randomize_(DeepseekV4Attention(SELECTING, LAYER[CSA], formats=FP4), seed=5)
     x = torch.randn(2, 70, SELECTING.hidden_size, generator=torch.Generator().manual_seed(5))
     with torch.no_grad(), testing.recorded_selections() as log:
         y = layer(x)
@@ -181,18 +191,18 @@ def test_compiled_csa_step_is_one_graph_over_the_low_bit_pools():
 # The indexer keys' and queries' Hadamard follows the indexer's format alone: pairs whose kv and
 # indexer modes disagree on it (a flag read from the kv field rotates an FP8 indexer or leaves an
 # MXFP4 one unrotated, moving every score, not only near-ties).
-MIXED = [Numerics(kv="fp8", indexer="mxfp4"), Numerics(kv="fp4", indexer="fp8"),
-         Numerics(kv="exact", indexer="mxfp4"), Numerics(kv="fp4", indexer="exact")]
+MIXED = [CacheFormats("fp8_584", "fp8_584", "mxfp4_68"), CacheFormats("fp8_584", "fp4_288", "fp8_132"),
+         CacheFormats("exact", "exact", "mxfp4_68"), CacheFormats("fp8_584", "fp4_288", "exact")]
 
 
-@pytest.mark.parametrize("numerics", MIXED, ids=lambda n: f"{n.kv}-{n.indexer}")
-def test_mixed_kv_and_indexer_modes_select_and_attend_as_the_oracle(numerics):
-    layer = testing.randomize_(DeepseekV4Attention(SELECTING, LAYER[CSA], numerics=numerics), seed=LAYER[CSA])
-    manager = KVCacheManager(SELECTING, CacheConfig.for_numerics(numerics, torch.float32, max_requests=2,
-                                                                 max_context=272, max_step_tokens=200))
+@pytest.mark.parametrize("fmts", MIXED, ids=lambda f: f"{f.comp}-{f.index}")
+def test_mixed_kv_and_indexer_modes_select_and_attend_as_the_oracle(fmts):
+    layer = testing.randomize_(DeepseekV4Attention(SELECTING, LAYER[CSA], formats=fmts), seed=LAYER[CSA])
+    manager = KVCacheManager(SELECTING, CacheConfig(formats=fmts, exact_dtype=torch.float32, max_requests=2,
+                                                    max_context=272, max_step_tokens=200))
     layer.attach_cache(manager)
     x = torch.randn(80, SELECTING.hidden_size, generator=torch.Generator().manual_seed(0))
     sel = {}
     with torch.no_grad():
         outs = drivers.serve_schedule(layer, manager, {"a": x}, [{"a": 40}, {"a": 1}, {"a": 39}], selections=sel)
-    testing.assert_matches_oracle(layer, x, outs["a"], sel["a"], what=f"{numerics}")
+    testing.assert_matches_oracle(layer, x, outs["a"], sel["a"], what=f"{fmts}")

@@ -1,4 +1,4 @@
-"""GPU tier 1 for V4's FP4 cache option (kv_cache="fp4" / indexer_cache="mxfp4"): the kernels of its
+"""GPU tier 1 for V4's FP4 cache option (CacheFormats("fp8_584", "fp4_288", "mxfp4_68")): the kernels of its
 paths against the reference kernels on the same CUDA inputs at V4 dims (64 / 128 heads x 512, window
 128, 64 index heads x 128, top-512, pages of 128 rows), poisoned pools and padding tokens; the serving
 layer (bf16 model) against the fp64 oracle; CUDA-graph capture after `dsv4ops.warmup`.
@@ -28,7 +28,7 @@ from dsv4ops.sparse_attn import reference as sparse_attn_ref
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 CFG = dsv4ops.DSV4AttentionConfig.tiny()
-FP4 = dsv4ops.Numerics(kv="fp4", indexer="mxfp4")
+FP4 = dsv4ops.CacheFormats("fp8_584", "fp4_288", "mxfp4_68")
 BS, RING, WINDOW, TOPK = 128, 256, 128, 512
 
 
@@ -214,11 +214,11 @@ def test_serving_with_real_selection_on_cuda(schedule):
 def test_layers_capture_in_cuda_graphs_after_warmup():
     from test_kernels_gpu import _compiled_kernels
 
-    cache_cfg = CacheConfig.for_numerics(FP4, torch.bfloat16, max_requests=4, max_context=512, max_step_tokens=64)
+    cache_cfg = CacheConfig(formats=FP4, exact_dtype=torch.bfloat16, max_requests=4, max_context=512, max_step_tokens=64)
     assert dsv4ops.warmup(CFG, cache_cfg, "cuda", torch.bfloat16) > 0
     compiled = _compiled_kernels()
     manager = KVCacheManager(CFG, cache_cfg, device="cuda")
-    layers = [testing.randomize_(dsv4ops.DeepseekV4Attention(CFG, li, numerics=FP4), seed=li).to("cuda", torch.bfloat16)
+    layers = [testing.randomize_(dsv4ops.DeepseekV4Attention(CFG, li, formats=FP4), seed=li).to("cuda", torch.bfloat16)
               for li in (0, LAYER[CSA], LAYER[HCA])]
     for layer in layers:
         layer.attach_cache(manager)

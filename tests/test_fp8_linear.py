@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 
 import dsv4ops
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig
 from dsv4ops import testing as T
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.fp8_linear.api import BlockFP8Linear, fp8_linear
@@ -181,7 +181,7 @@ def _fp8_checkpoint(layer, scale_dtype) -> dict:
 
 
 def _loaded(layer_idx, sd, dtype, keep_fp8):
-    layer = DeepseekV4Attention(CFG, layer_idx).to(dtype)
+    layer = DeepseekV4Attention(CFG, layer_idx, formats=CacheFormats.exact()).to(dtype)
     layer.load_deepseek_state_dict(sd, keep_fp8=keep_fp8)
     return layer
 
@@ -217,7 +217,7 @@ def test_layer_with_fp8_projections_serves_like_the_dequantized_layer():
     outs = {}
     for name, dtype, keep in (("fp8", BF16, True), ("deq", BF16, False), ("ref", FP32, False)):
         layer = _loaded(1, sd, dtype, keep)
-        cache = CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, kv_cache="bf16", indexer_cache="bf16",
+        cache = CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, formats=CacheFormats.exact(),
                             exact_dtype=dtype)
         manager = KVCacheManager(CFG, cache)
         layer.attach_cache(manager)

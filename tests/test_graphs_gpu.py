@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 from torch.testing import FileCheck
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, reference, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ CACHE_ARGS = {"qkv_prep": (6,), "compressor_update": (8, 9), "indexer_topk": (4,
 
 # V4-Flash dims (64 heads x 512, hidden 4096, q_lora 1024, 64 x 128 indexer, top-512), 3 layers.
 CFG = DSV4AttentionConfig.flash().replace(num_layers=3, compress_ratios=(0, 4, 128))
-FP8 = Numerics(kv="fp8", indexer="fp8")
+FP8 = CacheFormats.v4()
 LENGTHS = [5, 31, 60, 127, 129, 200, 255, 300]  # prompt lengths; decode crosses 127/255 and 3 mod 4
 # Prefill in two chunks per request (1107 tokens: 553 + 554, both in the 1024 bucket), so the prefill
 # bucket is called twice (warm-up, then recording) like the decode bucket (8 tokens).
@@ -33,7 +33,7 @@ class Stack(nn.Module):
     def __init__(self, seed):
         super().__init__()
         self.layers = nn.ModuleList(
-            testing.randomize_(DeepseekV4Attention(CFG, i, numerics=FP8), seed=seed + i) for i in range(3)
+            testing.randomize_(DeepseekV4Attention(CFG, i, formats=FP8), seed=seed + i) for i in range(3)
         )
 
     def forward(self, x, step):
@@ -114,7 +114,7 @@ def test_reduce_overhead_stack_prefill_then_decode(monkeypatch):
     for r, n in enumerate(LENGTHS):
         h = inputs[r][: n + DECODE_STEPS][None].double()
         for i in range(3):
-            h = h + reference.attention(params[i], CFG, i, h, FP8)
+            h = h + reference.attention(params[i], CFG, i, h, reference.Numerics("fp8", "fp8"))
         testing.assert_close_to_ref(outs[r], h[0], eager[r], what=f"request {r}")
 
 

@@ -549,8 +549,9 @@ LAYERS = {SLIDING: 0, CSA: 1, HCA: 2}
 @pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
 def test_layer_against_fp64_oracle(kind, mode):
     li = LAYERS[kind]
-    numerics = dsv4ops.Numerics(kv=mode, indexer=mode)
-    layer = testing.randomize_(dsv4ops.DeepseekV4Attention(LAYER_CFG, li, numerics=numerics), seed=li)
+    fmts = dsv4ops.CacheFormats.v4() if mode == "fp8" else dsv4ops.CacheFormats.exact()
+    layer = testing.randomize_(dsv4ops.DeepseekV4Attention(LAYER_CFG, li, formats=fmts), seed=li)
+    numerics = layer.numerics
     layer = layer.to("cuda", torch.bfloat16)
     x = torch.randn(2, 301, LAYER_CFG.hidden_size, device="cuda").to(torch.bfloat16)  # crosses 127, 255, 3 mod 4
     with torch.no_grad():
@@ -633,14 +634,14 @@ def _compiled_kernels() -> dict[str, set[str]]:
 @pytest.mark.parametrize("mode", ["fp8", "exact"])
 def test_layers_capture_in_cuda_graphs_after_warmup(mode):
     cfg = dsv4ops.DSV4AttentionConfig.tiny()
-    numerics = dsv4ops.Numerics(kv=mode, indexer=mode)
-    cache_cfg = CacheConfig.for_numerics(numerics, torch.bfloat16, max_requests=4, max_context=512,
-                                         max_step_tokens=64)
+    fmts = dsv4ops.CacheFormats.v4() if mode == "fp8" else dsv4ops.CacheFormats.exact()
+    cache_cfg = CacheConfig(formats=fmts, exact_dtype=torch.bfloat16, max_requests=4, max_context=512,
+                            max_step_tokens=64)
     calls = dsv4ops.warmup(cfg, cache_cfg, "cuda", torch.bfloat16)
     assert calls > 0
     compiled = _compiled_kernels()
     manager = KVCacheManager(cfg, cache_cfg, device="cuda")
-    layers = [testing.randomize_(dsv4ops.DeepseekV4Attention(cfg, li, numerics=numerics), seed=li)
+    layers = [testing.randomize_(dsv4ops.DeepseekV4Attention(cfg, li, formats=fmts), seed=li)
               for li in (0, 1, 2)]
     layers = [layer.to("cuda", torch.bfloat16) for layer in layers]
     for layer in layers:

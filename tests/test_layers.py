@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention as HFAttention
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.config import CSA
 
@@ -93,24 +93,24 @@ def test_stateless_forward_rejects_bad_inputs(x, match):
         DeepseekV4Attention(CFG, 1)(x)
 
 
-MODES = {"exact": Numerics(), "kv-fp8": Numerics(kv="fp8"), "indexer-fp8": Numerics(indexer="fp8"),
-         "fp8": Numerics(kv="fp8", indexer="fp8")}
+MODES = {"exact": CacheFormats.exact(), "kv-fp8": CacheFormats("fp8_584", "fp8_584", "exact"),
+         "indexer-fp8": CacheFormats("exact", "exact", "fp8_132"), "fp8": CacheFormats.v4()}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_to_bf16_keeps_sinks_norms_rope_tables_in_fp32_and_the_compressor_weights_in_bf16(mode):
     """The compressor projections' weights follow the model dtype in every mode (bf16 in the checkpoint,
     spec 1.3; their fp32 a, z come from the packed GEMM's fp32 output)."""
-    numerics = MODES[mode]
+    fmts = MODES[mode]
     for li in (1, 2):  # CSA, HCA
-        layer = DeepseekV4Attention(CFG, li, numerics=numerics).to(torch.bfloat16)
+        layer = DeepseekV4Attention(CFG, li, formats=fmts).to(torch.bfloat16)
         for name, t in [*layer.named_parameters(), *layer.named_buffers()]:
             keep = name.endswith(("sinks", "position_bias", "norm.weight", "inv_freq"))
             assert t.dtype == (torch.float32 if keep else torch.bfloat16), (mode, li, name)
         # The values too: a frequency rounded through bf16 turns the angle by up to 1.2 rad at 740.
         assert torch.equal(layer.inv_freq, CFG.inv_freq(li)), (mode, li)
         with torch.device("meta"), _default_dtype(torch.bfloat16):  # built in bf16: the same dtypes
-            built = DeepseekV4Attention(CFG, li, numerics=numerics)
+            built = DeepseekV4Attention(CFG, li, formats=fmts)
         assert {n: t.dtype for n, t in built.named_parameters()} == {n: t.dtype for n, t in layer.named_parameters()}
 
 
@@ -129,7 +129,7 @@ def test_bf16_state_dicts_load_into_the_layer_and_back():
     round-trips bit for bit (the packed projections' views included)."""
     hc = testing.hf_config(CFG)
     hf = testing.randomize_(HFAttention(hc, 1), seed=1).to(torch.bfloat16)
-    ours = DeepseekV4Attention(hc, 1, numerics=MODES["fp8"]).to(torch.bfloat16)
+    ours = DeepseekV4Attention(hc, 1, formats=MODES["fp8"]).to(torch.bfloat16)
     ours.load_state_dict(hf.state_dict(), strict=True)
     assert ours.compressor.indexer.gate_proj.weight.dtype == torch.bfloat16
     back = HFAttention(hc, 1).to(torch.bfloat16)
@@ -154,17 +154,17 @@ class _WeightConversions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp8"])
+@pytest.mark.parametrize("mode", ["exact", "fp8", "none"])  # none: built without formats, takes the exact cache's
 @pytest.mark.parametrize("layer_idx", [1, 2], ids=["CSA", "HCA"])
 def test_a_serving_step_of_a_bf16_layer_converts_no_weight(mode, layer_idx):
     """No projection weight is converted per step; on the CPU, which has no bf16 GEMM with an fp32
     output, the packed weight is upcast once for the compressors' fp32 products (a CUDA GPU runs
     mm's out_dtype instead: tests/test_layer_gpu.py)."""
-    numerics = MODES[mode]
-    layer = testing.randomize_(DeepseekV4Attention(CFG, layer_idx, numerics=numerics), seed=3).to(torch.bfloat16)
-    cache_mode = "bf16" if mode == "exact" else "fp8"
-    manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, kv_cache=cache_mode,
-                                              indexer_cache=cache_mode, exact_dtype=torch.bfloat16))
+    fmts = MODES.get(mode, CacheFormats.exact())
+    layer = DeepseekV4Attention(CFG, layer_idx, formats=None if mode == "none" else fmts)
+    layer = testing.randomize_(layer, seed=3).to(torch.bfloat16)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, formats=fmts,
+                                              exact_dtype=torch.bfloat16))
     layer.attach_cache(manager)
     manager.admit("a")
     x = torch.randn(16, CFG.hidden_size).bfloat16()

@@ -5,10 +5,10 @@ handling, the stateless forward's shape and bf16 run. Issue 16."""
 import pytest
 import torch
 
-from dsv4ops import testing
+from dsv4ops import CacheFormats, testing
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DEEPSEEK_NAMES, STATELESS_BLOCK, DeepseekV41Attention, DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.reference.v41 import stack_attention
 from dsv4ops.testing_v41 import slots_to_entries
 
 CFG = DSV41AttentionConfig.tiny()
@@ -102,8 +102,8 @@ def test_bf16_stack_against_the_oracle():
             for L in (1, 3, 5, 7)}
     pools = {5: published["pool"].long()[None]}
     params = dict(stack.named_parameters())
-    ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG, xs.double(), V41Numerics(), topk, pools)
-    low = stack_attention(params, CFG, xs, V41Numerics(), topk, pools)
+    ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG, xs.double(), CacheFormats.v41(), topk, pools)
+    low = stack_attention(params, CFG, xs, CacheFormats.v41(), topk, pools)
     testing.assert_close_to_ref(ys, ref64.y, low.y, what="bf16 stack")
 
 

@@ -87,7 +87,7 @@ SAMPLES = {
         partial(builders.sparse_attn_args, BF16, heads=1, runs=((1, 2, 1),), pad=0),
         partial(builders.sparse_attn_args, FP32, noncontig=True),
         partial(builders.sparse_attn_args, BF16, "fp8_528", comp_fmt="fp4_288"),
-        partial(builders.sparse_attn_args, BF16, FP8, comp_fmt="fp4_288"),  # V4's kv_cache="fp4"
+        partial(builders.sparse_attn_args, BF16, FP8, comp_fmt="fp4_288"),  # V4 with CacheFormats comp="fp4_288"
         partial(builders.sparse_attn_args, FP32, blocks=True),
         partial(sparse_attn_lse_args, BF16, FP8),
         partial(sparse_attn_lse_args, FP32, "fp8_528", comp_fmt="fp4_288", blocks=True),

@@ -5,16 +5,16 @@ import pytest
 import torch
 from torch import nn
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, packing, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, packing, testing
 from dsv4ops.layers import X_PROJECTIONS, project_x
 
 CFG = DSV4AttentionConfig.tiny(index_topk=16)
-FP8 = Numerics(kv="fp8", indexer="fp8")
+FP8 = CacheFormats.v4()
 MEMBERS = {0: X_PROJECTIONS[:2], 1: X_PROJECTIONS, 2: X_PROJECTIONS[:2] + X_PROJECTIONS[3:5]}  # sliding, CSA, HCA
 
 
 def _layer(layer_idx=1, dtype=torch.bfloat16, seed=0):
-    return testing.randomize_(DeepseekV4Attention(CFG, layer_idx, numerics=FP8), seed=seed).to(dtype)
+    return testing.randomize_(DeepseekV4Attention(CFG, layer_idx, formats=FP8), seed=seed).to(dtype)
 
 
 def _assert_tied(layer, expected: dict[str, torch.Tensor] | None = None):
@@ -63,7 +63,7 @@ def test_load_state_dict_reaches_the_packed_gemm():
 def test_assign_load_and_meta_built_layers_are_tied():
     source = _layer(seed=1)
     with torch.device("meta"):
-        layer = DeepseekV4Attention(CFG, 1, numerics=FP8)
+        layer = DeepseekV4Attention(CFG, 1, formats=FP8)
     assert layer.x_packed is None  # nothing to stack yet
     layer.load_state_dict(source.state_dict(), assign=True)
     _assert_tied(layer, {n: source.get_submodule(n).weight for n in MEMBERS[1]})

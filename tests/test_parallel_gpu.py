@@ -14,11 +14,11 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import multiproc
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, layers, reference, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, layers, reference, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager, V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.reference.v41 import stack_attention
 from dsv4ops.testing_v41 import check_pool, check_selection, slots_to_entries
 
 pytestmark = [pytest.mark.gpu,
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu,
 
 # V4-Flash dims (64 heads x 512, hidden 4096, 64 x 128 indexer, top-512), 3 layers: sliding, CSA, HCA.
 CFG = DSV4AttentionConfig.flash().replace(num_layers=3, compress_ratios=(0, 4, 128))
-FP8 = Numerics(kv="fp8", indexer="fp8")
+FP8 = CacheFormats.v4()
 LENGTHS = [5, 127, 129, 300, 600, 700]  # prompt lengths; decode crosses 127 and 3 mod 4
 DECODE_STEPS = 24
 
@@ -34,7 +34,7 @@ DECODE_STEPS = 24
 class Stack(nn.Module):
     def __init__(self, process_group=None):
         super().__init__()
-        self.layers = nn.ModuleList(DeepseekV4Attention(CFG, i, numerics=FP8, process_group=process_group)
+        self.layers = nn.ModuleList(DeepseekV4Attention(CFG, i, formats=FP8, process_group=process_group)
                                     for i in range(3))
 
     def forward(self, x, step):
@@ -103,7 +103,7 @@ def _flash_body(rank, group, mode):
         def run64(r=r, n=n):
             h = inputs[r][: n + DECODE_STEPS][None].double()
             for i in range(3):
-                h = h + reference.attention(params[i], CFG, i, h, FP8)
+                h = h + reference.attention(params[i], CFG, i, h, reference.Numerics("fp8", "fp8"))
             return h[0]
 
         # Budget: the one-GPU eager run and the oracle's FP8 rounding twins (a layer's output that
@@ -124,7 +124,7 @@ def _selection_body(rank, group):
     GPUs): the merged top-k is a top-k of the fp64 oracle's scores up to their rounding, and the
     output equals the oracle fed that selection."""
     cfg = CFG.replace(index_topk=64)
-    layer = testing.randomize_(DeepseekV4Attention(cfg, 1, numerics=FP8), seed=3).to("cuda", torch.bfloat16)
+    layer = testing.randomize_(DeepseekV4Attention(cfg, 1, formats=FP8), seed=3).to("cuda", torch.bfloat16)
     manager = KVCacheManager(cfg, CacheConfig(max_requests=2, max_context=1024, max_step_tokens=512, block_size=16),
                              device="cuda", process_group=group)
     layer.attach_cache(manager)
@@ -149,7 +149,7 @@ def _selection_body(rank, group):
                     sels.append(log[-1][:hi - lo])
     finally:
         layers._select_dcp = original
-    full = DeepseekV4Attention(cfg, 1, numerics=FP8).to("cuda", torch.bfloat16)
+    full = DeepseekV4Attention(cfg, 1, formats=FP8).to("cuda", torch.bfloat16)
     full.load_state_dict(layer.state_dict())
     testing.assert_matches_oracle(full, x, torch.cat(outs), torch.cat(sels), what=f"rank {rank} merged top-k")
     return True
@@ -219,10 +219,10 @@ def _v41_body(rank, group, mode):
         if mode == "tp":
             stack = DeepseekV41AttentionStack(CFG41, process_group=group).to("cuda", torch.bfloat16)
             stack.load_state_dict(full.state_dict())
-            manager = V41CacheManager(CFG41, cache_cfg, V41Numerics(), device="cuda")
+            manager = V41CacheManager(CFG41, cache_cfg, device="cuda")
         else:
             stack = copy.deepcopy(full)
-            manager = V41CacheManager(CFG41, cache_cfg, V41Numerics(), device="cuda", process_group=group)
+            manager = V41CacheManager(CFG41, cache_cfg, device="cuda", process_group=group)
         stack.attach_cache(manager)
         return stack, manager
 
@@ -239,9 +239,9 @@ def _v41_body(rank, group, mode):
         sel = {k: v[None] for k, v in topk[r].items()}
         pool = {CFG41.candidate_source_layer: pools[r][None]}
         ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG41, x.cpu()[:, None].double(),
-                                V41Numerics(), sel, pool)
+                                CacheFormats.v41(), sel, pool)
         testing.assert_close_to_ref(outs[r].cpu(), ref64.y[:, 0], eager[r].cpu(), what=f"rank {rank} {mode} {r}")
-        low = stack_attention(params, CFG41, x.cpu()[:, None], V41Numerics(), sel, pool)
+        low = stack_attention(params, CFG41, x.cpu()[:, None], CacheFormats.v41(), sel, pool)
         for layer, picked in topk[r].items():
             check_selection(picked, ref64.scores[layer][0], low.scores[layer][0], f"request {r} layer {layer}")
         for layer, pk in pool.items():

@@ -8,11 +8,11 @@ the fake-quant points. Issue 16."""
 import pytest
 import torch
 
-from dsv4ops import testing
+from dsv4ops import CacheFormats, testing
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.quant import codecs
-from dsv4ops.reference.v41 import V41Numerics, quantize_query, stack_attention
+from dsv4ops.reference.v41 import quantize_query, stack_attention
 
 CFG = DSV41AttentionConfig.tiny()
 S = 48
@@ -29,7 +29,7 @@ def _xs(seed=0):
                        dtype=torch.float64)
 
 
-@pytest.mark.parametrize("numerics", [V41Numerics.exact(), V41Numerics()], ids=["exact", "qat"])
+@pytest.mark.parametrize("numerics", [CacheFormats.exact(), CacheFormats.v41()], ids=["exact", "qat"])
 def test_causal(params, numerics):
     xs = _xs()
     base = stack_attention(params, CFG, xs, numerics).y
@@ -49,15 +49,15 @@ REACH = {0: {0}, 1: {1, 2}, 2: {2}, 3: {3, 4}, 4: {4}, 5: {5, 6, 7, 8, 9}, 6: {6
 @pytest.mark.parametrize("layer", sorted(REACH))
 def test_a_layer_input_reaches_exactly_its_readers(params, layer):
     xs = _xs()
-    base = stack_attention(params, CFG, xs, V41Numerics.exact()).y
+    base = stack_attention(params, CFG, xs, CacheFormats.exact()).y
     xs2 = xs.clone()
     xs2[layer] += 0.5
-    moved = stack_attention(params, CFG, xs2, V41Numerics.exact()).y
+    moved = stack_attention(params, CFG, xs2, CacheFormats.exact()).y
     assert set((moved != base).flatten(1).any(1).nonzero().flatten().tolist()) == REACH[layer]
 
 
 def test_visibility_and_ratio_2_groups(params):
-    trace = stack_attention(params, CFG, _xs(), V41Numerics.exact())
+    trace = stack_attention(params, CFG, _xs(), CacheFormats.exact())
     for layer, m in ((1, 2), (3, 2), (5, 1)):
         picks = trace.topk[layer][0]
         for t in range(S):
@@ -69,7 +69,7 @@ def test_visibility_and_ratio_2_groups(params):
 
 
 def test_the_pool_restricts_the_reindex_layer_and_not_the_source(params):
-    trace = stack_attention(params, CFG, _xs(), V41Numerics.exact())
+    trace = stack_attention(params, CFG, _xs(), CacheFormats.exact())
     pool, cb = trace.pools[5][0], CFG.candidate_block_size
     differs = 0
     for t in range(S):
@@ -89,7 +89,7 @@ def test_ties_pick_the_lower_entry(params):
     p = dict(params)
     p["layers.1.indexer.weights_proj.weight"] = torch.zeros_like(p["layers.1.indexer.weights_proj.weight"])
     p["layers.5.indexer.weights_proj.weight"] = torch.zeros_like(p["layers.5.indexer.weights_proj.weight"])
-    trace = stack_attention(p, CFG, _xs(), V41Numerics.exact())  # every score of layers 1 and 5 is 0
+    trace = stack_attention(p, CFG, _xs(), CacheFormats.exact())  # every score of layers 1 and 5 is 0
     for t in range(S):
         n1, n5 = (t + 1) // 2, t + 1
         assert trace.topk[1][0, t].tolist()[: min(n1, 8)] == list(range(min(n1, 8)))
@@ -103,9 +103,9 @@ def test_fake_quant_points_move_the_output(params):
     # Each cache format changes the output on its own (window: every layer; compressed: the compressed
     # layers; index: the selections).
     xs = _xs()
-    exact = stack_attention(params, CFG, xs, V41Numerics.exact())
+    exact = stack_attention(params, CFG, xs, CacheFormats.exact())
     for fmt in ({"window": "fp8_528"}, {"comp": "fp4_288"}, {"index": "mxfp4_68"}):
-        one = stack_attention(params, CFG, xs, V41Numerics(**{**vars(V41Numerics.exact()), **fmt}))
+        one = stack_attention(params, CFG, xs, CacheFormats.exact().replace(**fmt))
         moved = (one.y != exact.y).flatten(1).any(1)
         if "window" in fmt:
             assert moved.all()
@@ -124,9 +124,9 @@ def test_mx4_query_is_the_format_codec_per_head():
 
 
 def test_numerics_and_inputs_are_checked():
-    with pytest.raises(ValueError, match=r"window: expected 'exact' or a format of 512-d rows"):
-        V41Numerics(window="mxfp4_68")
+    with pytest.raises(ValueError, match=r"window: expected one of \['exact', 'fp8_584', 'fp8_528', 'fp4_288'\], got 'mxfp4_68'"):
+        CacheFormats.v41().replace(window="mxfp4_68")
     with pytest.raises(ValueError, match=r"index: expected one of \['exact', 'fp8_132', 'mxfp4_68'\]"):
-        V41Numerics(index="fp4_288")
+        CacheFormats.v41().replace(index="fp4_288")
     with pytest.raises(ValueError, match=r"xs: expected one input per backbone layer \(10\) at dim 0, got 9"):
         stack_attention({}, CFG, torch.zeros(9, 1, 4, CFG.hidden_size))

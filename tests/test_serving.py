@@ -1,13 +1,14 @@
 """The serving path: paged cache + step planner + the layer's forward(x, step). Issue: paged KV cache
 and the serving step."""
 
+import dataclasses
 import random
 
 import drivers
 import pytest
 import torch
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, reference, testing
 from dsv4ops.cache.config import CacheConfig, layer_pools, memory
 from dsv4ops.cache.manager import CacheFullError, KVCacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
@@ -19,16 +20,16 @@ LAYER = {SLIDING: 0, CSA: 1, HCA: 2}
 # Lengths: 260 crosses 127 and 255 (mod 128) and 3 mod 4 many times; 131 crosses 127 once; 9 is
 # inside the first CSA windows only.
 LENGTHS = {"a": 260, "b": 131, "c": 9}
-MODES = {"bf16": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
+MODES = {"bf16": CacheFormats.exact(), "fp8": CacheFormats.v4()}
 
 
 def _setup(kind, mode, max_step_tokens=400, seed=0, device="cpu", dtype=torch.float32, cfg=CFG, **capacity):
     li = LAYER[kind]
-    numerics = MODES[mode]
-    layer = testing.randomize_(DeepseekV4Attention(cfg, li, numerics=numerics), seed=li).to(device, dtype)
+    fmts = MODES[mode]
+    layer = testing.randomize_(DeepseekV4Attention(cfg, li, formats=fmts), seed=li).to(device, dtype)
     cache_cfg = CacheConfig(
-        max_requests=4, max_context=272, max_step_tokens=max_step_tokens, kv_cache=mode, indexer_cache=mode,
-        exact_dtype=torch.float32, **capacity,
+        max_requests=4, max_context=272, max_step_tokens=max_step_tokens, formats=fmts, exact_dtype=torch.float32,
+        **capacity,
     )
     manager = KVCacheManager(cfg, cache_cfg, device=device)
     layer.attach_cache(manager)
@@ -45,8 +46,8 @@ def _check_against_stateless(layer, inputs, outs, mode):
     p64 = {k: v.double() for k, v in params.items()}
     for rid, x in inputs.items():
         with torch.no_grad():
-            ref32 = reference.attention(params, CFG, layer.layer_idx, x[None], MODES[mode])[0]
-            run64 = lambda: reference.attention(p64, CFG, layer.layer_idx, x[None].double(), MODES[mode])[0]  # noqa: E731
+            ref32 = reference.attention(params, CFG, layer.layer_idx, x[None], layer.numerics)[0]
+            run64 = lambda: reference.attention(p64, CFG, layer.layer_idx, x[None].double(), layer.numerics)[0]  # noqa: E731
             ref64 = run64()
             twins = testing.rounding_twins(run64) if mode == "fp8" else []
         testing.assert_close_to_ref(outs[rid], ref64, [ref32, *twins], what=f"request {rid}")
@@ -240,7 +241,7 @@ def test_pools_are_non_persistent_buffers_and_weights_still_load():
     layer, manager, _ = _setup(CSA, "fp8")
     names = {n for n, _ in layer.named_buffers()}
     assert {"cache.window", "cache.comp", "cache.state", "cache.index", "cache.index_state"} <= names
-    fresh = DeepseekV4Attention(CFG, 1, numerics=MODES["fp8"])
+    fresh = DeepseekV4Attention(CFG, 1, formats=MODES["fp8"])
     fresh.load_state_dict(layer.state_dict(), strict=True)
     assert not any(k.startswith("cache.") for k in layer.state_dict())
 
@@ -283,12 +284,70 @@ def test_prepare_step_rejects_bad_token_counts(bad, error, match):
 
 def test_serving_forward_needs_an_attached_cache():
     layer = DeepseekV4Attention(CFG, 1)
-    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, kv_cache="bf16",
-                                              indexer_cache="bf16"))
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8,
+                                              formats=CacheFormats.exact()))
     manager.admit(0)
     with pytest.raises(RuntimeError, match=r"DeepseekV4Attention\(layer 1\): no cache attached; call "
                                            r"layer.attach_cache\(manager\)"), manager.step({0: 8}) as step:
         layer(torch.randn(8, CFG.hidden_size), step)
+
+
+def test_a_layer_and_a_cache_with_every_default_attach_and_serve():
+    """Issue 52: every default was refused ("cache modes kv='fp8' ... the layer computes
+    Numerics(kv='exact')"). Both default to CacheFormats.v4(), the serving cache's FP8 formats."""
+    layer = testing.randomize_(DeepseekV4Attention(CFG, 1), seed=1)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8))
+    layer.attach_cache(manager)
+    assert layer.formats == manager.cfg.formats == CacheFormats.v4()
+    assert layer.cache.fmt == {"window": "fp8_584", "comp": "fp8_584", "state": "", "index": "fp8_132",
+                               "index_state": ""}
+    manager.admit(0)
+    with torch.no_grad(), manager.step({0: 8}) as step:
+        y = layer(torch.randn(step.positions.shape[0], CFG.hidden_size), step)
+    assert torch.isfinite(y).all()
+
+
+def test_explicit_formats_that_differ_from_the_cache_are_refused():
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8))
+    layer = DeepseekV4Attention(CFG, 1, formats=CacheFormats.exact())
+    with pytest.raises(ValueError, match=r"manager: its pools hold CacheFormats\(window='fp8_584', comp='fp8_584', "
+                                         r"index='fp8_132'\), the layer computes CacheFormats\(window='exact', "
+                                         r"comp='exact', index='exact'\) \(build the layer with "
+                                         r"formats=manager.cfg.formats, or with none to take the cache's\)"):
+        layer.attach_cache(manager)
+    assert not hasattr(layer, "cache") and not list(manager._caches)
+
+
+def test_a_layer_without_formats_takes_its_first_caches():
+    """Built without formats, a layer computes exact (transformers') until it attaches and takes the
+    formats of the first cache it attaches to (its weights stay as they are: the compressors' in the
+    model dtype in every format). Then its formats are fixed: another cache's are refused."""
+    layer = DeepseekV4Attention(CFG, 1).to(torch.bfloat16)
+    assert layer.formats == CacheFormats.exact() and layer.follows_cache
+    dtypes = {n: t.dtype for n, t in layer.named_parameters()}
+    v4 = CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, formats=CacheFormats.v4(),
+                     exact_dtype=torch.bfloat16)
+    layer.attach_cache(KVCacheManager(CFG, v4))
+    assert layer.formats == CacheFormats.v4() and layer.numerics == reference.Numerics("fp8", "fp8")
+    assert {n: t.dtype for n, t in layer.named_parameters()} == dtypes
+    with pytest.raises(ValueError, match=r"manager: its pools hold CacheFormats\(window='exact'"):
+        layer.attach_cache(KVCacheManager(CFG, dataclasses.replace(v4, formats=CacheFormats.exact())))
+
+
+def test_v4_refuses_formats_it_cannot_hold_and_the_old_spellings():
+    match = (r"formats: a V4 cache holds \(window, comp\) in .*, got \('fp8_528', 'fp4_288'\) \(V4.1's formats "
+             r"need a V4.1 stack\)")
+    with pytest.raises(ValueError, match=match):
+        DeepseekV4Attention(CFG, 1, formats=CacheFormats.v41())
+    with pytest.raises(ValueError, match=match):
+        KVCacheManager(CFG, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, formats=CacheFormats.v41()))
+    replaced = r"DeepseekV4Attention: numerics was replaced by formats=dsv4ops.CacheFormats\(window=..., comp=..., "
+    with pytest.raises(TypeError, match=replaced):
+        DeepseekV4Attention(CFG, 1, numerics=CacheFormats.v4())
+    with pytest.raises(TypeError, match=replaced):
+        DeepseekV4Attention(CFG, 1, reference.Numerics("fp8", "fp8"))
+    with pytest.raises(ImportError, match=r"dsv4ops.Numerics was replaced by dsv4ops.CacheFormats"):
+        from dsv4ops import Numerics  # noqa: F401
 
 
 def test_attach_cache_is_refused_while_requests_hold_tokens():
@@ -342,8 +401,8 @@ def test_attach_cache_is_refused_after_a_single_token():
 )
 def test_attach_cache_rejects_a_manager_of_another_model(model, match):
     layer = DeepseekV4Attention(CFG, 1)
-    manager = KVCacheManager(model, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8, kv_cache="bf16",
-                                                indexer_cache="bf16"))
+    manager = KVCacheManager(model, CacheConfig(max_requests=1, max_context=16, max_step_tokens=8,
+                                                formats=CacheFormats.exact()))
     with pytest.raises(ValueError, match=match):
         layer.attach_cache(manager)
     with pytest.raises(TypeError, match=r"manager: expected a dsv4ops.cache.KVCacheManager, got CacheConfig"):

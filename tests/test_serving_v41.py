@@ -9,6 +9,7 @@ score error of a low-precision oracle run). The error budget of the outputs: the
 (exact formats) or the bf16 oracle's (QAT formats: FP4 / MX4 codes flip between any two
 computations that differ by a rounding upstream)."""
 
+import dataclasses
 import random
 
 import builders
@@ -17,18 +18,19 @@ import pytest
 import torch
 from drivers_v41 import serve_schedule
 
-from dsv4ops import testing
+from dsv4ops import CacheFormats, testing
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import CacheFullError, KVCacheManager
 from dsv4ops.config import DSV4AttentionConfig
 from dsv4ops.cache.v41 import V41CacheManager, memory, stack_pools
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import STATELESS_BLOCK, DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.quant import formats
+from dsv4ops.reference.v41 import stack_attention
 from dsv4ops.testing_v41 import check_pool, check_selection, slots_to_entries
 
 CFG = DSV41AttentionConfig.tiny()
-NUMERICS = {"exact": V41Numerics.exact(), "qat": V41Numerics()}
+NUMERICS = {"exact": CacheFormats.exact(), "qat": CacheFormats.v41()}
 # 96 > window 16, 96 / 2 = 48 > index_topk 8 (ratio 2), 96 > the 16-entry pool (ratio 1); 37 and 9
 # end mid ratio-2 group and inside the first pool.
 LENGTHS = {"a": 96, "b": 37, "c": 9}
@@ -38,8 +40,8 @@ BLOCK = 7  # odd: slots cross pages often; pages mxfp4_68 can pad (7 x 68 B in 5
 def _setup(mode, seed=0, max_step_tokens=160, **capacity):
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG, NUMERICS[mode]), seed=seed)
     cache_cfg = CacheConfig(max_requests=4, max_context=112, max_step_tokens=max_step_tokens, block_size=BLOCK,
-                            exact_dtype=torch.float32, **capacity)
-    manager = V41CacheManager(CFG, cache_cfg, NUMERICS[mode])
+                            exact_dtype=torch.float32, formats=NUMERICS[mode], **capacity)
+    manager = V41CacheManager(CFG, cache_cfg)
     stack.attach_cache(manager)
     g = torch.Generator().manual_seed(seed + 1)
     inputs = {rid: torch.randn(CFG.num_layers, n, CFG.hidden_size, generator=g) for rid, n in LENGTHS.items()}
@@ -213,7 +215,7 @@ def test_an_aborted_step_is_rolled_back_and_the_request_continues():
 
 def test_eager_forward_rejects_foreign_stale_and_closed_steps():
     stack, manager, _ = _setup("exact")
-    other = V41CacheManager(CFG, manager.cfg, NUMERICS["exact"])
+    other = V41CacheManager(CFG, dataclasses.replace(manager.cfg, formats=NUMERICS["exact"]))
     for m in (manager, other):
         m.admit("a")
     xs = torch.randn(CFG.num_layers, 8, CFG.hidden_size)
@@ -296,7 +298,37 @@ def test_full_pools_are_rejected_before_anything_changes():
 
 def test_a_block_size_the_formats_cannot_page_is_rejected():
     with pytest.raises(ValueError, match=r"block_size: mxfp4_68 pages are padded to a multiple of 512 B; 64 rows"):
-        V41CacheManager(CFG, CacheConfig(max_requests=1, max_context=64, max_step_tokens=8))
+        V41CacheManager(CFG, CacheConfig(max_requests=1, max_context=64, max_step_tokens=8, block_size=64))
+    # Every default: V4.1's QAT formats, pages of 128 keys (the smallest mxfp4_68 page without padding).
+    manager = V41CacheManager(CFG, CacheConfig(max_requests=1, max_context=64, max_step_tokens=8))
+    assert (manager.cfg.formats, manager.cfg.block_size) == (CacheFormats.v41(), 128)
+
+
+@pytest.mark.parametrize("fmts", [CacheFormats.v41().replace(window="fp8_584"),
+                                  CacheFormats.v41().replace(comp="fp8_528", index="fp8_132"),
+                                  CacheFormats("fp4_288", "exact", "exact")], ids=str)
+def test_the_manager_honours_every_field_of_the_cache_config(fmts):
+    """Issue 52: V41CacheManager read its formats from an argument of its own and ignored the cache
+    config's. Each pool takes its format from CacheConfig.formats, exact pools its exact_dtype, every
+    pool its block_size; a stack built without formats takes them, and a step runs on them."""
+    stack = testing.randomize_(DeepseekV41AttentionStack(CFG), seed=0)
+    manager = V41CacheManager(CFG, CacheConfig(max_requests=1, max_context=32, max_step_tokens=8, block_size=BLOCK,
+                                               formats=fmts, exact_dtype=torch.float32))
+    stack.attach_cache(manager)
+    assert stack.formats == fmts
+    want = {"window": fmts.window, "comp": fmts.comp, "keys": fmts.index}
+    for name, fmt in stack.cache.fmt.items():
+        kind = name.rsplit("_", 1)[0]
+        if kind == "state":
+            continue
+        pool = getattr(stack.cache, name)
+        assert fmt == want[kind], name
+        assert pool.dtype == (torch.float32 if fmt == "exact" else torch.uint8), name  # not the default bf16
+        assert formats.block_size(pool.shape, fmt) == BLOCK, name
+    manager.admit("a")
+    with torch.no_grad(), manager.step({"a": 8}) as step:
+        y = stack(torch.randn(CFG.num_layers, step.positions.shape[0], CFG.hidden_size), step)
+    assert torch.isfinite(y).all()
 
 
 def test_a_manager_of_the_other_version_is_named():
@@ -310,17 +342,38 @@ def test_a_manager_of_the_other_version_is_named():
             manager(model, cfg)
     with pytest.raises(TypeError, match=r"cfg: expected a CacheConfig, got dict"):
         V41CacheManager(CFG, {"max_requests": 1})
-    with pytest.raises(TypeError, match=r"numerics: expected a V41Numerics, got str"):
-        V41CacheManager(CFG, cfg, "qat")
+
+
+def test_the_old_numerics_spellings_name_cache_formats():
+    cfg = CacheConfig(max_requests=1, max_context=64, max_step_tokens=8, block_size=BLOCK)
+    replaced = r"V41CacheManager: numerics was replaced by CacheConfig\(formats=CacheFormats\(...\)\)"
+    with pytest.raises(TypeError, match=replaced):
+        V41CacheManager(CFG, cfg, CacheFormats.exact())
+    with pytest.raises(TypeError, match=replaced):
+        V41CacheManager(CFG, cfg, numerics=CacheFormats.exact())
+    with pytest.raises(TypeError, match=r"DeepseekV41AttentionStack: numerics was replaced by formats=dsv4ops.CacheFormats"):
+        DeepseekV41AttentionStack(CFG, numerics=CacheFormats.exact())
+    with pytest.raises(ImportError, match=r"dsv4ops.V41Numerics was replaced by dsv4ops.CacheFormats"):
+        from dsv4ops import V41Numerics  # noqa: F401
 
 
 def test_attach_checks_formats_and_model():
-    stack = DeepseekV41AttentionStack(CFG)
-    cfg = CacheConfig(max_requests=1, max_context=64, max_step_tokens=8, block_size=BLOCK)
-    with pytest.raises(ValueError, match="manager: its pools hold V41Numerics"):
-        stack.attach_cache(V41CacheManager(CFG, cfg, V41Numerics.exact()))
+    cfg = CacheConfig(max_requests=1, max_context=64, max_step_tokens=8, block_size=BLOCK, formats=CacheFormats.exact())
+    explicit = DeepseekV41AttentionStack(CFG, CacheFormats.v41())
+    with pytest.raises(ValueError, match=r"manager: its pools hold CacheFormats\(window='exact', comp='exact', "
+                                         r"index='exact'\), the stack computes CacheFormats\(window='fp8_528', "
+                                         r"comp='fp4_288', index='mxfp4_68'\) \(build the stack with "
+                                         r"formats=manager.cfg.formats, or with none to take the cache's\)"):
+        explicit.attach_cache(V41CacheManager(CFG, cfg))
+    assert not hasattr(explicit, "cache")
+    # Without formats: the first cache's, then fixed.
+    follows = DeepseekV41AttentionStack(CFG)
+    follows.attach_cache(V41CacheManager(CFG, cfg))
+    assert follows.formats == CacheFormats.exact()
+    with pytest.raises(ValueError, match=r"manager: its pools hold CacheFormats\(window='fp8_528'"):
+        follows.attach_cache(V41CacheManager(CFG, dataclasses.replace(cfg, formats=CacheFormats.v41())))
     with pytest.raises(ValueError, match="manager: it was built for another DSV41AttentionConfig"):
-        stack.attach_cache(V41CacheManager(DSV41AttentionConfig.tiny(window=8), cfg))
+        DeepseekV41AttentionStack(CFG).attach_cache(V41CacheManager(DSV41AttentionConfig.tiny(window=8), cfg))
 
 
 def test_attach_is_refused_while_requests_hold_tokens():
@@ -340,9 +393,9 @@ def test_attach_is_refused_while_requests_hold_tokens():
 def test_memory_accounting_matches_the_allocated_pools():
     cfg = CacheConfig(max_requests=2, max_context=448, max_step_tokens=64, block_size=BLOCK)
     acc = memory(CFG, cfg)
-    total = sum(spec.nbytes for spec in stack_pools(CFG, cfg, V41Numerics()))
+    total = sum(spec.nbytes for spec in stack_pools(CFG, cfg))
     expected = acc["fixed_bytes_per_request"] * 2 + acc["bytes_per_token"] * 2 * 448
-    slack = sum(3 * spec.nbytes // spec.shape[0] for spec in stack_pools(CFG, cfg, V41Numerics())
+    slack = sum(3 * spec.nbytes // spec.shape[0] for spec in stack_pools(CFG, cfg)
                 if spec.name.startswith(("comp_", "keys_")))
     assert expected <= total <= expected + slack + 1
 
@@ -359,7 +412,7 @@ def test_flash_memory_matches_the_spec():
     states = 3 * 2 * 2 * 512 * 4 + 1 * 1 * 2 * 512 * 4  # ratio-2 rings of 2 rows, the ratio-1 row
     assert acc["fixed_bytes_per_request"] == 40 * 128 * 528 + states
     assert memory(flash, cfg, layers=43)["fixed_bytes_per_request"] - states == 2_906_112
-    fp8_keys = memory(flash, cfg, V41Numerics(index="fp8_132"))
+    fp8_keys = memory(flash, dataclasses.replace(cfg, formats=CacheFormats.v41().replace(index="fp8_132")))
     assert fp8_keys["bytes_per_token"] == 1050
 
 

@@ -13,12 +13,12 @@ from torch._dynamo.utils import counters
 from torch._inductor import cudagraph_trees
 
 import dsv4ops
-from dsv4ops import testing
+from dsv4ops import CacheFormats, testing
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.reference.v41 import stack_attention
 from dsv4ops.testing_v41 import check_pool, check_selection
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def _reference_kernels():
 def _served():
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG), seed=0).to("cuda", torch.bfloat16)
     manager = V41CacheManager(CFG, CacheConfig(max_requests=2, max_context=128, max_step_tokens=128, block_size=7,
-                                               buckets=(2, 128)), V41Numerics(), device="cuda")
+                                               buckets=(2, 128)), device="cuda")
     stack.attach_cache(manager)
     g = torch.Generator().manual_seed(1)
     inputs = {r: torch.randn(CFG.num_layers, n, CFG.hidden_size, generator=g).to("cuda", torch.bfloat16)
@@ -53,8 +53,8 @@ def _check_against_oracle(stack, inputs, outs, topk, pools):
         sel = {k: v[None] for k, v in topk[rid].items()}
         pool = {k: v[None] for k, v in pools[rid].items()}
         ref64 = stack_attention({k: v.double() for k, v in params.items()}, CFG, x.cpu()[:, None].double(),
-                                V41Numerics(), sel, pool)
-        low = stack_attention(params, CFG, x.cpu()[:, None], V41Numerics(), sel, pool)
+                                CacheFormats.v41(), sel, pool)
+        low = stack_attention(params, CFG, x.cpu()[:, None], CacheFormats.v41(), sel, pool)
         testing.assert_close_to_ref(outs[rid].cpu(), ref64.y[:, 0], low.y[:, 0], what=f"request {rid}")
         for layer, picked in topk[rid].items():
             check_selection(picked, ref64.scores[layer][0], low.scores[layer][0], f"request {rid} layer {layer}")
@@ -116,7 +116,7 @@ def test_reduce_overhead_stack_prefill_then_decode(monkeypatch):
     for rid, x in inputs.items():
         # The oracle with the eager run's selections; compiled and eager ran the same kernels on the
         # same inputs up to Inductor's fused projections, so their selections may differ only at ties.
-        ref64 = stack_attention(params, CFG, x.cpu()[:, None].double(), V41Numerics(),
+        ref64 = stack_attention(params, CFG, x.cpu()[:, None].double(), CacheFormats.v41(),
                                 {k: v[None] for k, v in topk[rid].items()}, {k: v[None] for k, v in pools[rid].items()})
         got = torch.cat(outs[rid], 1).cpu()
         testing.assert_close_to_ref(got, ref64.y[:, 0], eager[rid].cpu(), what=f"compiled request {rid}")

@@ -28,9 +28,9 @@ PREFILL = {"a": 100, "b": 40}
 
 
 def _setup(kind, mode, device="cpu", dtype=torch.float32, **capacity):
-    layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], numerics=MODES[mode]), seed=LAYER[kind])
+    layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], formats=MODES[mode]), seed=LAYER[kind])
     layer = layer.to(device, dtype)
-    base = dict(max_requests=4, max_context=280, max_step_tokens=160, kv_cache=mode, indexer_cache=mode,
+    base = dict(max_requests=4, max_context=280, max_step_tokens=160, formats=MODES[mode],
                 exact_dtype=torch.float32, max_draft_tokens=DRAFTS)
     manager = KVCacheManager(CFG, CacheConfig(**(base | capacity)), device=device)
     layer.attach_cache(manager)
@@ -46,7 +46,7 @@ def _check(layer, mode, seqs: dict, outs: dict, starts: dict | None = None, wind
     """outs[r] (the outputs of request r's tokens from starts[r] on) against the fp64 oracle over
     its whole sequence seqs[r] (with its window ends, if given); budget: the oracle's fp32 run and,
     in FP8 modes, its rounding twins."""
-    numerics, li = MODES[mode], layer.layer_idx
+    numerics, li = layer.numerics, layer.layer_idx
     params = {k: v.detach() for k, v in layer.named_parameters()}
     p64 = {k: v.double() for k, v in params.items()}
     for r, x in seqs.items():
@@ -256,7 +256,7 @@ def _check_usage(manager, usage):
     """usage() against a count of the block tables and the bytes of the formats' pages (every
     layer of the model) plus memory()'s fixed bytes per request."""
     cfg, model = manager.cfg, manager.model
-    _, comp, index = cfg.formats()
+    comp, index = cfg.formats.comp, cfg.formats.index
     page = {f: formats.get(f).page_bytes(cfg.block_size) for f in (comp, index) if f != formats.EXACT}
     layers = [model.layer_type(i) for i in range(model.num_layers)]
     block_bytes = {CSA: layers.count(CSA) * (page[comp] + page[index]), HCA: layers.count(HCA) * page[comp]}

@@ -41,7 +41,7 @@ class Stack(nn.Module):
     def __init__(self):
         super().__init__()
         fp8 = MODES["fp8"]
-        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(CFG, i, numerics=fp8), seed=i)
+        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(CFG, i, formats=fp8), seed=i)
                                     for i in LAYER.values())
 
     def forward(self, x, step):
@@ -116,7 +116,7 @@ def test_reduce_overhead_verify_loop_records_one_graph_per_bucket(monkeypatch):
     for r, x in seqs.items():
         h = x[None].double()
         for i, li in enumerate(LAYER.values()):
-            h = h + reference.attention(params[i], CFG, li, h, MODES["fp8"])
+            h = h + reference.attention(params[i], CFG, li, h, reference.Numerics("fp8", "fp8"))
         s = 46 if r == "c" else 0
         testing.assert_close_to_ref(outs[r], h[0, s:], eager[r], what=f"request {r}")
 
@@ -131,7 +131,7 @@ def test_v41_verify_steps_with_rewinds_on_cuda():
 
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG41, NUMERICS["qat"]), seed=0).to("cuda", torch.bfloat16)
     manager = V41CacheManager(CFG41, CacheConfig(max_requests=4, max_context=112, max_step_tokens=160, block_size=7,
-                                                 max_draft_tokens=DRAFTS), NUMERICS["qat"], device="cuda")
+                                                 max_draft_tokens=DRAFTS, formats=NUMERICS["qat"]), device="cuda")
     stack.attach_cache(manager)
     lengths = {"a": 64, "b": 29, "c": 9}
     g = torch.Generator().manual_seed(1)

@@ -12,16 +12,16 @@ import drivers
 import pytest
 import torch
 
-from dsv4ops import testing
+from dsv4ops import CacheFormats, testing
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.v41 import V41CacheManager, memory
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.quant import formats
-from dsv4ops.reference.v41 import V41Numerics, stack_attention
+from dsv4ops.reference.v41 import stack_attention
 
 CFG = DSV41AttentionConfig.tiny(index_topk=128, candidate_topk_blocks=64)
-NUMERICS = {"exact": V41Numerics.exact(), "qat": V41Numerics()}
+NUMERICS = {"exact": CacheFormats.exact(), "qat": CacheFormats.v41()}
 DRAFTS = 5
 BLOCK = 7  # entries per page: ratio-1 pages end every 7 tokens, ratio-2 pages every 14
 
@@ -30,7 +30,7 @@ def _setup(mode, **capacity):
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG, NUMERICS[mode]), seed=0)
     base = dict(max_requests=4, max_context=112, max_step_tokens=160, block_size=BLOCK, exact_dtype=torch.float32,
                 max_draft_tokens=DRAFTS)
-    manager = V41CacheManager(CFG, CacheConfig(**(base | capacity)), NUMERICS[mode])
+    manager = V41CacheManager(CFG, CacheConfig(**(base | capacity), formats=NUMERICS[mode]))
     stack.attach_cache(manager)
     return stack, manager
 
@@ -126,7 +126,7 @@ def test_forks_continue_like_fresh_requests():
 def _check_usage(manager, usage):
     """usage() against a count of the block tables, the formats' page bytes of each ratio's pools
     (compressed entries and index keys of its sources) and memory()'s fixed bytes per request."""
-    num, cfg = manager.numerics, manager.cfg
+    num, cfg = manager.cfg.formats, manager.cfg
     block_bytes = {m: 0 for m in manager.tables}
     for role in CFG.roles:
         if role.owns_compressor:

@@ -9,7 +9,7 @@ import torch
 from test_serving import CFG, LENGTHS, _check_against_stateless, _pool_bytes, _setup
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4ops import DeepseekV4Attention, Numerics, layers, testing
+from dsv4ops import DeepseekV4Attention, layers, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
@@ -426,7 +426,7 @@ def test_a_step_that_no_layer_ran_is_refused_at_commit_and_rolled_back():
     had never been planned. A step that only some of the attached layers ran is refused the same
     way (the others' pools would miss its tokens). A step of a manager without layers commits."""
     layer, manager, inputs = _setup(CSA, "bf16")
-    other = testing.randomize_(DeepseekV4Attention(CFG, 2, numerics=Numerics()), seed=2)  # an HCA layer
+    other = testing.randomize_(DeepseekV4Attention(CFG, 2), seed=2)  # an HCA layer: the cache's formats
     other.attach_cache(manager)
     manager.admit("a")
     before = _bookkeeping(manager)

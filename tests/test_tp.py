@@ -11,25 +11,24 @@ import torch
 
 import dist_cases
 import multiproc
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager, V41CacheManager
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers import DEEPSEEK_NAMES
 from dsv4ops.layers_v41 import DEEPSEEK_NAMES as DEEPSEEK_NAMES_V41
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
-from dsv4ops.reference.v41 import V41Numerics
 
 # HCA ratio 16 so that the scenario's requests (up to 138 tokens) close several HCA entries;
 # index_topk 16 < the 34 CSA entries of the longest request: a real selection.
 CFG = DSV4AttentionConfig.tiny(hca_ratio=16, compress_ratios=(0, 4, 16, 4))
 CFG41 = DSV41AttentionConfig.tiny()
 BLOCK41 = 7  # rows per page that every V4.1 format pages (mxfp4_68: 7 x 68 B in 512 B)
-MODES = {"exact": Numerics(), "fp8": Numerics(kv="fp8", indexer="fp8")}
+MODES = {"exact": CacheFormats.exact(), "fp8": CacheFormats.v4()}
 
 
-def _cache(numerics, **kw):
-    return CacheConfig.for_numerics(numerics, torch.float32, max_requests=3, max_context=160, max_step_tokens=96,
-                                    block_size=4, max_draft_tokens=dist_cases.MAX_DRAFT, **kw)
+def _cache(fmts, **kw):
+    return CacheConfig(formats=fmts, exact_dtype=torch.float32, max_requests=3, max_context=160, max_step_tokens=96,
+                       block_size=4, max_draft_tokens=dist_cases.MAX_DRAFT, **kw)
 
 
 def _serve_v4(layer, numerics):
@@ -61,8 +60,8 @@ def _whole(outs: dict, sels: dict) -> tuple[dict, dict]:
 
 def _v4_body(rank, group, li, mode, compiled):
     numerics = MODES[mode]
-    full = testing.randomize_(DeepseekV4Attention(CFG, li, numerics=numerics), seed=li)
-    tp = DeepseekV4Attention(CFG, li, numerics=numerics, process_group=group)
+    full = testing.randomize_(DeepseekV4Attention(CFG, li, formats=numerics), seed=li)
+    tp = DeepseekV4Attention(CFG, li, formats=numerics, process_group=group)
     tp.load_state_dict(full.state_dict())
     assert tp.heads == CFG.num_heads // 2 and tp.q_b_proj.weight.shape[0] == CFG.num_heads // 2 * CFG.head_dim
     rows, single, sel1 = _serve_v4(full, numerics)
@@ -122,7 +121,7 @@ def _compiled_body(rank, group):
     full = testing.randomize_(DeepseekV4Attention(CFG, 1), seed=1)
     tp = DeepseekV4Attention(CFG, 1, process_group=group)
     tp.load_state_dict(full.state_dict())
-    manager = KVCacheManager(CFG, _cache(Numerics()))
+    manager = KVCacheManager(CFG, _cache(CacheFormats.exact()))
     tp.attach_cache(manager)
     torch._dynamo.reset()
     fn = torch.compile(tp, fullgraph=True, backend=aot_autograd(fw_compiler=_count_collectives))
@@ -146,12 +145,12 @@ def test_tp_compiled_scenario_equals_one_process():
 
 def _v41_serve(stack, numerics):
     cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41,
-                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT)
-    return dist_cases.serve_v41(stack, V41CacheManager(CFG41, cache, numerics), BLOCK41)
+                        exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT, formats=numerics)
+    return dist_cases.serve_v41(stack, V41CacheManager(CFG41, cache), BLOCK41)
 
 
 def _v41_body(rank, group, mode):
-    numerics = V41Numerics.exact() if mode == "exact" else V41Numerics()
+    numerics = CacheFormats.exact() if mode == "exact" else CacheFormats.v41()
     full = testing.randomize_(DeepseekV41AttentionStack(CFG41, numerics), seed=5)
     tp = DeepseekV41AttentionStack(CFG41, numerics, process_group=group)
     # DeepSeek's names: every rank cuts its share out of the full tensors.

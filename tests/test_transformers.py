@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from transformers import DeepseekV4ForCausalLM, DynamicCache
 
-from dsv4ops import DSV4AttentionConfig, Numerics, checkpoint, reference, testing
+from dsv4ops import CacheFormats, DSV4AttentionConfig, checkpoint, reference, testing
 from dsv4ops.cache import CacheConfig, CacheFullError
 from dsv4ops.integrations.transformers import PagedCache, TransformersAttention, patch_model
 
 CFG = DSV4AttentionConfig.tiny(index_topk=128)
 PROMPT = 136  # crosses the 128-token window and closes HCA entry 0 (t = 127)
 NEW = 5
-EXACT = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512, kv_cache="bf16", indexer_cache="bf16",
+EXACT = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512, formats=CacheFormats.exact(),
                     exact_dtype=torch.float32)
 FP8 = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512)
 
@@ -160,7 +160,7 @@ def test_padded_rows_equal_their_unpadded_runs(base, side):
         _against_transformers(base, patched, ids, mask[:, :PROMPT], what="left-padded generate")
 
 
-def _oracle_model(base, numerics: Numerics):
+def _oracle_model(base, numerics: reference.Numerics):
     """`base` with each attention replaced by the fp64-capable oracle (dsv4ops.reference.attention,
     stateless over the whole sequence) in `numerics`: the FP8 cache's expected values."""
     model = copy.deepcopy(base)
@@ -186,7 +186,7 @@ def test_generate_with_the_fp8_cache_matches_the_oracle(base):
     ids = _prompts(2, seed=4)
     tokens, logits = _generate(patched, ids)
     rows = _rows(ids, None, tokens)
-    numerics = Numerics(kv="fp8", indexer="fp8")
+    numerics = reference.Numerics(kv="fp8", indexer="fp8")
     oracle64 = _double(_oracle_model(base, numerics))
     ref64 = _teacher_forced(oracle64, rows)
     lowp = [_teacher_forced(_oracle_model(base, numerics), rows)]
@@ -241,7 +241,7 @@ def test_compiled_layers_generate_the_same(base):
 def test_chunked_prefill_through_generate(base):
     """A prompt longer than the cache's step (max_step_tokens 64): generate's prefill_chunk_size
     splits it; without it the step is refused with that advice, before anything changes."""
-    small = CacheConfig(max_requests=2, max_context=512, max_step_tokens=64, kv_cache="bf16", indexer_cache="bf16",
+    small = CacheConfig(max_requests=2, max_context=512, max_step_tokens=64, formats=CacheFormats.exact(),
                         exact_dtype=torch.float32)
     patched = _patched(base, small)
     ids = _prompts(1, seed=7)

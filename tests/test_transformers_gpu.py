@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_transformers import _check_steps, _double, _generate, _model, _oracle_model, _prompts, _rows, _teacher_forced
 
-from dsv4ops import Numerics, testing
+from dsv4ops import reference, testing
 from dsv4ops.cache import CacheConfig
 from dsv4ops.integrations.transformers import patch_model
 
@@ -29,7 +29,7 @@ def test_patched_generate_on_cuda(compile):
     mask[2, :9], ids[2, :9] = 0, 0
     tokens, logits = _generate(patched, ids, mask)
     rows = _rows(ids, mask, tokens)
-    numerics = Numerics(kv="fp8", indexer="fp8")
+    numerics = reference.Numerics(kv="fp8", indexer="fp8")
     oracle64 = _double(_oracle_model(base, numerics))
     ref64 = _teacher_forced(oracle64, rows)
     lowp = [_teacher_forced(_oracle_model(base, numerics), rows)]

@@ -25,9 +25,9 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, parallel, monkeypatch):
 
     for name in dsv4ops.backends.TRITON_LAUNCHERS:
         monkeypatch.setattr(torch.ops.dsv4, name, spy(name, getattr(torch.ops.dsv4, name)))
-    modes = {"fp4": dict(kv_cache="fp4", indexer_cache="mxfp4", block_size=128)}.get(
-        mode, dict(kv_cache=mode, indexer_cache=mode))
-    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, **modes)
+    formats = {"bf16": dsv4ops.CacheFormats.exact(), "fp8": dsv4ops.CacheFormats.v4(),
+               "fp4": dsv4ops.CacheFormats("fp8_584", "fp4_288", "mxfp4_68")}[mode]
+    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, formats=formats)
     fp8_block = 128 if mode == "fp8" else None  # layers loaded with keep_fp8=True: fp8_linear too
     tp, dcp = parallel  # a rank's heads under tensor parallelism; the partial and merge of context parallelism
     calls = dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=fp8_block, tp=tp, dcp=dcp)

@@ -1,7 +1,7 @@
 """Attention benchmarks at V4-Flash shapes: every op of a layer step (decode batch 1/32/128 at 4K
 and 64K context, prefill 4096 tokens), the attention core (all ops) vs the projection GEMMs, the
 reference backend on the GPU, and transformers' layer (eager and compiled) as baselines; any of
-them with the FP8 cache (default) or the FP4 cache option (`numerics`); and the decode step of the
+them with the FP8 cache (default) or the FP4 cache option (`formats`); and the decode step of the
 whole V4-Flash stack (its layers' attention cores) with each cache at the same shapes (`stack_rows`).
 
 Caches are filled synthetically: requests are marked as holding `context - 1` tokens, their blocks
@@ -13,19 +13,20 @@ import contextlib
 
 import torch
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, ops, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, ops, testing
 from dsv4ops.bench import flashmla
 from dsv4ops.bench.timing import ceilings, eager_time_us, graph_time_us
 from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.step import visible_counts
+from dsv4ops.cache.config import v4_numerics
 from dsv4ops.config import CSA, HCA, SLIDING
 from dsv4ops.layers import indexer_query, indexer_rotates, project_x
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import rms_norm
 
 FLASH = DSV4AttentionConfig.flash()
-FP8 = Numerics(kv="fp8", indexer="fp8")
-FP4 = Numerics(kv="fp4", indexer="mxfp4")  # 288-B FP4 entries, 68-B MXFP4 keys (CacheConfig "fp4" / "mxfp4")
+FP8 = CacheFormats.v4()
+FP4 = CacheFormats("fp8_584", "fp4_288", "mxfp4_68")  # 288-B FP4 entries, 68-B MXFP4 keys
 CACHES = {"fp8": FP8, "fp4": FP4}
 ATTN_OPS = ("qkv_prep", "compressor_update", "indexer_q_prep", "indexer_topk", "visible_entries", "sparse_attn",
             "inv_rope")
@@ -53,30 +54,30 @@ def _fill(pool: torch.Tensor, dim: int, fmt: str, gen: torch.Generator):
 
 
 def new_layer(kind: str, model: DSV4AttentionConfig = FLASH, device="cuda",
-              numerics: Numerics = FP8) -> DeepseekV4Attention:
-    """The model's first layer of this kind, random weights (testing.randomize_), bf16, in `numerics`."""
+              formats: CacheFormats = FP8) -> DeepseekV4Attention:
+    """The model's first layer of this kind, random weights (testing.randomize_), bf16, in `formats`."""
     layer_idx = next(i for i in range(model.num_layers) if model.layer_type(i) == kind)
-    return testing.randomize_(DeepseekV4Attention(model, layer_idx, numerics=numerics)).to(device, torch.bfloat16)
+    return testing.randomize_(DeepseekV4Attention(model, layer_idx, formats=formats)).to(device, torch.bfloat16)
 
 
 class Case:
     """One layer of V4-Flash with a synthetic cache and the inputs of every op of one step."""
 
     def __init__(self, kind: str, batch: int, context: int, new_tokens: int, device="cuda",
-                 model: DSV4AttentionConfig = FLASH, max_context: int | None = None, numerics: Numerics = FP8,
+                 model: DSV4AttentionConfig = FLASH, max_context: int | None = None, formats: CacheFormats = FP8,
                  layer: DeepseekV4Attention | None = None):
-        """`layer`: a layer of this kind, model and numerics (bf16, on `device`) to attach the new cache to
+        """`layer`: a layer of this kind, model and formats (bf16, on `device`) to attach the new cache to
         instead of building one (a sweep reuses one per kind; `release` detaches it)."""
         self.kind, self.batch, self.context, self.new_tokens, self.model = kind, batch, context, new_tokens, model
         self.max_context = max_context or context + new_tokens
-        self.numerics = numerics
+        self.numerics = v4_numerics(formats)
         cfg = model
-        self.layer = layer if layer is not None else new_layer(kind, model, device, numerics)
+        self.layer = layer if layer is not None else new_layer(kind, model, device, formats)
         # The pools hold the real context (max_total_tokens); max_context sizes the block tables, the
         # key lists and the indexer's workspace rows.
-        cache_cfg = CacheConfig.for_numerics(numerics, torch.bfloat16, max_requests=batch, max_context=self.max_context,
-                                             max_total_tokens=batch * (context + new_tokens),
-                                             max_step_tokens=batch * new_tokens, buckets=(batch * new_tokens,))
+        cache_cfg = CacheConfig(formats=formats, exact_dtype=torch.bfloat16, max_requests=batch,
+                                max_context=self.max_context, max_total_tokens=batch * (context + new_tokens),
+                                max_step_tokens=batch * new_tokens, buckets=(batch * new_tokens,))
         self.manager = KVCacheManager(cfg, cache_cfg, device=device)
         self.layer.attach_cache(self.manager)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -365,9 +366,9 @@ def hf_baselines(kind: str, batch: int, context: int, device="cuda", model: DSV4
 
 
 def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, int, int | None]] | None = None,
-        model: DSV4AttentionConfig = FLASH, numerics: Numerics = FP8) -> list[dict]:
+        model: DSV4AttentionConfig = FLASH, formats: CacheFormats = FP8) -> list[dict]:
     """Every case (or only `cases`: (layer kind, batch, context, new tokens per request, max_context or
-    None), without the baselines), with the cache of `numerics`; each finished row also goes to
+    None), without the baselines), with the cache of `formats`; each finished row also goes to
     `progress` (a long run leaves a partial log)."""
     rows = []
     decode = [(1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536)]
@@ -381,16 +382,16 @@ def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, in
 
     if cases:
         for kind, batch, context, new, max_context in cases:
-            add(bench_case(Case(kind, batch, context, new, model=model, max_context=max_context, numerics=numerics),
+            add(bench_case(Case(kind, batch, context, new, model=model, max_context=max_context, formats=formats),
                            with_reference=False))
             torch.cuda.empty_cache()
         return rows
     for kind in (SLIDING, CSA, HCA):
         for batch, context in decode:
-            add(bench_case(Case(kind, batch, context, 1, model=model, numerics=numerics),
+            add(bench_case(Case(kind, batch, context, 1, model=model, formats=formats),
                            with_reference=(batch, context) == (128, 4096)))
             torch.cuda.empty_cache()
-        add(bench_case(Case(kind, 1, 4096, 4096, model=model, numerics=numerics), with_reference=False))
+        add(bench_case(Case(kind, 1, 4096, 4096, model=model, formats=formats), with_reference=False))
         add(hf_baselines(kind, 1, 4096, model=model))
         torch.cuda.empty_cache()
     return rows
@@ -400,7 +401,7 @@ def run(quick: bool = False, progress=print, cases: list[tuple[str, int, int, in
 STACK_SHAPES = [(1, 65536), (32, 65536), (128, 65536), (1, 1 << 20), (32, 1 << 20)]
 
 
-def stack_time(batch: int, context: int, numerics: Numerics = FP8, model: DSV4AttentionConfig = FLASH,
+def stack_time(batch: int, context: int, formats: CacheFormats = FP8, model: DSV4AttentionConfig = FLASH,
                device="cuda") -> tuple[float, float]:
     """(us, cache bytes the step reads per request) of one decode step of the model's whole stack of
     attention cores (every op of every layer, projections excluded), from one timed layer per kind
@@ -410,7 +411,7 @@ def stack_time(batch: int, context: int, numerics: Numerics = FP8, model: DSV4At
         count = sum(model.layer_type(i) == kind for i in range(model.num_layers))
         if not count:
             continue
-        case = Case(kind, batch, context, 1, model=model, numerics=numerics, device=device)
+        case = Case(kind, batch, context, 1, model=model, formats=formats, device=device)
         calls = case.op_calls()
         for call in calls.values():
             call()  # the inputs each op reads
@@ -432,8 +433,8 @@ def stack_rows(shapes=None, progress=print, model: DSV4AttentionConfig = FLASH, 
     rows = []
     for batch, context in shapes or STACK_SHAPES:
         got = {}
-        for name, numerics in CACHES.items():
-            us, nbytes = stack_time(batch, context, numerics, model, device)
+        for name, formats in CACHES.items():
+            us, nbytes = stack_time(batch, context, formats, model, device)
             got[name] = us
             row = {"batch": batch, "context": context, "cache": name, "op": f"V4 stack ({model.num_layers} layers' "
                    f"cores), decode", "us": us, "per_token_us": us / batch, "bytes_per_token": nbytes,

@@ -135,7 +135,7 @@ def main(argv=None):
 
         out["attention"] = attention.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
                                          cases=args.case, model=MODELS[args.model](),
-                                         numerics=attention.CACHES[args.kv_cache])
+                                         formats=attention.CACHES[args.kv_cache])
         print(table(out["attention"], ["layer", "batch", "context", "max_context", "tokens", "op", "us", "GB/s", "TFLOP/s",
                                        "ceiling", "pct_ceiling", "reference_us", "flashmla_us", "torch_topk_us"]))
     if "flashmla" in parts:

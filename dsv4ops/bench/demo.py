@@ -22,15 +22,19 @@ import time
 import torch
 from torch import nn
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, reference, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, reference, testing
 from dsv4ops._arch import backends
 from dsv4ops.cache import CacheConfig, KVCacheManager
-from dsv4ops.cache.config import memory
+from dsv4ops.cache.config import memory, v4_numerics
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.reference import Numerics
 
 PRESETS = {"tiny": DSV4AttentionConfig.tiny, "flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
 COMPILE = ("none", "aot_eager", "inductor", "cudagraphs")
-# The cache modes (CacheConfig's names, Numerics' too); the indexer's follows --kv-cache by default.
+# The cache choices: --kv-cache picks the compressed entries' format (the window rows stay fp8_584),
+# --indexer-cache the keys' (default: fp8 keys with fp8 entries, mxfp4 with fp4).
+COMP_FORMAT = {"fp8": "fp8_584", "fp4": "fp4_288"}
+INDEX_FORMAT = {"fp8": "fp8_132", "mxfp4": "mxfp4_68"}
 DEFAULT_INDEXER = {"fp8": "fp8", "fp4": "mxfp4"}
 # What the served outputs are also measured against, each an fp64 oracle: no cache rounding at all
 # (transformers' layer), and the numerics of DeepSeek's reference code, V4's QAT (FP8 KV, MXFP4
@@ -45,10 +49,10 @@ class Stack(nn.Module):
     """The first `n` attention layers of a preset with a residual between them: h += layer(h).
     With a process group the layers are tensor parallel (load a full stack's state dict)."""
 
-    def __init__(self, cfg: DSV4AttentionConfig, n: int, seed: int, numerics: Numerics, process_group=None):
+    def __init__(self, cfg: DSV4AttentionConfig, n: int, seed: int, formats: CacheFormats, process_group=None):
         super().__init__()
-        self.numerics = numerics
-        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(cfg, i, numerics=numerics,
+        self.numerics = v4_numerics(formats)  # the oracle's modes
+        self.layers = nn.ModuleList(testing.randomize_(DeepseekV4Attention(cfg, i, formats=formats,
                                                                            process_group=process_group), seed=seed + i)
                                     for i in range(n))
 
@@ -233,21 +237,22 @@ def run(args) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kv_cache = args.kv_cache
     indexer_cache = args.indexer_cache or DEFAULT_INDEXER[kv_cache]
-    numerics = Numerics(kv=kv_cache, indexer=indexer_cache)
+    fmts = CacheFormats.v4().replace(comp=COMP_FORMAT[kv_cache], index=INDEX_FORMAT[indexer_cache])
+    numerics = v4_numerics(fmts)
     torch.manual_seed(args.seed)
-    full = Stack(cfg, args.layers, args.seed, numerics).to(device, dtype)  # the oracle's weights
+    full = Stack(cfg, args.layers, args.seed, fmts).to(device, dtype)  # the oracle's weights
     stack = full
     if args.parallel == "tp":
-        stack = Stack(cfg, args.layers, args.seed, numerics, process_group=group).to(device, dtype)
+        stack = Stack(cfg, args.layers, args.seed, fmts, process_group=group).to(device, dtype)
         stack.load_state_dict(full.state_dict())  # each rank keeps its heads' share
     n = args.requests
     lengths = [max(2, args.context - r * args.context // (2 * n)) for r in range(n)]
     prompts = [max(1, L - max(1, min(16, L // 4))) for L in lengths]
     steps = schedule(lengths, prompts, args.step_tokens)
     buckets = tuple(sorted({min(n, args.step_tokens), args.step_tokens}))
-    cache_cfg = CacheConfig.for_numerics(numerics, dtype, max_requests=n, max_context=max(lengths),
-                                         max_step_tokens=args.step_tokens, buckets=buckets)
-    formats = "/".join(dict.fromkeys(cache_cfg.formats()))
+    cache_cfg = CacheConfig(formats=fmts, exact_dtype=dtype, max_requests=n, max_context=max(lengths),
+                            max_step_tokens=args.step_tokens, buckets=buckets)
+    formats = "/".join(dict.fromkeys((fmts.window, fmts.comp, fmts.index)))
     manager = KVCacheManager(cfg, cache_cfg, device=device, process_group=group if args.parallel == "dcp" else None)
     for layer in stack.layers:
         layer.attach_cache(manager)

@@ -4,31 +4,32 @@ from dsv4ops.cache import v41
 from dsv4ops.cache.config import CacheConfig, memory
 from dsv4ops.config import DSV4AttentionConfig
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.reference.v41 import V41Numerics
+from dsv4ops.quant.formats import CacheFormats
 
 CONTEXTS = (64 * 1024, 128 * 1024, 1 << 20)
-# V4's cache modes: (label, CacheConfig modes). fp4: 288-B FP4 entries and 68-B MXFP4 keys (pages of
-# 128 rows, the MXFP4 page's smallest; the 584-B window rows pad alike at 64 and 128).
-V4_MODES = (("fp8", dict(kv_cache="fp8", indexer_cache="fp8")),
-            ("fp4 (584 / 288 / 68 B)", dict(kv_cache="fp4", indexer_cache="mxfp4", block_size=128)),
-            ("bf16", dict(kv_cache="bf16", indexer_cache="bf16")))
+# V4's cache formats: (label, CacheFormats). fp4: 288-B FP4 entries and 68-B MXFP4 keys (pages of
+# 128 rows, the MXFP4 page's smallest, CacheConfig's default for them; the 584-B window rows pad
+# alike at 64 and 128).
+V4_FORMATS = (("fp8", CacheFormats.v4()), ("fp4 (584 / 288 / 68 B)", CacheFormats("fp8_584", "fp4_288", "mxfp4_68")),
+              ("bf16", CacheFormats.exact()))
+V41_FORMATS = (("qat (528 / 288 / 68 B)", CacheFormats.v41()),
+               ("fp8 keys (528 / 288 / 132 B)", CacheFormats.v41().replace(index="fp8_132")),
+               ("bf16", CacheFormats.exact()))
 
 
 def rows(step_tokens: int = 512) -> list[dict]:
     out = []
     for name in ("flash", "pro"):
         model = getattr(DSV4AttentionConfig, name)()
-        for label, modes in V4_MODES:
+        for label, fmts in V4_FORMATS:
             for ctx in CONTEXTS:
-                cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, **modes)
+                cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, formats=fmts)
                 out.append(_row(f"V4-{name.capitalize()}", label, ctx, memory(model, cfg)))
     flash41 = DSV41AttentionConfig.v41_flash()
-    for label, numerics in (("qat (528 / 288 / 68 B)", V41Numerics()),
-                            ("fp8 keys (528 / 288 / 132 B)", V41Numerics(index="fp8_132")),
-                            ("bf16", V41Numerics.exact())):
+    for label, fmts in V41_FORMATS:
         for ctx in CONTEXTS:
-            cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, block_size=128)
-            out.append(_row("V4.1-Flash", label, ctx, v41.memory(flash41, cfg, numerics)))
+            cfg = CacheConfig(max_requests=1, max_context=ctx, max_step_tokens=step_tokens, block_size=128, formats=fmts)
+            out.append(_row("V4.1-Flash", label, ctx, v41.memory(flash41, cfg)))
     return out
 
 

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dsv4ops import DeepseekV4Attention, DSV4AttentionConfig, Numerics, testing
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 from dsv4ops.bench import timing
 from dsv4ops.bench.attention import _fill
 from dsv4ops.cache import CacheConfig, KVCacheManager
@@ -37,7 +37,7 @@ from dsv4ops.cache.config import layer_pools
 from dsv4ops.config import CSA, HCA
 from dsv4ops.parallel import Group, all_reduce
 
-FP8 = Numerics(kv="fp8", indexer="fp8")
+FP8 = CacheFormats.v4()
 TP_CASES = ((1, 4096), (32, 4096), (128, 4096))
 DCP_CASES = ((1, 256 * 1024), (1, 1024 * 1024))
 INDEXER_CASES = ((1, 4096), (32, 4096), (128, 4096), (1, 65536), (32, 65536), (128, 65536))
@@ -91,7 +91,7 @@ def _layer_step(model, kind: str, batch: int, context: int, device, state: dict 
     """(time of one compiled decode step of a `kind` layer at batch x context, the layer): its
     weights from `state` (one GPU's full layer) when given."""
     li = next(i for i in range(model.num_layers) if model.layer_type(i) == kind)
-    layer = DeepseekV4Attention(model, li, numerics=FP8, process_group=tp)
+    layer = DeepseekV4Attention(model, li, formats=FP8, process_group=tp)
     if state is None:
         testing.randomize_(layer)
     else:
@@ -198,7 +198,7 @@ def _indexer_rows(model: DSV4AttentionConfig, cases, device, g: Group, add) -> N
 
 def _indexer_time(model: DSV4AttentionConfig, li: int, batch: int, context: int, device) -> float:
     """indexer_q_prep + indexer_topk of one decode step (the step's q and weights precomputed)."""
-    layer = DeepseekV4Attention(model, li, numerics=FP8)
+    layer = DeepseekV4Attention(model, li, formats=FP8)
     testing.randomize_(layer)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layer = layer.to(device, dtype)

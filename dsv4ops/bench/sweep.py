@@ -250,7 +250,7 @@ def _largest_layer_bytes() -> int:
     pro = DSV4AttentionConfig.pro()
     with torch.device("meta"):
         layer = DeepseekV4Attention(pro, next(i for i in range(pro.num_layers) if pro.layer_type(i) == CSA),
-                                    numerics=FP8).to(torch.bfloat16)
+                                    formats=FP8).to(torch.bfloat16)
     return sum(p.numel() * p.element_size() for p in layer.parameters())
 
 

@@ -3,23 +3,44 @@ memory accounting."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
 import torch
 
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.indexer.workspace import workspace_words
+from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.quant import formats
+from dsv4ops.quant.formats import CacheFormats
 from dsv4ops.reference.numerics import Numerics
 
-KV_CACHE_MODES = ("bf16", "fp8", "fp4")
-INDEXER_CACHE_MODES = ("bf16", "fp8", "mxfp4")
-# Row formats of (window ring, compressed entries) by kv_cache, and of the index keys by indexer_cache.
-KV_FORMATS = {"bf16": (formats.EXACT, formats.EXACT), "fp8": ("fp8_584", "fp8_584"), "fp4": ("fp8_584", "fp4_288")}
-INDEXER_FORMATS = {"bf16": formats.EXACT, "fp8": "fp8_132", "mxfp4": "mxfp4_68"}
-# Numerics mode of each cache mode (bf16 rows: exact).
-_KV_NUMERICS = {"bf16": "exact", "fp8": "fp8", "fp4": "fp4"}
-_INDEXER_NUMERICS = {"bf16": "exact", "fp8": "fp8", "mxfp4": "mxfp4"}
+# The V4 oracle's numerics mode of each V4 pairing of pool formats (dsv4ops.reference.numerics).
+_V4_KV = {(formats.EXACT, formats.EXACT): "exact", ("fp8_584", "fp8_584"): "fp8", ("fp8_584", "fp4_288"): "fp4"}
+_V4_INDEX = {formats.EXACT: "exact", "fp8_132": "fp8", "mxfp4_68": "mxfp4"}
+# CacheConfig's spellings before CacheFormats: the error names the new one.
+_RENAMED = {"kv_cache": "formats=CacheFormats(window=..., comp=..., index=...)",
+            "indexer_cache": "formats=CacheFormats(window=..., comp=..., index=...)"}
+
+
+def v4_numerics(fmts: CacheFormats) -> Numerics:
+    """The V4 layer's numerics for pool formats `fmts`; ValueError for formats V4 cannot hold (its
+    window ring and compressed entries: exact/exact, fp8_584/fp8_584 or fp8_584/fp4_288)."""
+    if not isinstance(fmts, CacheFormats):
+        raise TypeError(f"formats: expected a dsv4ops.CacheFormats, got {type(fmts).__name__}")
+    kv = _V4_KV.get((fmts.window, fmts.comp))
+    if kv is None:
+        raise ValueError(f"formats: a V4 cache holds (window, comp) in {list(_V4_KV)}, got ({fmts.window!r}, "
+                         f"{fmts.comp!r}) (V4.1's formats need a V4.1 stack)")
+    return Numerics(kv=kv, indexer=_V4_INDEX[fmts.index])
+
+
+def default_formats(model) -> CacheFormats:
+    """The formats a cache of `model` holds by default, and a layer computes by default: V4's serving
+    cache (fp8_584 window rows and entries, fp8_132 keys: DeepSeek's V4 inference formats) or V4.1's
+    QAT formats (fp8_528 / fp4_288 / mxfp4_68, what the released V4.1 was trained with)."""
+    return CacheFormats.v41() if isinstance(model, DSV41AttentionConfig) else CacheFormats.v4()
 
 
 def _default_buckets(max_step_tokens: int) -> tuple[int, ...]:
@@ -36,13 +57,13 @@ class CacheConfig:
 
     max_requests: request slots. max_context: positions per request. max_step_tokens: tokens of one
     step (all requests; padded to a bucket). max_request_step_tokens: tokens one request may add in
-    one step (sizes the window ring; defaults to max_step_tokens). kv_cache: "fp8" (584-B window
-    rows and compressed entries), "fp4" (584-B window rows, 288-B FP4 compressed entries: e2m1 with
-    an e4m3 scale per 16, V4.1's format; V4 was not trained for it) or "bf16" (unquantized rows of
-    dtype `exact_dtype`; float32 gives a bit-level comparison with an fp32 model). indexer_cache:
-    "fp8" (132-B keys), "mxfp4" (68-B keys: e2m1 with a UE8M0 scale per 32 after V4's Hadamard, the
-    reference's trained indexer numerics; its pages hold a multiple of 128 entries: block_size) or
-    "bf16". max_total_tokens: context held by all requests at once
+    one step (sizes the window ring; defaults to max_step_tokens). formats: the CacheFormats of
+    the pools (window ring, compressed entries, index keys), which the attached layers compute
+    with; None: the model's default (`default_formats`: V4 CacheFormats.v4(), V4.1
+    CacheFormats.v41()), resolved by the manager (`for_model`). "exact" pools hold rows of dtype
+    `exact_dtype` (float32 gives a bit-level comparison with an fp32 model). block_size: entries
+    per page; None: 128 where the index keys are mxfp4_68 (their 512-B page alignment pads 64 keys
+    by more than a row), else 64. max_total_tokens: context held by all requests at once
     (sizes the compressed pools; defaults to max_requests x max_context). topk_tokens: tokens one
     launch of the indexer's top-k serves (sizes its workspace, one row of max_context / 4 keys per
     token, shared by the CSA layers; defaults to max_step_tokens, at most max(256, 2^25 / max_context)
@@ -55,9 +76,8 @@ class CacheConfig:
     max_requests: int
     max_context: int
     max_step_tokens: int
-    kv_cache: str = "fp8"
-    indexer_cache: str = "fp8"
-    block_size: int = 64
+    formats: CacheFormats | None = None
+    block_size: int | None = None
     exact_dtype: torch.dtype = torch.bfloat16
     max_request_step_tokens: int | None = None
     max_total_tokens: int | None = None
@@ -66,21 +86,24 @@ class CacheConfig:
     max_draft_tokens: int = 0
 
     def __post_init__(self):
+        if self.formats is not None and not isinstance(self.formats, CacheFormats):
+            raise TypeError(f"formats: expected a dsv4ops.CacheFormats or None (the model's default), got "
+                            f"{type(self.formats).__name__} {self.formats!r}")
+        if self.block_size is None and self.formats is not None:
+            object.__setattr__(self, "block_size", 128 if self.formats.index == "mxfp4_68" else 64)
         for name in ("max_requests", "max_context", "max_step_tokens", "block_size", "max_request_step_tokens",
                      "max_total_tokens", "max_draft_tokens"):
             value = getattr(self, name)
-            if value is None and name in ("max_request_step_tokens", "max_total_tokens"):
+            if value is None and name in ("max_request_step_tokens", "max_total_tokens", "block_size"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
             low = 0 if name == "max_draft_tokens" else 1
             if value < low:
                 raise ValueError(f"{name}: expected >= {low}, got {value}")
-        for name, modes in (("kv_cache", KV_CACHE_MODES), ("indexer_cache", INDEXER_CACHE_MODES)):
-            if getattr(self, name) not in modes:
-                raise ValueError(f"{name}: expected one of {modes}, got {getattr(self, name)!r}")
-        for fmt in set(self.formats()) - {formats.EXACT}:
-            formats.get(fmt).page_bytes(self.block_size)  # a block size the format cannot page raises here
+        if self.formats is not None:
+            for fmt in {self.formats.window, self.formats.comp, self.formats.index} - {formats.EXACT}:
+                formats.get(fmt).page_bytes(self.block_size)  # a block size the format cannot page raises here
         if not isinstance(self.exact_dtype, torch.dtype) or not self.exact_dtype.is_floating_point:
             raise ValueError(f"exact_dtype: expected a float torch.dtype, got {self.exact_dtype!r}")
         if not self.buckets:
@@ -128,23 +151,28 @@ class CacheConfig:
         p % rows), so span - 1 + n rows (CSA m = 4 with 5 drafts: 12; HCA: 132)."""
         return span - 1 + self.rewind_tokens
 
-    def formats(self) -> tuple[str, str, str]:
-        """Pool formats of (window ring, compressed entries, indexer keys) (dsv4ops/quant/formats.py;
-        exact rows for "bf16")."""
-        return (*KV_FORMATS[self.kv_cache], INDEXER_FORMATS[self.indexer_cache])
+    def for_model(self, model) -> CacheConfig:
+        """This config with its formats (and block size) resolved for `model`, the formats checked
+        against what the model's layers hold (a V4 cache refuses V4.1's window format)."""
+        fmts = self.formats or default_formats(model)
+        if not isinstance(model, DSV41AttentionConfig):
+            v4_numerics(fmts)
+        return self if fmts == self.formats else dataclasses.replace(self, formats=fmts)
 
-    def numerics(self) -> Numerics:
-        return Numerics(kv=_KV_NUMERICS[self.kv_cache], indexer=_INDEXER_NUMERICS[self.indexer_cache])
 
-    @classmethod
-    def for_numerics(cls, numerics: Numerics, dtype: torch.dtype, **capacity) -> CacheConfig:
-        """The cache of a layer computing `numerics` (exact rows in `dtype`); an MXFP4 indexer's pages
-        default to 128 entries (the smallest count its 512-B page alignment pads by less than a row)."""
-        kv = {v: k for k, v in _KV_NUMERICS.items()}[numerics.kv]
-        indexer = {v: k for k, v in _INDEXER_NUMERICS.items()}[numerics.indexer]
-        if indexer == "mxfp4":
-            capacity.setdefault("block_size", 128)
-        return cls(kv_cache=kv, indexer_cache=indexer, exact_dtype=dtype, **capacity)
+def _refuse_renamed(init):
+    """CacheConfig.__init__, with a clear error for the spellings CacheFormats replaced."""
+    def __init__(self, *args, **kwargs):
+        old = sorted(set(kwargs) & set(_RENAMED))
+        if old:
+            raise TypeError(f"CacheConfig: {old[0]}= was replaced by {_RENAMED[old[0]]} (dsv4ops.CacheFormats; "
+                            f"presets CacheFormats.v4(), .v41(), .exact())")
+        init(self, *args, **kwargs)
+    __init__.__doc__, __init__.__signature__ = init.__doc__, inspect.signature(init)
+    return __init__
+
+
+CacheConfig.__init__ = _refuse_renamed(CacheConfig.__init__)
 
 
 @dataclass(frozen=True)
@@ -186,9 +214,10 @@ def layer_pools(model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, sh
     """The buffers of one layer: sliding = window ring; CSA = ring + compressed pool (m=4) + indexer
     pool + both compressor states; HCA = ring + compressed pool (m=128) + state. `shards`: the
     compressed pools of one context-parallel rank (pool_blocks)."""
+    cfg = cfg.for_model(model)
     kind, ratio = model.layer_type(layer_idx), model.compress_ratio(layer_idx)
     d, di = model.head_dim, model.index_head_dim
-    window, comp, index = cfg.formats()
+    window, comp, index = cfg.formats.window, cfg.formats.comp, cfg.formats.index
     ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
     pools = [paged_pool("window", cfg, window, d, ring_blocks)]
     if kind == SLIDING:
@@ -207,6 +236,7 @@ def topk_workspace_words(model: DSV4AttentionConfig, cfg: CacheConfig, shards: i
     context-parallel rank scores its share of a request's blocks (`shards`)."""
     if CSA not in {model.layer_type(i) for i in range(model.num_layers)}:
         return 0
+    cfg = cfg.for_model(model)
     n_entries = -(-blocks_per_request(cfg, model.csa_ratio) // shards) * cfg.block_size
     return workspace_words(cfg.topk_launch_tokens, n_entries, model.index_topk)
 
@@ -216,7 +246,8 @@ def memory(model: DSV4AttentionConfig, cfg: CacheConfig) -> dict[str, float]:
     the window rings: `window_bytes_per_request`), and the fixed bytes of the manager (the
     indexer's top-k workspace); paged rows count with their page padding (fp8_584, 64 entries: 37440 B,
     585 B each; fp4_288 and mxfp4_68 pages of 128 entries have none)."""
-    window_fmt, comp_fmt, index_fmt = cfg.formats()
+    cfg = cfg.for_model(model)
+    window_fmt, comp_fmt, index_fmt = cfg.formats.window, cfg.formats.comp, cfg.formats.index
     main = row_bytes(cfg, comp_fmt, model.head_dim)
     idx = row_bytes(cfg, index_fmt, model.index_head_dim)
     per_token = fixed = 0.0

@@ -70,6 +70,7 @@ class KVCacheManager:
     def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None, process_group=None,
                  topk: str = "exact"):
         self._check_args(model, cfg)
+        cfg = cfg.for_model(model)  # the formats (None: the model's default) and block size, resolved and checked
         if topk not in _dcp.TOPK_MODES:
             raise ValueError(f"topk: expected one of {_dcp.TOPK_MODES}, got {topk!r}")
         self.model, self.cfg, self.device = model, cfg, torch.device(device or "cpu")

@@ -67,6 +67,7 @@ class LayerCache(PoolCache):
     def __init__(self, model: DSV4AttentionConfig, layer_idx: int, cfg: CacheConfig, device=None,
                  topk_workspace: torch.Tensor | None = None, dcp: Ownership = Ownership(), dcp_topk: str = "exact"):
         super().__init__()
+        cfg = cfg.for_model(model)
         self.cfg, self.dcp, self.dcp_topk = cfg, dcp, dcp_topk
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}  # pool name -> its row format (the ops take it explicitly)

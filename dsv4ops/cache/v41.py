@@ -25,7 +25,7 @@ from dsv4ops.cache.step import StepOrigin
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.parallel.dcp import Ownership
 from dsv4ops.indexer.workspace import workspace_words
-from dsv4ops.reference.v41 import V41Numerics
+from dsv4ops.quant.formats import CacheFormats
 
 
 @dataclass
@@ -70,22 +70,24 @@ class V41StepMeta:
 pytree.register_dataclass(V41StepMeta)
 
 
-def stack_pools(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, shards: int = 1) -> list[PoolSpec]:
+def stack_pools(model: DSV41AttentionConfig, cfg: CacheConfig, shards: int = 1) -> list[PoolSpec]:
     """Every buffer of a stack's cache: `window_{L}` per backbone layer; per KV source S `comp_{S}`,
     `state_{S}` (fp32 compressor ring [requests, rows, 2 d]: ratio 2, the pending rows of an open
     group, cfg.state_rows(2) rows so a rewind keeps them; a ratio-1 source's single row is rewritten
     by every token and never read back) and, for an index source, `keys_{S}`. `shards`: the shared
-    pools of one context-parallel rank (pool_blocks)."""
+    pools of one context-parallel rank (pool_blocks). Formats: cfg.formats (None: CacheFormats.v41())."""
+    cfg = cfg.for_model(model)
+    fmts = cfg.formats
     d, di = model.head_dim, model.index_head_dim
     ring_blocks = cfg.max_requests * cfg.ring_size(model.window) // cfg.block_size
-    pools = [paged_pool(f"window_{i}", cfg, numerics.window, d, ring_blocks) for i in range(model.num_layers)]
+    pools = [paged_pool(f"window_{i}", cfg, fmts.window, d, ring_blocks) for i in range(model.num_layers)]
     for role in model.roles:
         if role.owns_compressor:
             m = role.ratio
-            pools.append(paged_pool(f"comp_{role.layer}", cfg, numerics.comp, d, pool_blocks(cfg, m, shards)))
+            pools.append(paged_pool(f"comp_{role.layer}", cfg, fmts.comp, d, pool_blocks(cfg, m, shards)))
             pools.append(PoolSpec(f"state_{role.layer}", (cfg.max_requests, state_rows(cfg, m), 2 * d), torch.float32))
             if role.owns_index_keys:
-                pools.append(paged_pool(f"keys_{role.layer}", cfg, numerics.index, di, pool_blocks(cfg, m, shards)))
+                pools.append(paged_pool(f"keys_{role.layer}", cfg, fmts.index, di, pool_blocks(cfg, m, shards)))
     return pools
 
 
@@ -102,14 +104,15 @@ class V41StackCache(PoolCache):
     (`dcp`, the manager's group; `dcp_topk`, its top-k merge): the shared pools hold this rank's
     blocks, and the manager adds `block_index_{ratio}`."""
 
-    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics, device=None,
-                 dcp: Ownership = Ownership(), dcp_topk: str = "exact"):
+    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, device=None, dcp: Ownership = Ownership(),
+                 dcp_topk: str = "exact"):
         super().__init__()
-        self.cfg, self.numerics, self.dcp, self.dcp_topk = cfg, numerics, dcp, dcp_topk
+        cfg = cfg.for_model(model)
+        self.cfg, self.dcp, self.dcp_topk = cfg, dcp, dcp_topk
         shards = dcp.size
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}
-        for spec in stack_pools(model, cfg, numerics, shards):
+        for spec in stack_pools(model, cfg, shards):
             self.fmt[spec.name] = spec.fmt
             fill = 255 if spec.dtype == torch.uint8 else float("nan")
             self.register_buffer(spec.name, torch.full(spec.shape, fill, dtype=spec.dtype, device=device),
@@ -153,21 +156,22 @@ def topk_workspace_words(model: DSV41AttentionConfig, cfg: CacheConfig, shards: 
 
 class V41CacheManager(KVCacheManager):
     """KVCacheManager for a V4.1 stack: one pool group per compress ratio of the KV sources; steps
-    carry V41StepMeta. `numerics` gives the pools' formats (checked against the stack at attach);
-    the CacheConfig gives capacity, block size, buckets and the dtype of exact pools (its V4 modes
-    kv_cache / indexer_cache are not read). `process_group`, `topk`: context parallelism, as
+    carry V41StepMeta. The CacheConfig gives capacity, block size, buckets, the pools' formats
+    (`formats`: any CacheFormats; None: CacheFormats.v41()) and the dtype of exact pools: every field
+    is honoured. `process_group`, `topk`: context parallelism, as
     KVCacheManager's (the compressed entries and index keys of a ratio's sources by block; a block
     holds whole candidate blocks)."""
 
     model_type = DSV41AttentionConfig
 
-    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
-                 device=None, process_group=None, topk: str = "exact"):
+    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, device=None, process_group=None,
+                 topk: str = "exact", **renamed):
+        if "numerics" in renamed or isinstance(device, CacheFormats):
+            raise TypeError("V41CacheManager: numerics was replaced by CacheConfig(formats=CacheFormats(...)): the "
+                            "cache config carries the pools' formats")
+        if renamed:
+            raise TypeError(f"V41CacheManager: unexpected keyword argument {sorted(renamed)[0]!r}")
         self._check_args(model, cfg)
-        if not isinstance(numerics, V41Numerics):
-            raise TypeError(f"numerics: expected a V41Numerics, got {type(numerics).__name__}")
-        stack_pools(model, cfg, numerics)  # a block size the formats cannot page raises here, before any state
-        self.numerics = numerics
         super().__init__(model, cfg, device, process_group, topk)
 
     def _compressed_pools(self, model: DSV41AttentionConfig) -> tuple[dict, set]:
@@ -179,7 +183,7 @@ class V41CacheManager(KVCacheManager):
 
     def _pool_bytes(self) -> tuple[dict, int]:
         block, slot = {m: 0 for m in self.ratios}, 0
-        for spec in stack_pools(self.model, self.cfg, self.numerics, self.dcp.size):
+        for spec in stack_pools(self.model, self.cfg, self.dcp.size):
             kind, layer = spec.name.rsplit("_", 1)
             if kind in ("comp", "keys"):
                 block[self.model.role(int(layer)).ratio] += spec.nbytes // spec.shape[0]
@@ -192,20 +196,21 @@ class V41CacheManager(KVCacheManager):
         return V41StepMeta(pos, req, dict(entries), dict(tables), gens, ends)
 
 
-def memory(model: DSV41AttentionConfig, cfg: CacheConfig, numerics: V41Numerics = V41Numerics(),
-           layers: int | None = None) -> dict[str, float]:
+def memory(model: DSV41AttentionConfig, cfg: CacheConfig, layers: int | None = None) -> dict[str, float]:
     """Bytes per context token (the shared compressed entries and index keys, page padding included)
     and fixed bytes per request (window rings of `layers` layers, default the backbone; compressor
-    states), as the pools are allocated."""
+    states), as the pools are allocated in cfg.formats (None: CacheFormats.v41())."""
+    cfg = cfg.for_model(model)
+    fmts = cfg.formats
     d, di = model.head_dim, model.index_head_dim
     per_token = fixed = 0.0
     for role in model.roles:
         if role.owns_compressor:
-            per_token += row_bytes(cfg, numerics.comp, d) / role.ratio
+            per_token += row_bytes(cfg, fmts.comp, d) / role.ratio
             fixed += state_rows(cfg, role.ratio) * 2 * d * 4
             if role.owns_index_keys:
-                per_token += row_bytes(cfg, numerics.index, di) / role.ratio
+                per_token += row_bytes(cfg, fmts.index, di) / role.ratio
     ring = cfg.ring_size(model.window)
-    fixed += (layers or model.num_layers) * ring * row_bytes(cfg, numerics.window, d)
+    fixed += (layers or model.num_layers) * ring * row_bytes(cfg, fmts.window, d)
     return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed, "ring_size": ring}
 

@@ -233,9 +233,8 @@ class TransformersAttention(DeepseekV4Attention):
 
     def __init__(self, hf_attn: nn.Module, cfg: DSV4AttentionConfig, patch: _Patch, dtype: torch.dtype, block: int,
                  process_group=None):
-        numerics = patch.manager.cfg.numerics()
         with torch.device("meta"):  # the weights come from hf_attn: no second allocation
-            super().__init__(cfg, hf_attn.layer_idx, numerics, process_group)
+            super().__init__(cfg, hf_attn.layer_idx, patch.manager.cfg.formats, process_group)
         # transformers' FP8Linear modules hold e4m3 weights and tile scales: dequantized to `dtype`
         # (under tensor parallelism, this rank's share of them: load_state_dict cuts it).
         state = checkpoint.dequantize_state_dict(hf_attn.state_dict(), block, dtype)

@@ -22,6 +22,7 @@ e2m1 nibbles: element 2i in the low nibble of byte i, element 2i + 1 in the high
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 EXACT = "exact"
@@ -100,3 +101,41 @@ def pool_shape(name: str, blocks: int, block_size: int, dim: int) -> tuple[int, 
     if dim != f.dim:
         raise ValueError(f"dim: {name} stores {f.dim}-d rows, got {dim}")
     return (blocks, f.page_bytes(block_size))
+
+INDEX_FORMATS = (EXACT, "fp8_132", "mxfp4_68")  # 128-d index keys
+ROW_FORMATS = (EXACT, *(n for n, f in FORMATS.items() if f.dim == 512))  # 512-d window rows, compressed entries
+
+
+@dataclass(frozen=True)
+class CacheFormats:
+    """The row format of each cache pool, V4 and V4.1 alike: `window` (the sliding-window ring),
+    `comp` (the compressed entries), `index` (the indexer's keys; its query is quantized the same
+    way). The format a pool stores is the layer's numerics (its fake quantizer); "exact" stores
+    plain rows of CacheConfig.exact_dtype. Presets: `v4()` (V4's serving cache, DeepSeek's
+    inference formats), `v41()` (the QAT formats of the released V4.1), `exact()` (none: the
+    transformers comparison). V4 holds (window, comp) in exact/exact, fp8_584/fp8_584 or
+    fp8_584/fp4_288; V4.1 any pair of ROW_FORMATS."""
+
+    window: str
+    comp: str
+    index: str
+
+    def __post_init__(self):
+        for name, allowed in (("window", ROW_FORMATS), ("comp", ROW_FORMATS), ("index", INDEX_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {list(allowed)}, got {getattr(self, name)!r}")
+
+    @classmethod
+    def v4(cls) -> CacheFormats:
+        return cls("fp8_584", "fp8_584", "fp8_132")
+
+    @classmethod
+    def v41(cls) -> CacheFormats:
+        return cls("fp8_528", "fp4_288", "mxfp4_68")
+
+    @classmethod
+    def exact(cls) -> CacheFormats:
+        return cls(EXACT, EXACT, EXACT)
+
+    def replace(self, **changes) -> CacheFormats:
+        return dataclasses.replace(self, **changes)

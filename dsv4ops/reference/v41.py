@@ -9,7 +9,7 @@ The attention sub-layer's input of every layer is given (xs [L, B, S, hidden]): 
 attn_norm(hc_pre(residual)), which depends on everything outside attention; the layers interact here
 only through the shared entries, keys, top-k and pool of the same forward (spec 2.9, pitfall 14).
 
-Numerics (`V41Numerics`): the format each cache stores is its fake quantizer (spec 2.0, 4): window
+Numerics (`CacheFormats`): the format each cache stores is its fake quantizer (spec 2.0, 4): window
 rows (fp8_528: FQ8 over all 512 dims, after RoPE, before attention, the current chunk included),
 compressed entries (fp4_288: FQ4 after RoPE at w * m), index keys (mxfp4_68: MX4 after RoPE, and the
 index query MX4 alike). `exact` turns a point off. Every quantizer reads bf16(x) (the released model
@@ -34,6 +34,7 @@ from torch import Tensor
 
 from dsv4ops.config_v41 import DSV41AttentionConfig, LayerRole
 from dsv4ops.quant import codecs, formats
+from dsv4ops.quant.formats import CacheFormats
 from dsv4ops.reference.functional import (
     acc_dtype,
     apply_rope,
@@ -45,32 +46,6 @@ from dsv4ops.reference.functional import (
     sink_attention,
     stable_topk,
 )
-
-INDEX_FORMATS = (formats.EXACT, "fp8_132", "mxfp4_68")
-
-
-@dataclass(frozen=True)
-class V41Numerics:
-    """The format of each V4.1 cache, i.e. its fake quantizer. Defaults: the QAT formats of the
-    released model (spec 4); `V41Numerics.exact()` has none."""
-
-    window: str = "fp8_528"
-    comp: str = "fp4_288"
-    index: str = "mxfp4_68"  # the index keys' format; the index query is quantized the same way
-
-    def __post_init__(self):
-        for name in ("window", "comp"):
-            fmt = getattr(self, name)
-            if fmt != formats.EXACT and (fmt not in formats.FORMATS or formats.FORMATS[fmt].dim != 512):
-                raise ValueError(f"{name}: expected 'exact' or a format of 512-d rows "
-                                 f"{[n for n, f in formats.FORMATS.items() if f.dim == 512]}, got {fmt!r}")
-        if self.index not in INDEX_FORMATS:
-            raise ValueError(f"index: expected one of {list(INDEX_FORMATS)}, got {self.index!r}")
-
-    @classmethod
-    def exact(cls) -> V41Numerics:
-        return cls(formats.EXACT, formats.EXACT, formats.EXACT)
-
 
 def compressor_dtype(ratio: int, dtype: torch.dtype) -> torch.dtype:
     """dtype of the compressor projections: fp32 for the ratio-2 pool (the reference keeps wkv /
@@ -120,7 +95,7 @@ class _Layer:
         self.inv_freq = cfg.inv_freq(role.layer)
 
 
-def _sequence(layers: list[_Layer], cfg: DSV41AttentionConfig, xs: Tensor, numerics: V41Numerics,
+def _sequence(layers: list[_Layer], cfg: DSV41AttentionConfig, xs: Tensor, formats: CacheFormats,
               topk_in: dict, pools_in: dict, window_ends: Tensor | None = None):
     """One sequence (xs [L, S, hidden]) through every layer: (ys [L, S, hidden], topk, scores, pools)."""
     s = xs.shape[1]
@@ -138,7 +113,7 @@ def _sequence(layers: list[_Layer], cfg: DSV41AttentionConfig, xs: Tensor, numer
         q = apply_rope(F.linear(qr, p["q_b_proj.weight"]).view(s, cfg.num_heads, cfg.head_dim), cos[:, None],
                        sin[:, None])
         kv = apply_rope(rms_norm(F.linear(x, p["kv_proj.weight"]), p["kv_norm.weight"], eps), cos, sin)
-        kv = codecs.roundtrip(numerics.window, kv)
+        kv = codecs.roundtrip(formats.window, kv)
         m = role.ratio
         if role.owns_compressor:  # spec 2.3-2.4
             cdt = compressor_dtype(m, md)
@@ -149,19 +124,19 @@ def _sequence(layers: list[_Layer], cfg: DSV41AttentionConfig, xs: Tensor, numer
                 pooled = pool_entry(a[: n * m].view(n, m, -1), g[: n * m].view(n, m, -1))
             else:
                 pooled = a
-            edt = entry_dtype(numerics.comp, md)
+            edt = entry_dtype(formats.comp, md)
             latent = rms_norm(pooled.to(edt), p["compressor.norm.weight"], eps)
             ccos, csin = rope_angles(torch.arange(n, device=xs.device) * m, layer.inv_freq, edt)
-            entries[role.layer] = codecs.roundtrip(numerics.comp, apply_rope(latent, ccos, csin)).to(md)
+            entries[role.layer] = codecs.roundtrip(formats.comp, apply_rope(latent, ccos, csin)).to(md)
             if role.owns_index_keys:
                 k = rms_norm(F.linear(latent, p["indexer.wk.weight"].to(edt)), p["indexer.k_norm.weight"], eps)
-                keys[role.layer] = codecs.roundtrip(numerics.index, apply_rope(k, ccos, csin))
+                keys[role.layer] = codecs.roundtrip(formats.index, apply_rope(k, ccos, csin))
         if role.indexer:  # spec 2.5-2.8
             qi = F.linear(qr, p["indexer.wq_b.weight"]).view(s, cfg.index_n_heads, cfg.index_head_dim)
             qi = apply_rope(qi, cos[:, None], sin[:, None])
             wi = F.linear(x, p["indexer.weights_proj.weight"]).to(acc) * (cfg.index_head_dim**-0.5
                                                                             * cfg.index_n_heads**-0.5)
-            qi, wi = quantize_query(qi, wi, numerics.index)
+            qi, wi = quantize_query(qi, wi, formats.index)
             kk = keys[role.kv_source].to(acc)
             sc = (torch.einsum("shd,nd->shn", qi.to(acc), kk).relu() * wi[..., None]).sum(1)
             n_vis = (pos + 1) // m
@@ -202,7 +177,7 @@ def _pool_mask(pool: Tensor, n: int, cfg: DSV41AttentionConfig) -> Tensor:
 
 
 def stack_attention(params: Mapping[str, Tensor], cfg: DSV41AttentionConfig, xs: Tensor,
-                    numerics: V41Numerics = V41Numerics(), topk: Mapping[int, Tensor] | None = None,
+                    formats: CacheFormats = CacheFormats.v41(), topk: Mapping[int, Tensor] | None = None,
                     pools: Mapping[int, Tensor] | None = None, window_ends: Tensor | None = None) -> StackTrace:
     """Every backbone layer of the stack over xs [num_layers, B, S, hidden] (layer L's attention
     input at positions 0..S-1) -> StackTrace (y [num_layers, B, S, hidden], top-k, scores, pools).
@@ -216,7 +191,7 @@ def stack_attention(params: Mapping[str, Tensor], cfg: DSV41AttentionConfig, xs:
         raise ValueError(f"xs: expected one input per backbone layer ({cfg.num_layers}) at dim 0, got {xs.shape[0]}")
     layers = [_Layer(params, cfg, cfg.role(i)) for i in range(cfg.num_layers)]
     topk, pools = dict(topk or {}), dict(pools or {})
-    out = [_sequence(layers, cfg, xs[:, b], numerics, {k: v[b] for k, v in topk.items()},
+    out = [_sequence(layers, cfg, xs[:, b], formats, {k: v[b] for k, v in topk.items()},
                      {k: v[b] for k, v in pools.items()}, None if window_ends is None else window_ends[b])
            for b in range(xs.shape[1])]
     return StackTrace(

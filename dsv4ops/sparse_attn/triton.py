@@ -363,7 +363,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     w_fmt = fmt_code("sparse_attn", "window_fmt", window_fmt, allowed=(EXACT, "fp8_584", "fp8_528"))
     # A sliding layer passes its window as comp_cache (and no entries): the window's format there too.
     c_fmt = fmt_code("sparse_attn", "comp_fmt", comp_fmt, allowed=(EXACT, "fp8_584", "fp8_528", "fp4_288"))
-    # V4.1's formats, and V4's 584-B window rows beside fp4_288 entries (kv_cache="fp4"), run as even /
+    # V4.1's formats, and V4's 584-B window rows beside fp4_288 entries (CacheFormats comp="fp4_288"), run as even /
     # odd column halves.
     even_odd = window_fmt in _V41 or comp_fmt in _V41
     if even_odd and comp_fmt == "fp8_584":
