@@ -63,9 +63,10 @@ def test_stack_serving_forward_is_one_graph_with_every_layer_in_order():
     want = [op for i in range(CFG.num_layers) for op in _layer_ops(CFG.role(i))]
     assert _ops(backend.fw_graphs[0]) == want
     # Every pool the stack writes is written back in place (one copy_ per mutated buffer): 10 window
-    # rings, 3 compressed pools, 3 compressor states, 3 key pools, and the indexers' top-k workspace.
+    # rings, 3 compressed pools, 3 compressor states, 3 key pools, the indexers' top-k workspace, and
+    # the stack cache's ran_step mark (the commit's proof that the step ran).
     text = normalize_gm(backend.fw_graphs[0].print_readable(print_output=False))
-    assert text.count("torch.ops.aten.copy_.default") == CFG.num_layers + 3 * 3 + 1
+    assert text.count("torch.ops.aten.copy_.default") == CFG.num_layers + 3 * 3 + 1 + 1
     check = FileCheck()
     for i in range(CFG.num_layers):  # the source layers' writes come before their readers' attention
         check = check.check("dsv4.qkv_prep.default")
