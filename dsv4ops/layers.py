@@ -8,10 +8,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv4ops import checkpoint, packing
+from dsv4ops import checkpoint, projections
 from dsv4ops import layers_dcp as _dcp
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig, v4_numerics
@@ -19,27 +18,17 @@ from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
-from dsv4ops.fp8_linear import rule as fp8_rule
-from dsv4ops.fp8_linear.api import BlockFP8Linear, fp32_scale, fp8_linear
+from dsv4ops.fp8_linear.api import BlockFP8Linear
 from dsv4ops.indexer.reference import query_values
 from dsv4ops.parallel import Group, all_reduce
 from dsv4ops.parallel import tp as _tp
 from dsv4ops.quant import formats
 from dsv4ops.quant.formats import CacheFormats
 from dsv4ops.reference.functional import grouped_o_a, rms_norm
-from dsv4ops.reference.numerics import Numerics, compressor_dtype
+from dsv4ops.reference.numerics import Numerics
 
 
 _KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "state")  # inv_freq: rebuilt by _keep_fp32
-# The compressors' projection weights: bf16 in the checkpoint (spec 1.3) and held in the model dtype.
-# Outside exact mode their a, z compute in fp32 (the packed GEMM's fp32 output, dsv4ops.packing).
-_COMPRESSOR_WEIGHTS = ("compressor.kv_proj.weight", "compressor.gate_proj.weight",
-                       "compressor.indexer.kv_proj.weight", "compressor.indexer.gate_proj.weight")
-# The bf16 projections of the layer input x, in the order the packed GEMM stacks them (those present
-# as nn.Linear: a layer kind without a compressor or indexer, or q_a / kv kept block-FP8, has fewer).
-X_PROJECTIONS = ("q_a_proj", "kv_proj", "compressor.indexer.scorer.weights_proj", "compressor.kv_proj",
-                 "compressor.gate_proj", "compressor.indexer.kv_proj", "compressor.indexer.gate_proj")
-
 # DeepSeek's checkpoint names (inference/model.py) -> this module's (transformers'), under
 # `layers.{i}.`: the renames transformers' conversion mapping applies to DeepSeek-V4 checkpoints.
 # The attention core's names, V4's and V4.1's:
@@ -110,21 +99,6 @@ def serving_cache(module: nn.Module, who: str, owner: str, arg: str, x: Tensor, 
         module._check_input(x, ndim, dims)
         module.cache_manager.check_step(step, tokens)
     return cache
-
-
-def _has(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
-def _parameter(module: nn.Module, path: str) -> Tensor | None:
-    try:
-        return module.get_parameter(path)
-    except AttributeError:
-        return None
 
 
 def _linear(n_in: int, n_out: int) -> nn.Linear:
@@ -240,19 +214,8 @@ class DeepseekV4Attention(nn.Module):
         self.tie_packs()
 
     def tie_packs(self) -> None:
-        """Stack the nn.Linear projections of x into the packed GEMM's weight (dsv4ops.packing), their
-        parameters becoming views of it. Called after every change of the layer's tensors that could
-        cut the views loose (construction, moves, loads, a projection swapped for a block-FP8 one)."""
-        members = tuple(n for n in X_PROJECTIONS if _has(self, n) and isinstance(self.get_submodule(n), nn.Linear))
-        self.x_pack = packing.Pack("x_packed", members)
-        self.x_pack.tie(self)
-        # q_a and kv kept block-FP8 (keep_fp8): one W8A16 / W8A8 GEMM where their tiles line up.
-        fp8 = [self.get_submodule(n) for n in X_PROJECTIONS[:2]]
-        same = all(isinstance(m, BlockFP8Linear) for m in fp8) and len(
-            {(m.block, m.weight_scale_inv.dtype, m.activations, m.in_features) for m in fp8}) == 1
-        self.x8_pack = packing.Pack("x8_packed", X_PROJECTIONS[:2] if same and fp8[0].out_features % fp8[0].block == 0
-                                    else ())
-        self.x8_pack.tie(self)
+        """Stack the projections of x into their packed GEMMs (dsv4ops.projections.tie_packs)."""
+        projections.tie_packs(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before
@@ -268,8 +231,8 @@ class DeepseekV4Attention(nn.Module):
         blocks = {n: m.block for n in ("q_b_proj", "o_b_proj") if isinstance(m := getattr(self, n), BlockFP8Linear)}
         _tp.shard_(state_dict, prefix, self.tp_group, _tp.full_shapes(self.config, blocks),
                    f"DeepseekV4Attention(layer {self.layer_idx})")
-        for name in _COMPRESSOR_WEIGHTS:
-            given, mine = state_dict.get(prefix + name), _parameter(self, name)
+        for name in projections.COMPRESSOR_WEIGHTS:
+            given, mine = state_dict.get(prefix + name), projections.parameter(self, name)
             if isinstance(given, Tensor) and mine is not None and given.dtype != mine.dtype:
                 checkpoint.check_exact_cast(given, mine.dtype, prefix + name)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -371,7 +334,7 @@ class DeepseekV4Attention(nn.Module):
 
     def _take_formats(self, fmts: CacheFormats) -> None:
         """Compute `fmts` from now on (a layer built without formats, at its first attach). No weight
-        changes: the compressors' are held in the model dtype in every format (X_PROJECTIONS)."""
+        changes: the compressors' are held in the model dtype in every format (dsv4ops.projections)."""
         self.formats, self.numerics, self.follows_cache = fmts, v4_numerics(fmts), False
 
     def forward(self, hidden_states: Tensor, step: StepMeta | None = None) -> Tensor:
@@ -445,7 +408,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     eps = cfg.rms_norm_eps
     pos, req = live_tokens(step, cache)
     t = x.shape[0]
-    px = project_x(layer, x)
+    px = projections.project_x(layer, x)
     qr = rms_norm(px["q_a_proj"], layer.q_a_norm.weight, eps)
     q = layer.q_b_proj(qr).view(t, layer.heads, cfg.head_dim)
     kv = rms_norm(px["kv_proj"], layer.kv_norm.weight, eps)
@@ -505,45 +468,6 @@ def indexer_rotates(numerics: Numerics) -> bool:
     """V4's MXFP4 indexer rotates its query and keys by the Hadamard before E2M1 (spec 3.3, 3.4: the
     numerics it was trained with; one side alone would change every score)."""
     return numerics.indexer == "mxfp4"
-
-
-def project_x(layer: DeepseekV4Attention, x: Tensor) -> dict[str, Tensor]:
-    """Every projection of x (X_PROJECTIONS the layer has): the packed bf16 GEMM's slices (fp32 where
-    a compressor reads them, dsv4ops.packing) and the block-FP8 ones' own GEMMs, each in the dtype its
-    consumer computes in: the compressors' in compressor_dtype of their mode, the others in x's."""
-    pack = layer.x_pack
-    for p in (pack, layer.x8_pack) if not torch.compiler.is_compiling() else ():
-        if p.members and not p.tied(layer):
-            p.tie(layer)  # a view was cut loose (a move or assignment dsv4ops.packing cannot see)
-            if getattr(layer, p.buffer) is None:
-                raise RuntimeError(f"DeepseekV4Attention(layer {layer.layer_idx}): the projections {list(p.members)} "
-                                   f"must share one device and dtype to run as one GEMM, got "
-                                   f"{[(m.weight.device, m.weight.dtype) for m in p.modules(layer)]}")
-    fp32 = any(name in _COMPRESSOR_OUTPUTS for name in pack.members)
-    out = pack.slices(layer, packing.matmul(x, layer.x_packed, fp32)) if pack.members else {}
-    if layer.x8_pack.members:
-        out.update(layer.x8_pack.slices(layer, _fp8_pack_gemm(layer, x)))
-    for name in X_PROJECTIONS:
-        if name not in out and _has(layer, name):
-            out[name] = layer.get_submodule(name)(x)  # a block-FP8 projection (dsv4::fp8_linear)
-    for name, y in out.items():
-        mode = layer.numerics.indexer if name.startswith("compressor.indexer.") else layer.numerics.kv
-        out[name] = y.to(compressor_dtype(mode, x.dtype) if name in _COMPRESSOR_OUTPUTS else x.dtype)
-    return out
-
-
-def _fp8_pack_gemm(layer: DeepseekV4Attention, x: Tensor) -> Tensor:
-    """x @ [q_a; kv]^T from their stacked block-FP8 weights, W8A16 or W8A8 as BlockFP8Linear picks for
-    the stacked shape (fp8_linear.rule)."""
-    m = layer.q_a_proj
-    w, scale = layer.x8_packed, layer.x8_packed_scale
-    activations = m.activations
-    if activations == "auto":
-        activations = fp8_rule.pick(math.prod(x.shape[:-1]), w.shape[0], w.shape[1], m.block, m._capability)
-    return fp8_linear(x, w, fp32_scale(scale) if activations == "fp8" else scale, m.block, activations)
-
-
-_COMPRESSOR_OUTPUTS = tuple(name.removesuffix(".weight") for name in _COMPRESSOR_WEIGHTS)
 
 
 def _compress(c, a, z, pos, req, entry_slots, inv_freq, state, pool, fmt, eps, hadamard=False):

@@ -69,7 +69,7 @@ def layers():
                     with manager.step({0: 1, 1: 1}) as step:
                         layer(torch.randn(step.positions.shape[0], CFG.hidden_size, device=DEV,
                                           dtype=torch.bfloat16), step)
-            say(f"layer {li} ({layer.layer_type}), cache {mode}")
+            say(f"layer {li} ({layer.layer_type}), cache {fmts}")
 
 
 def layers_v41():

@@ -8,7 +8,7 @@ from dsv4ops import DSV4AttentionConfig, packing
 from dsv4ops.bench import layer_step
 from dsv4ops.bench.attention import Case, new_layer
 from dsv4ops.config import CSA, HCA, SLIDING
-from dsv4ops.layers import project_x
+from dsv4ops.projections import project_x
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -10,7 +10,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Atten
 
 from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager
-from dsv4ops.config import CSA
+
 
 CFG = DSV4AttentionConfig.tiny(index_topk=128)
 

@@ -20,7 +20,8 @@ from dsv4ops.cache import CacheConfig, KVCacheManager
 from dsv4ops.cache.step import visible_counts
 from dsv4ops.cache.config import v4_numerics
 from dsv4ops.config import CSA, HCA, SLIDING
-from dsv4ops.layers import indexer_query, indexer_rotates, project_x
+from dsv4ops.layers import indexer_query, indexer_rotates
+from dsv4ops.projections import project_x
 from dsv4ops.quant import formats
 from dsv4ops.reference.functional import rms_norm
 
@@ -433,8 +434,8 @@ def stack_rows(shapes=None, progress=print, model: DSV4AttentionConfig = FLASH, 
     rows = []
     for batch, context in shapes or STACK_SHAPES:
         got = {}
-        for name, formats in CACHES.items():
-            us, nbytes = stack_time(batch, context, formats, model, device)
+        for name, fmts in CACHES.items():
+            us, nbytes = stack_time(batch, context, fmts, model, device)
             got[name] = us
             row = {"batch": batch, "context": context, "cache": name, "op": f"V4 stack ({model.num_layers} layers' "
                    f"cores), decode", "us": us, "per_token_us": us / batch, "bytes_per_token": nbytes,

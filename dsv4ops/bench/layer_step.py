@@ -150,7 +150,6 @@ def measured_rates(timer) -> tuple[float, float]:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_us = timer(lambda: dst.copy_(src))
-    del src, dst
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     mm_us = timer(lambda: a @ a)
     return 2 * (1 << 30) / (copy_us * 1e-6), 2 * 8192**3 / (mm_us * 1e-6)
@@ -206,8 +205,6 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
                 progress(row)
                 rows.append(row)
                 case.release()
-                del case
-            del layer, twin, compiled
             torch._dynamo.reset()
             if device == "cuda":
                 torch.cuda.empty_cache()
