@@ -340,8 +340,10 @@ def test_sweep_cache_estimate_is_what_a_case_allocates(kind):
     model = DSV4AttentionConfig.tiny()
     case = attention.Case(kind, batch=3, context=300, new_tokens=1, device="cpu", model=model)
     cache = case.layer.cache
+    # generations, ran_step and block_index_*: the manager's small tables (block_index_* one tensor
+    # shared by every layer cache), not the layer's pools
     held = sum(b.numel() * b.element_size() for name, b in cache.named_buffers()
-               if name not in ("generations", "ran_step", "topk_workspace"))
+               if name not in ("generations", "ran_step", "topk_workspace") and not name.startswith("block_index_"))
     held += case.manager.topk_workspace("cpu").numel() * 4
     assert sweep.cache_bytes(sweep.Point("flash", kind, 3, 300), model) == held
 
@@ -400,11 +402,11 @@ def test_sweep_flags_parse_and_the_report_ends_with_the_summary():
                flashmla_us=40.0, vs_flashmla=0.75)
     from dsv4ops.bench import sweep
 
-    out = {"versions": {"gpu": "NVIDIA H100"}, "layer_step": [dict(model="flash", layer="CSA", batch=1, us=90.0)],
+    out = {"versions": {"gpu": "NVIDIA H100"}, "layer_step": [dict(model="flash", layer="CSA", batch=1, compiled_us=90.0)],
            "sweep": {"rows": [row], "skipped": [("flash CSA 256 x 1M", 48.5)], "seconds": 200.0,
                      "summary": sweep.summarize([row])}}
     text = cli.sweep_report(out)
-    assert "flash CSA 256 x 1M (48.5 GB)" in text and "| flash | CSA | 1 |  |  | 90.0 |" in text  # the layer step
+    assert "flash CSA 256 x 1M (48.5 GB)" in text and "| flash | CSA | 1 |  |  |  | 90.0 |" in text  # the layer step
     last = text.strip().splitlines()
     assert last[-3].startswith("| layer | model | heads | points | worst")
     assert last[-1] == "| HCA | pro | 16 | 1 | 0.75 | 1 x 4K | 0.75 | 0 |  |  |  |"  # no point at batch >= 32
