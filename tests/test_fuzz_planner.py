@@ -21,7 +21,8 @@ from dsv4ops.config import CSA, HCA
 MODEL = DSV4AttentionConfig.tiny()
 # 1M positions per request, steps of up to 2^18 tokens (a request reaches 1M in four steps), and a
 # compressed pool sized for 1.5 requests of 1M (max_total_tokens): the block supply runs out.
-CACHE = CacheConfig(max_requests=3, max_context=1 << 20, max_step_tokens=1 << 18, max_total_tokens=3 << 19)
+CACHE = CacheConfig(max_requests=3, max_context=1 << 20, max_step_tokens=1 << 18,
+                    max_total_tokens=3 << 19).for_model(MODEL)  # the formats and block size a manager resolves
 IDS = ["a", "b", "c", "d"]
 # Valid counts: decode-sized, around block edges (token 259 closes CSA entry 64, the first of a
 # request's second block of 64; token 8319 HCA entry 64), or anything up to a step; bad ones: zero,

@@ -403,7 +403,7 @@ def test_live_tokens_is_the_elementwise_rule(compiled):
 
     top, slots = 64, 3
     cache = SimpleNamespace(generations=torch.tensor([5, 6, 7], dtype=torch.int32),
-                            cfg=SimpleNamespace(max_context=top))
+                            cfg=SimpleNamespace(max_context=top), ran_step=torch.zeros(1, dtype=torch.int32))
     pos = [-2**31, -1, 0, 1, top - 2, top - 1, top, top + 1, 2 * top, 2**31 - 1]
     cases = [(p, r, g) for p in pos for r in (-1, 0, 2, slots) for g in (True, False)]
     step = SimpleNamespace(positions=torch.tensor([p for p, _, _ in cases], dtype=torch.int32),
