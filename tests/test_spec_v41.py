@@ -133,7 +133,7 @@ def _check_usage(manager, usage):
             block_bytes[role.ratio] += formats.get(num.comp).page_bytes(cfg.block_size)
             if role.owns_index_keys:
                 block_bytes[role.ratio] += formats.get(num.index).page_bytes(cfg.block_size)
-    expect = unshared = len(manager.slot_of) * memory(CFG, cfg, num)["fixed_bytes_per_request"]
+    expect = unshared = len(manager.slot_of) * memory(CFG, cfg)["fixed_bytes_per_request"]
     for m, table in manager.tables.items():
         ids = table[table >= 0]
         uniq, count = ids.unique(return_counts=True)
