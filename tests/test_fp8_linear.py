@@ -22,6 +22,7 @@ from dsv4ops.fp8_linear import reference as fp8_linear_ref
 from dsv4ops.fp8_linear import triton as fp8_linear_tt
 from dsv4ops.fp8_linear import triton_w8a8 as w8a8_tt
 from dsv4ops.layers import DEEPSEEK_NAMES, FP8_PROJECTIONS
+from dsv4ops.projections import COMPRESSOR_WEIGHTS
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 E8M0 = torch.float8_e8m0fnu
@@ -166,12 +167,15 @@ CFG = DSV4AttentionConfig.tiny()
 
 
 def _fp8_checkpoint(layer, scale_dtype) -> dict:
-    """DeepSeek checkpoint dict of `layer`: every 2-D projection block-FP8 (128 x 128 tiles)."""
+    """DeepSeek checkpoint dict of `layer`: every 2-D projection block-FP8 (128 x 128 tiles) but the
+    compressors' kv / gate, bf16 as in V4's checkpoints (spec 1.3)."""
     inverse = {v: k for k, v in DEEPSEEK_NAMES.items()}
     sd = {}
     for i, (name, p) in enumerate(layer.named_parameters()):
         key = f"layers.{layer.layer_idx}.{inverse[name]}"
-        if p.dim() == 2 and name.endswith("proj.weight"):
+        if name in COMPRESSOR_WEIGHTS:
+            sd[key] = p.detach().to(torch.bfloat16)
+        elif p.dim() == 2 and name.endswith("proj.weight"):
             w, s = builders.block_fp8_weight(*p.shape, 128, scale_dtype, seed=i)
             # ~1/sqrt(fan_in) weights, as randomize_ makes them: the scale carries it
             sd[key], sd[key[: -len("weight")] + "scale"] = w, (s.float() * p.shape[1] ** -0.5).to(s.dtype)

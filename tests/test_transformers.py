@@ -377,17 +377,17 @@ def test_fp8_checkpoint_weights_dequantized_on_patch(base):
         assert torch.isfinite(patched(_prompts(1)[:, :9]).logits).all()
 
 
-def test_patching_a_bf16_model_keeps_the_fp8_caches_compressor_weights_in_fp32(base):
-    """With FP8 caches the compressor projections run in fp32 (DeepSeek's reference): the patched
-    bf16 model holds those weights in fp32 (equal to its bf16 ones), every other projection in bf16."""
+def test_patching_a_bf16_model_keeps_every_projection_in_bf16_with_the_fp8_caches(base):
+    """With FP8 caches the compressor projections' a, z compute in fp32 (DeepSeek's reference) from the
+    packed GEMM's fp32 output: the patched bf16 model holds every projection weight in bf16, its values
+    unchanged, and only the sinks, position biases and norm weights in fp32."""
     model = copy.deepcopy(base).to(torch.bfloat16)
     before = {(layer.layer_idx, n): p.clone() for layer in model.model.layers for n, p in
               layer.self_attn.named_parameters()}
     patched = patch_model(model, FP8)
     for layer in patched.model.layers:
         for name, p in layer.self_attn.named_parameters():
-            fp32 = name.startswith("compressor.") and name.endswith(("kv_proj.weight", "gate_proj.weight"))
-            fp32 |= name.endswith(("sinks", "position_bias", "norm.weight"))
+            fp32 = name.endswith(("sinks", "position_bias", "norm.weight"))
             assert p.dtype == (torch.float32 if fp32 else torch.bfloat16), (layer.layer_idx, name)
             assert torch.equal(p.to(torch.bfloat16), before[layer.layer_idx, name].to(torch.bfloat16)), name
 
