@@ -5,8 +5,6 @@ the bf16 projections: FP8_PROJECTIONS)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
@@ -19,6 +17,7 @@ from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear.api import BlockFP8Linear
+from dsv4ops.layer_weights import Compressor, GroupedLinear, RMSNorm, linear
 from dsv4ops.indexer.reference import query_values
 from dsv4ops.parallel import Group, all_reduce
 from dsv4ops.parallel import tp as _tp
@@ -64,28 +63,6 @@ FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "compressor.in
 _DEEPSEEK_KEY = {v: k for k, v in DEEPSEEK_NAMES.items()}
 
 
-class RMSNorm(nn.Module):
-    """Weight holder of a V4 RMSNorm (the math lives in the ops and the reference)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-
-class GroupedLinear(nn.Module):
-    """Block-diagonal `o_a_proj`: weight [groups * out_per_group, in_per_group] (transformers' layout),
-    initialised as nn.Linear initialises a weight of that shape (each output reads in_per_group inputs)."""
-
-    def __init__(self, in_per_group: int, out_features: int, groups: int):
-        super().__init__()
-        self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-
 def serving_cache(module: nn.Module, who: str, owner: str, arg: str, x: Tensor, step, ndim: int, dims: str,
                   tokens: int):
     """The attached cache of a serving forward(x, step); in eager mode first the checks that keep a
@@ -99,39 +76,6 @@ def serving_cache(module: nn.Module, who: str, owner: str, arg: str, x: Tensor, 
         module._check_input(x, ndim, dims)
         module.cache_manager.check_step(step, tokens)
     return cache
-
-
-def _linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
-
-
-class Indexer(nn.Module):
-    """Lightning Indexer weights of a CSA layer (its own 128-d compressor, query projection, head weights)."""
-
-    def __init__(self, cfg: DSV4AttentionConfig):
-        super().__init__()
-        d = cfg.index_head_dim
-        self.kv_proj = _linear(cfg.hidden_size, 2 * d)
-        self.gate_proj = _linear(cfg.hidden_size, 2 * d)
-        self.position_bias = nn.Parameter(torch.zeros(cfg.csa_ratio, 2 * d))
-        self.kv_norm = RMSNorm(d)
-        self.q_b_proj = _linear(cfg.q_lora_rank, cfg.index_n_heads * d)
-        self.scorer = nn.Module()
-        self.scorer.weights_proj = _linear(cfg.hidden_size, cfg.index_n_heads)
-
-
-class Compressor(nn.Module):
-    """Main KV compressor of a CSA (2d-wide, overlapping windows) or HCA (d-wide) layer."""
-
-    def __init__(self, cfg: DSV4AttentionConfig, ratio: int):
-        super().__init__()
-        width = (2 if ratio == cfg.csa_ratio else 1) * cfg.head_dim
-        self.kv_proj = _linear(cfg.hidden_size, width)
-        self.gate_proj = _linear(cfg.hidden_size, width)
-        self.position_bias = nn.Parameter(torch.zeros(ratio, width))
-        self.kv_norm = RMSNorm(cfg.head_dim)
-        if ratio == cfg.csa_ratio:
-            self.indexer = Indexer(cfg)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -184,13 +128,13 @@ class DeepseekV4Attention(nn.Module):
         ranks = 1 if self.tp_group is None else self.tp_group.size
         self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
         h, d = self.heads, cfg.head_dim
-        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank)
-        self.q_b_proj = _linear(cfg.q_lora_rank, h * d)
-        self.kv_proj = _linear(cfg.hidden_size, d)
+        self.q_b_proj = linear(cfg.q_lora_rank, h * d)
+        self.kv_proj = linear(cfg.hidden_size, d)
         self.kv_norm = RMSNorm(d)
         self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
-        self.o_b_proj = _linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_b_proj = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(h))
         self.compressor = None if self.layer_type == SLIDING else Compressor(cfg, cfg.compress_ratio(layer_idx))
         self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
@@ -297,7 +241,7 @@ class DeepseekV4Attention(nn.Module):
             same = isinstance(old, BlockFP8Linear) and (old.block, old.weight_scale_inv.dtype) == (block, scale_dtype)
             new = old if same else BlockFP8Linear(k, n, block, scale_dtype, device=device)
         else:
-            new = old if isinstance(old, nn.Linear) else _linear(k, n).to(device, self.o_a_proj.weight.dtype)
+            new = old if isinstance(old, nn.Linear) else linear(k, n).to(device, self.o_a_proj.weight.dtype)
         setattr(parent, attr, new)
         self.tie_packs()
         return old

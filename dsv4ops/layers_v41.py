@@ -34,7 +34,8 @@ from dsv4ops.parallel import Group, all_reduce
 from dsv4ops import layers_dcp as _dcp
 from dsv4ops.parallel import tp as _tp
 from dsv4ops.indexer.reference import query_values
-from dsv4ops.layers import DEEPSEEK_CORE_NAMES, GroupedLinear, RMSNorm, serving_cache
+from dsv4ops.layer_weights import GroupedLinear, RMSNorm, linear
+from dsv4ops.layers import DEEPSEEK_CORE_NAMES, serving_cache
 from dsv4ops.quant import formats
 from dsv4ops.quant.formats import CacheFormats
 from dsv4ops.reference.functional import grouped_output, rms_norm
@@ -58,10 +59,6 @@ DEEPSEEK_NAMES = {
 }
 
 
-def _linear(n_in: int, n_out: int) -> nn.Linear:
-    return nn.Linear(n_in, n_out, bias=False)
-
-
 class V41Compressor(nn.Module):
     """A KV source's compressor: wkv, wgate (ratio > 1: the per-channel softmax gate), norm. No
     position bias in V4.1: `ape` is a zero buffer (compressor_update's bias argument)."""
@@ -69,8 +66,8 @@ class V41Compressor(nn.Module):
     def __init__(self, cfg: DSV41AttentionConfig, ratio: int):
         super().__init__()
         self.ratio = ratio
-        self.wkv = _linear(cfg.hidden_size, cfg.head_dim)
-        self.wgate = _linear(cfg.hidden_size, cfg.head_dim) if ratio > 1 else None
+        self.wkv = linear(cfg.hidden_size, cfg.head_dim)
+        self.wgate = linear(cfg.hidden_size, cfg.head_dim) if ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim)
         self.register_buffer("ape", torch.zeros(ratio, cfg.head_dim), persistent=False)
 
@@ -81,9 +78,9 @@ class V41Indexer(nn.Module):
 
     def __init__(self, cfg: DSV41AttentionConfig, owns_keys: bool):
         super().__init__()
-        self.wq_b = _linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
-        self.weights_proj = _linear(cfg.hidden_size, cfg.index_n_heads)
-        self.wk = _linear(cfg.head_dim, cfg.index_head_dim) if owns_keys else None
+        self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.weights_proj = linear(cfg.hidden_size, cfg.index_n_heads)
+        self.wk = linear(cfg.head_dim, cfg.index_head_dim) if owns_keys else None
         self.k_norm = RMSNorm(cfg.index_head_dim) if owns_keys else None
 
 
@@ -107,13 +104,13 @@ class DeepseekV41Attention(nn.Module):
         ranks = 1 if self.tp_group is None else self.tp_group.size
         self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
         h, d = self.heads, cfg.head_dim
-        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank)
-        self.q_b_proj = _linear(cfg.q_lora_rank, h * d)
-        self.kv_proj = _linear(cfg.hidden_size, d)
+        self.q_b_proj = linear(cfg.q_lora_rank, h * d)
+        self.kv_proj = linear(cfg.hidden_size, d)
         self.kv_norm = RMSNorm(d)
         self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
-        self.o_b_proj = _linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_b_proj = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(h))
         self.compressor = V41Compressor(cfg, self.role.ratio) if self.role.owns_compressor else None
         self.indexer = V41Indexer(cfg, self.role.owns_index_keys) if self.role.indexer else None

@@ -240,13 +240,17 @@ class KVCacheManager:
         self._publish_generations()
 
     # ---- requests ------------------------------------------------------------------------------
-    def admit(self, request_id) -> int:
+    def _check_new_id(self, rid, arg: str) -> None:
+        """A request id `arg` that admit or fork may take: hashable, not admitted yet."""
         try:
-            hash(request_id)
+            hash(rid)
         except TypeError:
-            raise TypeError(f"request_id: expected a hashable id, got {type(request_id).__name__}") from None
-        if request_id in self.slot_of:
-            raise ValueError(f"request_id: {request_id!r} is already admitted")
+            raise TypeError(f"{arg}: expected a hashable id, got {type(rid).__name__}") from None
+        if rid in self.slot_of:
+            raise ValueError(f"{arg}: {rid!r} is already admitted")
+
+    def admit(self, request_id) -> int:
+        self._check_new_id(request_id, "request_id")
         if not self.free_slots:
             raise CacheFullError(f"admit: all {self.cfg.max_requests} request slots are in use")
         slot = self.free_slots.pop()

@@ -55,12 +55,7 @@ def rewind(m, request_id, n: int) -> None:
 def fork(m, parent, child, length: int | None) -> int:
     m._no_open_step("fork")
     pslot = m._slot(parent, "parent")
-    try:
-        hash(child)
-    except TypeError:
-        raise TypeError(f"child: expected a hashable id, got {type(child).__name__}") from None
-    if child in m.slot_of:
-        raise ValueError(f"child: {child!r} is already admitted")
+    m._check_new_id(child, "child")
     have = m.length[parent]
     length = have if length is None else checked_count("length", length, 1)
     if length > have:
