@@ -57,9 +57,10 @@ DEEPSEEK_NAMES = {
 
 
 # The projections `load_deepseek_state_dict(..., keep_fp8=True)` keeps block-FP8 (BlockFP8Linear):
-# those computing in the model dtype. The compressors' (fp32 compute outside exact mode) and the
-# grouped o_a_proj (an einsum over head groups) are dequantized.
-FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "compressor.indexer.q_b_proj")
+# every block-FP8 one of V4's checkpoints (o_a_proj grouped: fp8_linear's block-diagonal form). The
+# compressors' are bf16 in the checkpoint and stay so.
+FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "compressor.indexer.q_b_proj")
+_TP_FP8 = ("q_b_proj", "o_a_proj", "o_b_proj")  # the block-FP8 projections tensor parallelism splits
 _DEEPSEEK_KEY = {v: k for k, v in DEEPSEEK_NAMES.items()}
 
 
@@ -86,10 +87,9 @@ class DeepseekV4Attention(nn.Module):
     KV, the compressed entries and the indexer (`self.numerics`: their modes in the oracle,
     `dsv4ops.reference.numerics`); CacheFormats.exact() = transformers. None (the default): the
     formats of the first cache the layer attaches to (CacheConfig's default: CacheFormats.v4()),
-    and until then exact, the drop-in transformers layer; its compressor projection weights stay
-    fp32 until the cache's formats say which ones compute in fp32. Given explicitly, a cache of
-    other formats is refused. Outside exact rounding the compressor projection weights of that
-    compressor stay fp32 through `.to(dtype)` (their projections compute in fp32; `_apply`).
+    and until then exact, the drop-in transformers layer. Given explicitly, a cache of other formats
+    is refused. The compressor projection weights are held in the model dtype in every format
+    (their GEMM accumulates and writes fp32: dsv4ops.projections).
 
     forward(hidden_states [B, S, hidden]) -> [B, S, hidden]: causal attention over each sequence
     from position 0 (stateless). An inference module: forward runs in grad mode too, and a backward
@@ -136,6 +136,9 @@ class DeepseekV4Attention(nn.Module):
         self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
         self.o_b_proj = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
         self.sinks = nn.Parameter(torch.zeros(h))
+        # The model dtype, when every projection may hold e4m3 bytes (keep_fp8): an empty tensor that
+        # `.to(dtype)` casts with the weights (not saved).
+        self.register_buffer("dtype_anchor", torch.empty(0), persistent=False)
         self.compressor = None if self.layer_type == SLIDING else Compressor(cfg, cfg.compress_ratio(layer_idx))
         self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
         self._keep_fp32()  # also when built under another default dtype
@@ -165,6 +168,10 @@ class DeepseekV4Attention(nn.Module):
         """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before
         anything is copied, so a failed load leaves the layer as it was."""
         result = checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
+        if assign:  # the loaded tensors replaced the parameters: the model dtype and device are theirs
+            held = [p for n, p in self.named_parameters() if not n.endswith(_KEEP_FP32) and p.element_size() > 1]
+            dtype = held[0].dtype if held else self.dtype_anchor.dtype
+            self.dtype_anchor = torch.empty(0, dtype=dtype, device=self.sinks.device)
         self.tie_packs()  # an assign=True load replaced the members' parameters
         return result
 
@@ -172,7 +179,7 @@ class DeepseekV4Attention(nn.Module):
         """Loading (as a module of its own or inside another) cuts the full tensors of the split
         parameters to this rank's share, before anything loads (dsv4ops.parallel.tp.shard_: a shard
         raises, with or without a process group)."""
-        blocks = {n: m.block for n in ("q_b_proj", "o_b_proj") if isinstance(m := getattr(self, n), BlockFP8Linear)}
+        blocks = {n: m.block for n in _TP_FP8 if isinstance(m := getattr(self, n), BlockFP8Linear)}
         _tp.shard_(state_dict, prefix, self.tp_group, _tp.full_shapes(self.config, blocks),
                    f"DeepseekV4Attention(layer {self.layer_idx})")
         for name in projections.COMPRESSOR_WEIGHTS:
@@ -201,7 +208,7 @@ class DeepseekV4Attention(nn.Module):
             sk = checkpoint.scale_key(mine, key)
             if key in mine and sk is not None:
                 checkpoint.check_block_fp8(mine[key], mine[sk], block, name=prefix + key)
-                if self.tp_group is not None and name in ("q_b_proj", "o_b_proj"):
+                if self.tp_group is not None and name in _TP_FP8:
                     _tp.check_fp8_split(prefix + key, tuple(mine[key].shape), _tp.SPLIT[name + ".weight"][0],
                                         self.tp_group, block)
                 scale = mine.pop(sk)
@@ -231,17 +238,21 @@ class DeepseekV4Attention(nn.Module):
 
     def _set_projection(self, name: str, block: int | None, scale_dtype) -> nn.Module:
         """Make projection `name` a BlockFP8Linear of `block` x `block` tiles with `scale_dtype`
-        scales (block None: an nn.Linear in the model dtype); returns the module it replaces."""
+        scales (block None: an nn.Linear, or o_a_proj's GroupedLinear, in the model dtype); returns the
+        module it replaces."""
         owner, _, attr = name.rpartition(".")
         parent = self.get_submodule(owner)
         old = getattr(parent, attr)
         n, k = old.weight.shape
-        device = old.weight.device
+        device, grouped = old.weight.device, name == "o_a_proj"
         if block is not None:
             same = isinstance(old, BlockFP8Linear) and (old.block, old.weight_scale_inv.dtype) == (block, scale_dtype)
-            new = old if same else BlockFP8Linear(k, n, block, scale_dtype, device=device)
+            new = old if same else BlockFP8Linear(k, n, block, scale_dtype, device=device,
+                                                  groups=self.groups if grouped else 1)
+        elif isinstance(old, GroupedLinear if grouped else nn.Linear):
+            new = old
         else:
-            new = old if isinstance(old, nn.Linear) else linear(k, n).to(device, self.o_a_proj.weight.dtype)
+            new = (GroupedLinear(k, n, self.groups) if grouped else linear(k, n)).to(device, self.dtype_anchor.dtype)
         setattr(parent, attr, new)
         self.tie_packs()
         return old
@@ -322,7 +333,7 @@ class DeepseekV4Attention(nn.Module):
     def _check_input(self, x, dim: int, layout: str):
         if not isinstance(x, Tensor):
             raise TypeError(f"hidden_states: expected a Tensor {layout}, got {type(x).__name__}")
-        weight = self.o_a_proj.weight  # a model-dtype weight (q_a_proj may hold e4m3 bytes)
+        weight = self.dtype_anchor  # the model dtype (every projection may hold e4m3 bytes)
         if x.dim() != dim:
             raise ValueError(f"hidden_states: expected {dim}-D {layout}, got shape {tuple(x.shape)}")
         if x.shape[-1] != self.config.hidden_size:
@@ -403,7 +414,9 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
                         cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt, cache.dcp)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
-    y = layer.o_b_proj(grouped_o_a(o_rot, layer.o_a_proj.weight, layer.groups))
+    o_a = layer.o_a_proj
+    z = o_a(o_rot.flatten(1)) if isinstance(o_a, BlockFP8Linear) else grouped_o_a(o_rot, o_a.weight, layer.groups)
+    y = layer.o_b_proj(z)
     # Tensor parallel: this rank's heads' share of the output; the sum over the ranks is the layer's.
     return y if layer.tp_group is None else all_reduce(y, layer.tp_group)
 

@@ -123,6 +123,15 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
             if fp8_rule.pick(t, n, k, fp8_block, fp8_rule.serving_capability(device)) == "fp8":
                 ops.fp8_linear_w8a8(x, weight, scale.float(), out, fp8_block)
                 calls += 1
+        if fp8_block:  # o_a_proj, grouped (this rank's groups)
+            groups = model_cfg.o_groups // tp
+            n, k = groups * model_cfg.o_lora_rank, model_cfg.num_heads * d // model_cfg.o_groups
+            weight = torch.zeros(n, k, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.ones(-(-n // fp8_block), -(-k // fp8_block), dtype=fp8_scale, device=device)
+            ops.fp8_linear(torch.zeros(t, groups * k, dtype=dtype, device=device), weight,
+                           scale.view(torch.uint8) if fp8_scale == torch.float8_e8m0fnu else scale,
+                           torch.empty(t, n, dtype=dtype, device=device), fp8_block, groups)
+            calls += 1
         rows = torch.empty(t, d, dtype=dtype, device=device)
         ops.pack_kv(rows, none, window, main_fmt)
         ops.unpack_kv(window, none, rows, main_fmt)
@@ -138,8 +147,8 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
 
 
 def _fp8_projections(cfg: DSV4AttentionConfig, kinds: set, tp: int = 1) -> set:
-    """(out, in) of the projections a keep_fp8 layer computes with fp8_linear (layers.FP8_PROJECTIONS;
-    q_b_proj's rows and o_b_proj's columns a rank's share under tensor parallelism)."""
+    """(out, in) of the ungrouped projections a keep_fp8 layer computes with fp8_linear (layers.FP8_PROJECTIONS
+    but o_a_proj; q_b_proj's rows and o_b_proj's columns a rank's share under tensor parallelism)."""
     shapes = {(cfg.q_lora_rank, cfg.hidden_size), (cfg.num_heads // tp * cfg.head_dim, cfg.q_lora_rank),
               (cfg.head_dim, cfg.hidden_size), (cfg.hidden_size, cfg.o_groups // tp * cfg.o_lora_rank)}
     if CSA in kinds:

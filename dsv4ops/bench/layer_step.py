@@ -6,10 +6,11 @@ projections).
   `torch.compile(fullgraph=True)`, the FP8_PROJECTIONS kept block-FP8 as `keep_fp8=True` loads a
   checkpoint (BlockFP8Linear, activations "auto") and the dsv4:: ops; kernels: the kernels one compiled
   step launches (torch.profiler, memcpy / memset not counted).
-- floor_us: the bytes the step must read (the layer's checkpoint weights, FP8 where the checkpoint is
-  FP8 and bf16 where it is bf16, plus the KV rows its tokens read: window, selected or visible
-  entries, indexer keys) at the copy bandwidth measured in the same run; at batch >= 128 the larger of that and the GEMM FLOPs (2 x tokens x
-  weight elements) at the bf16 dense rate measured in the same run.
+- floor_us: the bytes the step must read (the layer's weights as held, which are its checkpoint's: FP8
+  where the checkpoint is FP8, o_a_proj included, bf16 where it is bf16; plus the KV rows its tokens
+  read: window, selected or visible entries, indexer keys) at the copy bandwidth measured in the same
+  run; at batch >= 128 the larger of that and the GEMM FLOPs (2 x tokens x weight elements) at the
+  bf16 dense rate measured in the same run.
 - flashmla_bf16_us: the same layer with bf16 projections (the FP8 weights dequantized: the same
   values) and FlashMLA's decode as its core, through `_attend`'s core seam, captured likewise in eager.
 """
@@ -103,15 +104,6 @@ def weight_bytes(layer) -> int:
     return sum(seen.values())
 
 
-def checkpoint_bytes(layer) -> int:
-    """weight_bytes with the grouped o_a_proj at its checkpoint's size: block-FP8 in V4's checkpoints
-    (one e4m3 byte a weight and one UE8M0 byte a 128 x 128 tile), while the layer holds it dequantized
-    (it runs as a bf16 einsum): the floor is the checkpoint's bytes, not what the layer makes of them."""
-    w = layer.o_a_proj.weight
-    tiles = -(-w.shape[0] // BLOCK) * -(-w.shape[1] // BLOCK)
-    return weight_bytes(layer) - w.numel() * w.element_size() + w.numel() + tiles
-
-
 def weight_elements(layer) -> int:
     """Multiply-adds per token of the layer's projections (each weight element once)."""
     seen = {}
@@ -191,7 +183,7 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
                 row = dict(model=model, layer=KIND_NAMES[kind], batch=batch, context=CONTEXT, heads=cfg.num_heads)
                 row["eager_us"], row["compiled_us"] = timer(eager), timer(comp)
                 row["kernels"] = kernel_count(comp)
-                floor = (checkpoint_bytes(layer) + kv_bytes(case)) / bandwidth
+                floor = (weight_bytes(layer) + kv_bytes(case)) / bandwidth
                 if batch >= FLOPS_FROM:
                     floor = max(floor, 2 * case.x.shape[0] * weight_elements(layer) / flops)
                 row["floor_us"], row["copy_TBps"] = floor * 1e6, bandwidth / 1e12

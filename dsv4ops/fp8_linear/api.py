@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops bound below)
 from dsv4ops.fp8_linear import rule
-from dsv4ops.fp8_linear.checks import BLOCKS
+from dsv4ops.fp8_linear.checks import BLOCKS, GROUP_ROWS
 
 SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)  # BlockFP8Linear's: UE8M0 or V3-style fp32
 
@@ -21,7 +21,8 @@ _fp8_linear = torch.ops.dsv4.fp8_linear.default
 _fp8_linear_w8a8 = torch.ops.dsv4.fp8_linear_w8a8.default
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int, activations: str = "exact") -> Tensor:
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int, activations: str = "exact",
+               groups: int = 1) -> Tensor:
     """x [..., K] (bf16 / fp16 / fp32, contiguous last dim), weight [N, K] float8_e4m3fn, scale
     [ceil(N / block), ceil(K / block)] float8_e8m0fnu (UE8M0; or its uint8 bytes) or fp32, block
     128 (V4) or 32 (V4.1)
@@ -34,19 +35,26 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int, activations
       relative per element), then a blockwise-scaled FP8 GEMM. block 128, K a multiple of 128; a
       UE8M0 scale is converted to fp32 per call (BlockFP8Linear keeps the fp32 copy).
     - "auto": per shape, whichever of the two rule.pick chooses (the faster on the H100 by a margin;
-      "exact" on the CPU, on GPUs other than sm_90 and for other tile sizes)."""
+      "exact" on the CPU, on GPUs other than sm_90 and for other tile sizes).
+    groups > 1 (W8A16 only; "auto" runs "exact"): the block-diagonal projection of V4's o_a, x [...,
+    groups x K] and weight [N, K] of `groups` stacked [N / groups, K] blocks (N / groups a multiple of
+    32; the tile scales are the [N, K] weight's): output group g = x's g-th K columns @ block g^T."""
     if activations not in rule.ACTIVATIONS:
         raise ValueError(f"activations: expected one of {list(rule.ACTIVATIONS)}, got {activations!r}")
+    if groups != 1 and activations == "fp8":
+        raise ValueError(f"activations: 'fp8' (W8A8) has no grouped kernel; groups={groups} runs 'exact' or 'auto'")
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     n = weight.shape[0]  # the op checks the rest
     if activations == "auto":
-        activations = rule.pick(rows.shape[0], n, x.shape[-1], block, rule.device_capability(x.device))
+        activations = "exact" if groups != 1 else rule.pick(rows.shape[0], n, x.shape[-1], block,
+                                                            rule.device_capability(x.device))
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     if activations == "fp8":
         _fp8_linear_w8a8(rows, weight, fp32_scale(scale), out, block)
     else:
-        _fp8_linear(rows, weight, scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale, out, block)
+        _fp8_linear(rows, weight, scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale, out, block,
+                    groups)
     return out.view(*lead, n)
 
 
@@ -70,10 +78,14 @@ class BlockFP8Linear(nn.Module):
     the compute dtype), `.to(device)` moves them. load_state_dict takes e4m3 weights and scales of
     the buffers' dtypes only: a bf16 weight would otherwise be cast to e4m3 silently. The W8A8 path
     reads `scale_fp32`, the scales in fp32 (not saved): set on load_state_dict; after writing
-    weight_scale_inv in place, call refresh()."""
+    weight_scale_inv in place, call refresh().
+
+    groups > 1: V4's grouped o_a (fp8_linear's block-diagonal form): forward takes x [..., groups x
+    in_features] and runs W8A16 ("auto" runs "exact"; there is no grouped W8A8 kernel)."""
 
     def __init__(self, in_features: int, out_features: int, block: int = 128,
-                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device=None, activations: str = "auto"):
+                 scale_dtype: torch.dtype = torch.float8_e8m0fnu, device=None, activations: str = "auto",
+                 groups: int = 1):
         super().__init__()
         if block not in BLOCKS:
             raise ValueError(f"block: expected a tile size in {list(BLOCKS)}, got {block!r}")
@@ -81,8 +93,12 @@ class BlockFP8Linear(nn.Module):
             raise ValueError(f"scale_dtype: expected one of {list(SCALE_DTYPES)}, got {scale_dtype}")
         if activations not in rule.ACTIVATIONS:
             raise ValueError(f"activations: expected one of {list(rule.ACTIVATIONS)}, got {activations!r}")
+        if groups < 1 or (groups > 1 and (out_features % (groups * GROUP_ROWS) or activations == "fp8")):
+            raise ValueError(f"groups: expected a count that cuts out_features {out_features} into multiples of "
+                             f"{GROUP_ROWS} rows, with activations 'exact' or 'auto' (no grouped W8A8 kernel), got "
+                             f"groups={groups}, activations={activations!r}")
         self.in_features, self.out_features, self.block = in_features, out_features, block
-        self.activations = activations
+        self.activations, self.groups = activations, groups
         tiles = (-(-out_features // block), -(-in_features // block))
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn,
                                                    device=device))
@@ -98,6 +114,8 @@ class BlockFP8Linear(nn.Module):
         self._capability = rule.serving_capability(self.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.groups > 1:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, groups=self.groups)
         activations = self.activations
         if activations == "auto":
             activations = rule.pick(math.prod(x.shape[:-1]), self.out_features, self.in_features, self.block,
@@ -108,7 +126,8 @@ class BlockFP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
-                f"scale={self.weight_scale_inv.dtype}, activations={self.activations}")
+                f"scale={self.weight_scale_inv.dtype}, activations={self.activations}"
+                + (f", groups={self.groups}" if self.groups > 1 else ""))
 
     def _apply(self, fn, recurse=True):
         # float8 dtypes count as floating point, so Module.to(dtype) would cast the bytes; as uint8

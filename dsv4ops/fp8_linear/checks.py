@@ -15,12 +15,22 @@ SCALE_DTYPES = (torch.uint8, torch.float32)
 # blockwise layout of cuBLASLt's FP8 GEMM), weight scales in fp32 (BlockFP8Linear converts its
 # UE8M0 bytes once).
 W8A8_BLOCK = 128
+# Grouped fp8_linear: an output group is a whole number of the kernel's narrowest column tile, so a
+# tile never straddles two groups (V4's o_a: 1024 rows a group; tiles in the weight's own scale grid).
+GROUP_ROWS = 32
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int):
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, groups: int = 1):
     torch._check(block in BLOCKS, lambda: f"block: expected a tile size in {list(BLOCKS)}, got {block}")
+    torch._check(groups >= 1, lambda: f"groups: expected a positive count of output groups, got {groups}")
+    if groups > 1:
+        c.ndim("weight", weight, 2, "[out_features, in_features per group]")
+        n = weight.shape[0]
+        torch._check(n % (groups * GROUP_ROWS) == 0, lambda: f"weight: expected out_features a multiple of groups x "
+                     f"{GROUP_ROWS} ({groups} x {GROUP_ROWS}: each output group whole {GROUP_ROWS}-column tiles of the "
+                     f"kernel), got {n}")
     _operands(x, weight, scale, out, block, SCALE_DTYPES, "UE8M0 bytes (torch.uint8, a float8_e8m0fnu tensor's view) "
-              "or torch.float32")
+              "or torch.float32", groups)
 
 
 def fp8_linear_w8a8(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int):
@@ -33,14 +43,18 @@ def fp8_linear_w8a8(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block
 
 
 def _operands(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, scale_dtypes: tuple,
-              scale_what: str):
+              scale_what: str, groups: int = 1):
     c.ndim("x", x, 2, "[tokens, in_features]")
     c.dtype("x", x, c.FLOATS)
     c.last_dim_contiguous("x", x)
     c.ndim("weight", weight, 2, "[out_features, in_features]")
     c.dtype("weight", weight, (torch.float8_e4m3fn,))
     c.contiguous("weight", weight)
-    c.size("weight", weight, 1, x.shape[1], "in_features of x")
+    if groups == 1:
+        c.size("weight", weight, 1, x.shape[1], "in_features of x")
+    else:
+        torch._check(x.shape[1] == groups * weight.shape[1], lambda: f"x: expected {groups} x {weight.shape[1]} = "
+                     f"{groups * weight.shape[1]} columns (groups x the weight's in_features), got {x.shape[1]}")
     c.same_device("weight", weight, x, "x")
     n, k = weight.shape
     tiles = ((n + block - 1) // block, (k + block - 1) // block)

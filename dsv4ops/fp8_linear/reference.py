@@ -33,8 +33,13 @@ def dequantize(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype) ->
     return (weight.float() * s).to(dtype)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int) -> None:
-    out.copy_(F.linear(x, dequantize(weight, scale, block, x.dtype)))
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, groups: int = 1) -> None:
+    w = dequantize(weight, scale, block, x.dtype)
+    if groups == 1:
+        out.copy_(F.linear(x, w))
+    else:  # block-diagonal: output group g reads x's g-th slice of K columns
+        y = torch.einsum("mgk,gnk->mgn", x.unflatten(1, (groups, -1)), w.view(groups, -1, w.shape[1]))
+        out.copy_(y.flatten(1))
 
 
 def act_quant(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.fp8_linear import checks as _checks
+from dsv4ops.fp8_linear.checks import GROUP_ROWS
 from dsv4ops.fp8_linear.reference import ACT_BLOCK
 from dsv4ops.triton_helpers import (
     INTERPRET,
@@ -63,12 +64,14 @@ def output_tile(m, n, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, n, k, sx, so, s_cols, k_split,
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, m, n, k, group_n, sx, so, s_cols, k_split,
                        BLOCK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        UE8M0: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr, SOFT: tl.constexpr):
     wait_prior_grid()
     rows, cols, r64, c64, rm, cm, split = output_tile(m, n, BM, BN)
     dt = x_ptr.dtype.element_ty
+    # Grouped (block-diagonal): the tile's output group reads its own K columns of x (BN divides group_n).
+    x_ptr += (tl.program_id(0) * BN // group_n).to(tl.int64) * k
     s_row = s_ptr + (cols // BLOCK).to(tl.int64) * s_cols
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     k_lo = split * k_split
@@ -143,23 +146,28 @@ def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> d
     return dict(BM=bm, BN=bn, BK=bk, SPLITS=triton.cdiv(k, k_split), K_SPLIT=k_split, WARPS=warps, STAGES=stages)
 
 
-def fp8_linear(x, weight, scale, out, block: int, cfg: dict | None = None) -> None:
-    """Launcher of `dsv4::fp8_linear` (same arguments; `cfg` overrides config(), for sweeps)."""
-    _checks.fp8_linear(x, weight, scale, out, block)
-    m, k = x.shape
-    n = weight.shape[0]
+def fp8_linear(x, weight, scale, out, block: int, groups: int = 1, cfg: dict | None = None) -> None:
+    """Launcher of `dsv4::fp8_linear` (same arguments; `cfg` overrides config(), for sweeps). Grouped,
+    the tiles are chosen for the whole [N, K] weight (each weight byte is still read once) and a
+    column tile stays inside one output group (BN 32 where 64 would straddle two)."""
+    _checks.fp8_linear(x, weight, scale, out, block, groups)
+    m = x.shape[0]
+    n, k = weight.shape
     if m == 0 or n == 0:
         return
     if k == 0:
         out.zero_()
         return
     cfg = cfg or config(m, n, k, block)
+    group_n = n // groups
+    if group_n % cfg["BN"]:
+        cfg = dict(cfg, BN=GROUP_ROWS)  # the checks make group_n a multiple of it
     splits = cfg["SPLITS"]
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     ue8m0 = scale.dtype == torch.uint8
     grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), splits)
     launch(_fp8_linear_kernel, grid,
-           (x, weight.view(torch.uint8), scale, out, part, m, n, k, x.stride(0),
+           (x, weight.view(torch.uint8), scale, out, part, m, n, k, group_n, x.stride(0),
             out.stride(0), scale.shape[1], cfg["K_SPLIT"]),
            dict(BLOCK=block, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], UE8M0=ue8m0, SPLITS=splits,
                 STAGES=cfg["STAGES"], SOFT=INTERPRET), num_warps=cfg["WARPS"], pdl=True)

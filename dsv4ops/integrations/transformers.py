@@ -65,8 +65,8 @@ def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, ro
                 compile: bool | dict = False, process_group=None, parallel: str = "tp") -> nn.Module:
     """Swap the attention of a transformers `DeepseekV4ForCausalLM` / `DeepseekV4Model` for
     dsv4ops' (in place; returns `model`). Move and cast the model first: the pools are allocated on
-    its device, the layers take its dtype (FP8 caches: the compressor projection weights fp32, as
-    DeepSeek's reference keeps them). `cache_config` sizes the paged cache and picks its formats
+    its device, the layers take its dtype (the compressor projection weights too, bf16 as in the
+    checkpoint: their GEMM writes fp32). `cache_config` sizes the paged cache and picks its formats
     (default: `default_cache_config`); `routers=True` swaps the MoE routers too; `compile=True` (or
     a dict of `torch.compile` options) compiles each layer's serving step (fullgraph; one graph per
     layer and batch bucket). `process_group` (torch.distributed; every rank runs the same calls, the

@@ -22,6 +22,7 @@ SPLIT = {
     "q_b_proj.weight": (0, "heads"),
     "q_b_proj.weight_scale_inv": (0, "heads"),
     "o_a_proj.weight": (0, "groups"),
+    "o_a_proj.weight_scale_inv": (0, "groups"),
     "o_b_proj.weight": (1, "groups"),
     "o_b_proj.weight_scale_inv": (1, "groups"),
     "sinks": (0, "heads"),
