@@ -341,12 +341,14 @@ def block_fp8_weight(n: int, k: int, block: int, scale_dtype=torch.float8_e8m0fn
 
 
 def fp8_linear_args(dtype=torch.float32, block=32, n=70, k=100, tokens=3, scale_dtype=torch.float8_e8m0fnu,
-                    noncontig=False) -> dict:
+                    noncontig=False, groups=1) -> dict:
+    """groups > 1: the block-diagonal form, x [tokens, groups x k] (n a multiple of groups x 32)."""
     weight, scale = block_fp8_weight(n, k, block, scale_dtype)
     if scale.dtype == torch.float8_e8m0fnu:
         scale = scale.view(torch.uint8)  # the op takes UE8M0 scales as their bytes
-    return dict(x=_rows((tokens, k), dtype, noncontig), weight=weight, scale=scale,
+    args = dict(x=_rows((tokens, groups * k), dtype, noncontig), weight=weight, scale=scale,
                 out=torch.empty(tokens, n, dtype=dtype), block=block)
+    return args if groups == 1 else dict(args, groups=groups)
 
 
 def fp8_linear_w8a8_args(dtype=torch.float32, n=200, k=384, tokens=3, scale_dtype=torch.float8_e8m0fnu,
@@ -386,7 +388,8 @@ _PUBLIC = {
     "visible_entries": lambda api, a: api.visible_entries(a["block_table"], a["positions"], a["req_slots"], a["ratio"],
                                                           a["block_size"], a["block_table"].numel()),
     "inv_rope": lambda api, a: api.inv_rope(a["o"], a["positions"], a["inv_freq"]),
-    "fp8_linear": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"]),
+    "fp8_linear": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"],
+                                                groups=a.get("groups", 1)),
     "fp8_linear_w8a8": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"], "fp8"),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",

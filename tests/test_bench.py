@@ -450,7 +450,7 @@ def test_layer_bench_baseline_is_the_layer_with_bf16_projections_and_another_cor
         got = _attend(twin, x, st, cache, core=ours)
         assert torch.equal(got, want)
         case.release()
-    assert set(bf16) == {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"} | (
+    assert set(bf16) == {"q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj"} | (
         {"compressor.indexer.q_b_proj"} if kind == CSA else set())
 
 
@@ -466,9 +466,9 @@ def test_layer_floor_counts_each_weight_once_and_the_rows_the_step_reads(kind):
     want = sum(t.numel() * t.element_size() for n, t in [*layer.named_parameters(), *layer.named_buffers()]
                if t is not None and n != "x_packed")
     assert layer_step.weight_bytes(layer) == want
-    oa = layer.o_a_proj.weight  # bf16 as held, block-FP8 in the checkpoint
-    assert layer_step.checkpoint_bytes(layer) == want - oa.numel() * 2 + oa.numel() + -(-oa.shape[0] // 128) * -(
-        -oa.shape[1] // 128)
+    oa = layer.o_a_proj  # held as the checkpoint holds it: one e4m3 byte a weight, one UE8M0 byte a tile
+    assert oa.weight.dtype == torch.float8_e4m3fn and oa.weight_scale_inv.numel() == -(-oa.weight.shape[0] // 128) * -(
+        -oa.weight.shape[1] // 128)
     case = attention.Case(kind, batch=2, context=300, new_tokens=1, device="cpu", model=model, layer=layer)
     fmt = layer.cache.fmt
     # two tokens at position 299: a full window each, and 299 // ratio + ... entries by the spec's count

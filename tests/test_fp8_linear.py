@@ -21,6 +21,7 @@ from dsv4ops.fp8_linear.api import BlockFP8Linear, fp8_linear
 from dsv4ops.fp8_linear import reference as fp8_linear_ref
 from dsv4ops.fp8_linear import triton as fp8_linear_tt
 from dsv4ops.fp8_linear import triton_w8a8 as w8a8_tt
+from dsv4ops.layer_weights import GroupedLinear
 from dsv4ops.layers import DEEPSEEK_NAMES, FP8_PROJECTIONS
 from dsv4ops.projections import COMPRESSOR_WEIGHTS
 
@@ -200,16 +201,17 @@ def test_layer_with_fp8_projections_equals_the_dequantized_layer(layer_idx, scal
     names = [n for n in FP8_PROJECTIONS if n.split(".")[0] != "compressor" or fp8.compressor is not None]
     assert all(isinstance(fp8.get_submodule(n), BlockFP8Linear) for n in names)
     assert not any(isinstance(m, BlockFP8Linear) for m in deq.modules())
-    assert fp8.o_a_proj.weight.dtype == BF16  # dequantized: the grouped einsum and the compressors
-    if fp8.compressor is not None:
+    assert fp8.o_a_proj.groups == CFG.o_groups  # o_a block-FP8 too, in fp8_linear's grouped form
+    if fp8.compressor is not None:  # bf16 in the checkpoint, bf16 as held
         assert fp8.compressor.kv_proj.weight.dtype == BF16
     x = torch.randn(2, 9, CFG.hidden_size)
     with torch.no_grad():
         T.assert_close_to_ref(fp8(x.to(BF16)), ref(x), deq(x.to(BF16)), what="stateless")
-    # A dequantized load turns the projections back into nn.Linear modules of the model dtype.
+    # A dequantized load turns the projections back into nn.Linear modules (o_a: GroupedLinear) of the
+    # model dtype.
     fp8.load_deepseek_state_dict(sd)
-    assert all(isinstance(fp8.get_submodule(n), torch.nn.Linear) and fp8.get_submodule(n).weight.dtype == BF16
-               for n in names)
+    plain = {n: GroupedLinear if n == "o_a_proj" else torch.nn.Linear for n in names}
+    assert all(type(fp8.get_submodule(n)) is plain[n] and fp8.get_submodule(n).weight.dtype == BF16 for n in names)
 
 
 def test_layer_with_fp8_projections_serves_like_the_dequantized_layer():

@@ -112,6 +112,7 @@ SAMPLES = {
         partial(builders.fp8_linear_args, FP32),
         partial(builders.fp8_linear_args, BF16, 128, n=200, k=300, scale_dtype=FP32),
         partial(builders.fp8_linear_args, BF16, tokens=1, noncontig=True),
+        partial(builders.fp8_linear_args, BF16, 128, n=192, k=300, noncontig=True, groups=3),  # o_a's grouped form
     ],
     "fp8_linear_w8a8": [
         partial(builders.fp8_linear_w8a8_args, FP32),

@@ -184,7 +184,7 @@ def _deepseek_v4(full: DeepseekV4Attention, block: int) -> dict:
     inverse = {v: k for k, v in DEEPSEEK_NAMES.items()}
     prefix = f"layers.{full.layer_idx}."
     out = {prefix + inverse[k]: v.clone() for k, v in full.state_dict().items()}
-    for i, name in enumerate(("q_b_proj", "o_b_proj")):
+    for i, name in enumerate(("q_b_proj", "o_a_proj", "o_b_proj")):
         n, k = getattr(full, name).weight.shape
         w, scale = builders.block_fp8_weight(n, k, block, seed=i)
         getattr(full, name).weight.data = (w.float() * scale.float().repeat_interleave(block, 0)[:n]
@@ -207,8 +207,8 @@ def _load_body(rank, group):
         assert torch.equal(tp.get_parameter(k), v), k
     # keep_fp8: the e4m3 bytes and tile scales of this rank's rows / columns.
     tp.load_deepseek_state_dict(ds, block=32, keep_fp8=True)
-    for name, dim in (("q_b_proj", 0), ("o_b_proj", 1)):
-        key = f"layers.1.attn.{'wq_b' if name == 'q_b_proj' else 'wo_b'}"
+    for name, dim in (("q_b_proj", 0), ("o_a_proj", 0), ("o_b_proj", 1)):
+        key = f"layers.1.attn.{dict(q_b_proj='wq_b', o_a_proj='wo_a', o_b_proj='wo_b')[name]}"
         m = getattr(tp, name)
         assert torch.equal(m.weight.view(torch.uint8), ds[key + ".weight"].chunk(2, dim)[rank].view(torch.uint8))
         assert torch.equal(m.weight_scale_inv.view(torch.uint8), ds[key + ".scale"].chunk(2, dim)[rank].view(torch.uint8))
@@ -216,10 +216,11 @@ def _load_body(rank, group):
     with torch.no_grad():
         got = tp(x)
     testing.assert_matches_oracle(full, x[0], got[0], what="keep_fp8 TP layer")
-    # 128 x 128 tiles: o_b_proj's 128 columns split into 64, half a tile: refused, nothing changed.
+    # 128 x 128 tiles: o_a_proj's 128 rows (o_b_proj's 128 columns) split into 64, half a tile:
+    # refused, nothing changed.
     before = {k: v.clone() for k, v in tp.state_dict().items()}
-    with pytest.raises(ValueError, match=r"keep_fp8: layers.1.attn.wo_b.weight \[256, 128\] splits over 2 ranks "
-                                         r"along dim 1 into 64, not a multiple of its 128 x 128 scale tiles"):
+    with pytest.raises(ValueError, match=r"keep_fp8: layers.1.attn.wo_a.weight \[128, 1024\] splits over 2 ranks "
+                                         r"along dim 0 into 64, not a multiple of its 128 x 128 scale tiles"):
         tp.load_deepseek_state_dict(_deepseek_v4(full, 128), keep_fp8=True)
     assert all(builders.bytes_equal(v, before[k]) for k, v in tp.state_dict().items())
     return tp.state_dict()
