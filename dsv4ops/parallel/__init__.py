@@ -34,7 +34,8 @@ class Group:
 
     @classmethod
     def of(cls, process_group, what: str = "process_group") -> Group | None:
-        """The Group of a torch.distributed ProcessGroup (None for None)."""
+        """The Group of a torch.distributed ProcessGroup (None for None); binds the group's checks
+        (agreement.bind: a collective, once per group)."""
         if process_group is None:
             return None
         import torch.distributed as dist
@@ -43,6 +44,9 @@ class Group:
             raise RuntimeError(f"{what}: torch.distributed is not initialized (init_process_group first)")
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"{what}: expected a torch.distributed ProcessGroup, got {type(process_group).__name__}")
+        from dsv4ops.parallel import agreement
+
+        agreement.bind(process_group)  # the side group of the ranks' checks (dsv4ops.parallel.agreement)
         return cls(process_group.group_name, dist.get_rank(process_group), dist.get_world_size(process_group))
 
 

@@ -38,13 +38,12 @@ share (the candidates' scores, the merged attention) is the layers', in dsv4ops.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from dsv4ops.parallel import Group, all_gather
+from dsv4ops.parallel import Group, agreement, all_gather
 
 TOPK_MODES = ("exact", "union")
 _NONE = torch.iinfo(torch.int32).max  # sorts after every entry
@@ -58,44 +57,8 @@ def describe(x) -> object:
     return (type(x).__name__, repr(x))
 
 
-# A gloo group with the ranks of each NCCL group the managers use (by group name): made once, by
-# the first manager of that group (a collective: every rank builds its managers in the same order).
-_CPU_GROUPS: dict = {}
-
-
-class Agreement:
-    """Checks that the ranks of a group hold the same state: one all-gather of an 8-byte digest on
-    a CPU group (gloo: the group itself, or one with its ranks), on the host, between steps: no
-    device sync."""
-
-    def __init__(self, process_group):
-        import torch.distributed as dist
-
-        self.size = dist.get_world_size(process_group)
-        if dist.get_backend(process_group) == "gloo":
-            self.group = process_group
-        else:
-            name = process_group.group_name
-            if name not in _CPU_GROUPS:
-                _CPU_GROUPS[name] = dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo")
-            self.group = _CPU_GROUPS[name]
-
-    def check(self, what: str, state) -> None:
-        """Raise on every rank unless every rank's `state` has the same repr."""
-        import torch.distributed as dist
-
-        digest = int.from_bytes(hashlib.sha256(repr(state).encode()).digest()[:8], "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64)
-        got = [torch.zeros_like(mine) for _ in range(self.size)]
-        dist.all_gather(got, mine, group=self.group)
-        digests = [int(t) for t in got]
-        if len(set(digests)) > 1:
-            rank = dist.get_rank(self.group)
-            agree = [r for r, d in enumerate(digests) if d == digests[rank]]
-            raise RuntimeError(f"{what}: the ranks of the context-parallel group disagree on the step (ranks {agree} "
-                               f"agree with rank {rank}, of {self.size}); every rank must plan the same steps with "
-                               f"the same arguments in the same order, on managers with the same history (admit, "
-                               f"release, commit, abort, rewind, fork); nothing was changed")
+_HINT = ("; every rank must build the same managers and layers, and plan the same steps with the same arguments in "
+         "the same order, on managers with the same history (admit, release, commit, abort, rewind, fork)")
 
 
 # ---- ownership and the compact entries of a rank ----------------------------------------------------------
@@ -107,18 +70,19 @@ class Ownership:
     nothing, so the planner and the pools have one path. `group` (a Group, None on one rank) is what
     the collectives take."""
 
-    def __init__(self, process_group=None, what: str = "process_group"):
-        self.group = Group.of(process_group, what)
+    def __init__(self, dcp_group=None, what: str = "dcp_group"):
+        self.group = Group.of(dcp_group, what)
         self.rank, self.size = (0, 1) if self.group is None else (self.group.rank, self.group.size)
-        self._agreement = None if self.group is None else Agreement(process_group)
 
     def __repr__(self) -> str:
         return f"Ownership(rank={self.rank}, size={self.size})"
 
-    def agree(self, what: str, state) -> None:
-        """Raise on every rank unless every rank's `state` is the same (Agreement); one rank: nothing."""
-        if self._agreement is not None:
-            self._agreement.check(what, state)
+    def agree(self, what: str, state: dict, config=None, hint: str = _HINT) -> None:
+        """Raise on every rank unless every rank's `state` (and model `config`) is the same, and on a
+        rank the others do not join within agreement.timeout_s (dsv4ops.parallel.agreement: one
+        8-byte all-gather on the host, no device sync); one rank: nothing."""
+        if self.group is not None:
+            agreement.check(self.group, "context-parallel", what, state, config, hint)
 
     def check_layout(self, model, cfg) -> None:
         """A V4.1 candidate block (candidate_block_size entries) must lie in one rank's block."""
