@@ -16,8 +16,8 @@ import multiproc
 from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, layers, reference, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager, V41CacheManager
 from dsv4ops.cache.config import pool_blocks
+from dsv4ops.config import CSA, HCA
 from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.integrations.transformers import patch_model
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import stack_attention
 
@@ -212,6 +212,8 @@ def _disagree_body(rank, group):
     # candidate block.
     with pytest.raises(NotImplementedError, match="a context-parallel cache for a tensor-parallel layer"):
         DeepseekV4Attention(CFG, 1, process_group=group).attach_cache(manager)
+    from dsv4ops.integrations.transformers import patch_model
+
     with pytest.raises(NotImplementedError, match=r"patch_model: process_group \(tensor parallel\) and dcp_group"):
         patch_model(torch.nn.Module(), process_group=group, dcp_group=group)
     with pytest.raises(ValueError, match=r"topk: expected one of \('exact', 'union'\), got 'all'"):
@@ -254,10 +256,12 @@ def _compiled_body(rank, group):
                 with manager.step({"r": n}) as step:
                     x = torch.randn(step.positions.shape[0], CFG.hidden_size, generator=g)
                     assert torch.equal(fn(x, step), layer(x, step))
-    # One graph per layer and bucket (96 and 1): the step whole.
+    # One graph per layer and bucket (96 and 1): the step whole, with its all-gathers: the CSA
+    # layer's two (selection, attention), the HCA layer's one (attention).
     assert len(graphs) == 4
-    for names in graphs:
-        assert sum("attn_merge" in n for n in names) >= 1 and sum("all_gather_into_tensor" in n for n in names) >= 2
+    for names, gathers in zip(graphs, (2, 2, 1, 1)):
+        assert sum("attn_merge" in n for n in names) >= 1
+        assert sum("all_gather_into_tensor" in n for n in names) == gathers, names
     return True
 
 
@@ -372,6 +376,76 @@ def _v41_union_body(rank, group):
 
 def test_dcp_v41_union_equals_the_oracle_on_every_ranks_selection():
     assert multiproc.run(_v41_union_body) == [True, True]
+
+
+# ---- the merge's collectives ----------------------------------------------------------------------------
+class _Counting:
+    """torch.ops._c10d_functional with its collectives counted (wait_tensor is not one)."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+        if name == "wait_tensor":
+            return op
+
+        def counted(*args):
+            self.calls.append(name)
+            return op(*args)
+
+        return counted
+
+
+def _collectives_body(rank, group):
+    """A V4 CSA (exact top-k) and HCA layer step make at most two collectives each (issue 55: the
+    selection's ids and scores in one all-gather, the attention's (out, lse) in another); merge_best
+    of candidates with tied scores picks what one process picks: the k best, ties to the lower id."""
+    import dsv4ops.parallel as par
+    from dsv4ops.parallel.dcp import Ownership, merge_best
+
+    counts = {}
+    for li in (1, 2):
+        layer = testing.randomize_(DeepseekV4Attention(CFG, li), seed=li)
+        manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), dcp_group=group)
+        layer.attach_cache(manager)
+        manager.admit("r")
+        counting, original = _Counting(par._C10D), par._C10D
+        par._C10D = counting
+        try:
+            with torch.no_grad():
+                for n in (70, 1, 1):
+                    with manager.step({"r": n}) as step:
+                        counting.calls.clear()
+                        layer(torch.randn(step.positions.shape[0], CFG.hidden_size), step)
+                        counts.setdefault(layer.layer_type, []).append(list(counting.calls))
+        finally:
+            par._C10D = original
+    assert counts == {CSA: [["all_gather_into_tensor"] * 2] * 3, HCA: [["all_gather_into_tensor"]] * 3}, counts
+    # Ties: scores from {0, 1, 2} (and -inf: not eligible, -1: no candidate) over 3 tokens, each
+    # rank holding its own entries (blocks of 4, alternate ranks).
+    g = torch.Generator().manual_seed(11)
+    k, c = 5, 6
+    ids, scores = [], []
+    for r in range(2):
+        mine = torch.tensor([w for w in range(64) if w // 4 % 2 == r])
+        ids.append(torch.stack([mine[torch.randperm(len(mine), generator=g)[:c]] for _ in range(3)]).int())
+        scores.append(torch.randint(0, 3, (3, c), generator=g).float())
+        scores[r][0, :2] = float("-inf")
+        ids[r][1, -1] = -1
+    got = merge_best(ids[rank], scores[rank], k, Ownership(group))
+    every_id, every_score = torch.cat(ids, 1), torch.cat(scores, 1)
+    for t in range(3):
+        pool = sorted((-s, int(i)) for i, s in zip(every_id[t].tolist(), every_score[t].tolist())
+                      if i >= 0 and s > float("-inf"))
+        want = sorted(i for _, i in pool[:k])
+        assert got[t].tolist() == want + [-1] * (k - len(want)), (t, got[t], want)
+    return counts
+
+
+def test_dcp_layer_step_makes_at_most_two_collectives_and_merges_ties_like_one_process():
+    counts = multiproc.run(_collectives_body)
+    assert counts[0] == counts[1]
 
 
 # ---- ownership arithmetic, against an enumeration ------------------------------------------------

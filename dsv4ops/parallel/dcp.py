@@ -15,22 +15,22 @@ only the owner of an entry's block stores the entry). A token's window is attend
 rank t % ranks (the others pass window end -1: no window).
 
 Top-k (CSA, V4.1 index sources). Each rank selects the top-k of its own entries (indexer_topk), then:
-- "exact" (default): the ranks' candidates (score, global entry) are all-gathered and the top-k
-  of all of them taken, ties to the lower entry: the top-k of the whole context, because each
-  entry of the global top-k is in its owner's top-k. The scores are recomputed for the k candidates
-  of a rank from their keys (sum_h w_h relu(q_h . k)), the indexer op's formula; their rounding may
-  differ from the op's own, so entries whose scores tie within rounding may go either way (as
-  between any two implementations of the indexer). V4.1's candidate pool is merged the same way:
-  each rank proposes its best blocks (block max of its entries; one more than the pool's width,
-  since a rank's own newest block is forced), the global newest block is forced, the best of all
-  are kept.
+- "exact" (default): the ranks' candidates (score, global entry) are all-gathered (one collective:
+  merge_best) and the top-k of all of them taken, ties to the lower entry: the top-k of the whole
+  context, because each entry of the global top-k is in its owner's top-k. The scores are recomputed for
+  the k candidates of a rank from their keys (sum_h w_h relu(q_h . k)), the indexer op's formula; their
+  rounding may differ from the op's own, so entries whose scores tie within rounding may go either way
+  (as between any two implementations of the indexer). V4.1's candidate pool is merged the same way:
+  each rank proposes its best blocks (block max of its entries; one more than the pool's width, since a
+  rank's own newest block is forced), the global newest block is forced, the best of all are kept.
 - "union": each rank attends over its own top-k (up to ranks x k entries in all, and V4.1's
   reindex layers score inside their rank's own pool): no collective for the selection, but not
   the model's math (more entries than index_topk).
 
 Attention. Each rank runs sparse_attn over its window share and its entries with `lse` (its output
 normalized without the sink, and ln of its sum); the ranks' (out, lse) are all-gathered and
-dsv4::attn_merge applies the sink once. An empty share gives zeros and -inf, and is not read.
+dsv4::attn_merge applies the sink once (one collective of both). A V4 CSA layer step makes two
+collectives, an HCA step one. An empty share gives zeros and -inf, and is not read.
 
 This module is index math and collectives only (plain torch): what runs dsv4:: ops on a rank's
 share (the candidates' scores, the merged attention) is the layers', in dsv4ops.layers_dcp.
@@ -145,10 +145,14 @@ def front(slots: Tensor) -> tuple[Tensor, Tensor]:
 def merge_best(ids: Tensor, scores: Tensor, k: int, own: Ownership) -> Tensor:
     """The best k of every rank's candidates: ids [T, c] (-1: none) with scores [T, c] (-inf: not
     eligible) on each rank -> [T, k] int32, the chosen ids ascending, -1 after them; ties go to the
-    lower id (the single-process ops' rule)."""
-    t = ids.shape[0]
-    every_id = all_gather(ids.to(torch.int32), own.group).permute(1, 0, 2).reshape(t, -1)
-    every_score = all_gather(scores.float(), own.group).permute(1, 0, 2).reshape(t, -1)
+    lower id (the single-process ops' rule). One all-gather of [T, 2c] fp32 (scores, then the ids'
+    bits): a layer step's context-parallel collectives are this and attend's (out, lse)."""
+    t, c = ids.shape
+    # One all-gather of both: the ids' int32 bits ride in the fp32 buffer (a collective copies bytes).
+    packed = torch.cat([scores.float(), ids.to(torch.int32).view(torch.float32)], 1)
+    every = all_gather(packed, own.group).permute(1, 0, 2)
+    every_score = every[..., :c].reshape(t, -1)
+    every_id = every[..., c:].contiguous().view(torch.int32).reshape(t, -1)
     ok = (every_id >= 0) & (every_score > float("-inf"))
     key = torch.where(ok, every_id, _NONE)
     by_id = torch.sort(key, dim=1, stable=True)
