@@ -394,8 +394,9 @@ class KVCacheManager:
 
         Context parallel: first of all the ranks compare a digest of their call and state (the
         arguments, the open step, every request's slot, length and furthest position, the free
-        blocks of every rank's pools: dsv4ops.parallel.dcp.Agreement, one all-gather of 8 bytes on a
-        CPU group); ranks that disagree all raise, with nothing changed."""
+        blocks of every rank's pools: dsv4ops.parallel.agreement, one all-gather of 8 bytes on a
+        gloo side group); ranks that disagree all raise, naming what differs, and a rank the others
+        do not join within agreement.timeout_s raises, with nothing changed."""
         return planner.prepare(self, new_tokens, blocks)
 
     def _unchanged(self, p: PlannedRequest) -> bool:

@@ -3,8 +3,8 @@ collectives whose shapes depend on it: a tensor-parallel forward, a context-para
 manager or layer bound to a group (their model configs).
 
 Each check is one all-gather of an 8-byte digest on a gloo side group of the group's ranks, made
-once per group (`bind`, when a layer or manager is built with it: a collective of every rank of
-the default group). The side group carries dsv4ops' own timeout, `timeout_s`: a rank whose call
+once per group (`bind`, when a layer or manager is built with it: a collective of the group's
+ranks). The side group carries dsv4ops' own timeout, `timeout_s`: a rank whose call
 the others do not make fails after it, naming its call, where the group's own collective would
 wait for the process group's timeout (gloo: 30 minutes, NCCL: 10) and then say only "Timed out".
 Gloo closes a side group after a timeout, so every later check of that group fails at once too.
@@ -45,14 +45,17 @@ def timeout() -> float:
 
 
 def bind(process_group) -> None:
-    """Make the group's side group (once per group and timeout; a collective of every rank)."""
+    """Make the group's side group (once per group and timeout; a collective of the group's ranks)."""
     import torch.distributed as dist
 
     name, t = process_group.group_name, timeout()
     _GROUPS[name] = process_group
     if (name, t) not in _SIDE:
         ranks = dist.get_process_group_ranks(process_group)
-        _SIDE[name, t] = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=t))
+        # Local synchronization: only the group's ranks make it (other groups of the job, e.g. the
+        # tensor-parallel groups of other data-parallel replicas, make their own at the same time).
+        _SIDE[name, t] = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=t),
+                                        use_local_synchronization=True)
 
 
 def _digest(text: str) -> int:
@@ -90,7 +93,7 @@ def check(group, role: str, what: str, state: dict, config=None, hint: str = "")
             raise RuntimeError(f"{what}: rank {group.rank} of the {role} group waited {t:g} s "
                                f"(dsv4ops.parallel.agreement.timeout_s) for the other ranks' {what}, and not all came: "
                                f"a rank made a call the others did not (or is stuck before it); nothing was changed. "
-                               f"The group's check is closed now: destroy the process group and start again") from e
+                               f"This group's checks are closed now: destroy the process group and start again") from e
         raise RuntimeError(f"{what}: rank {group.rank} could not check that the {role} group's ranks agree: the check's "
                            f"group is closed (a rank timed out at an earlier check, a call the others did not make, or "
                            f"exited) ({e}); nothing was changed. Destroy the process group and start again") from e
@@ -100,7 +103,8 @@ def check(group, role: str, what: str, state: dict, config=None, hint: str = "")
     full = {**{k: repr(v) for k, v in state.items()}, **{k: repr(v) for k, v in fields.items()}}
     every = [None] * group.size
     dist.all_gather_object(every, full, group=side)
-    differ = [k for k in full if len({repr(e.get(k)) for e in every}) > 1] or ["the call"]
+    keys = dict.fromkeys(k for e in every for k in e)  # another call may carry other keys
+    differ = [k for k in keys if len({repr(e.get(k)) for e in every}) > 1]
     shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {e.get(k)}" for r, e in enumerate(every)) for k in differ)
     agree = [r for r, d in enumerate(digests) if d == digests[group.rank]]
     raise RuntimeError(f"{what}: the ranks of the {role} group disagree ({shown}); ranks {agree} agree with rank "
