@@ -76,6 +76,7 @@ def serving_cache(module: nn.Module, who: str, owner: str, arg: str, x: Tensor, 
                                f"(forward({arg}, step))")
         module._check_input(x, ndim, dims)
         module.cache_manager.check_step(step, tokens)
+        _tp.agree(module, f"{who}.forward", {"step": step.origin.step_id, "tokens": tokens})
     return cache
 
 
@@ -279,6 +280,7 @@ class DeepseekV4Attention(nn.Module):
         if dcp.size > 1 and self.tp_group is not None:
             raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel layer (both process "
                                       "groups at once) is not supported; use one or the other")
+        _tp.agree(self, f"{type(self).__name__}(layer {self.layer_idx}).attach_cache", {})
         cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device),
                            dcp=dcp, dcp_topk=getattr(manager, "dcp_topk", "exact"))
         manager.attach(cache)
@@ -319,6 +321,7 @@ class DeepseekV4Attention(nn.Module):
             return _attend(self, hidden_states, step, cache)
         if not torch.compiler.is_compiling():
             self._check_input(hidden_states, 3, "[batch, seq, hidden]")
+            _tp.agree(self, f"{type(self).__name__}(layer {self.layer_idx}).forward", {"shape": hidden_states.shape})
         b, s, _ = hidden_states.shape
         cfg = CacheConfig(max_requests=b, max_context=s, max_step_tokens=b * s, max_request_step_tokens=s,
                           buckets=(b * s,), formats=self.formats, exact_dtype=hidden_states.dtype)

@@ -48,7 +48,8 @@ def attend(q: Tensor, window_cache: Tensor, comp_cache: Tensor, pos: Tensor, req
            window_fmt: str, comp_fmt: str, own: Ownership) -> Tensor:
     """Sparse attention of a step whose entries are shared over the group: this rank's share (its
     listed entries comp_idx, and the windows of the tokens t with t % ranks == rank) without the
-    sink, with its log-sum-exp; every rank's share all-gathered and merged with the sink."""
+    sink, with its log-sum-exp; every rank's share all-gathered (one collective) and merged with the
+    sink."""
     t = q.shape[0]
     mine = torch.arange(t, device=q.device) % own.size == own.rank
     ends = torch.where(mine, window_ends, -1)
@@ -56,6 +57,14 @@ def attend(q: Tensor, window_cache: Tensor, comp_cache: Tensor, pos: Tensor, req
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     torch.ops.dsv4.sparse_attn(q, window_cache, comp_cache, pos, req, comp_idx, comp_lens, ends, sinks, o, scale,
                                window, ring_size, window_fmt, comp_fmt, lse)
+    # One all-gather of both: lse's fp32 bits ride as 4 / itemsize more elements of o's last dim
+    # (2 for bf16: [T, H, D + 2]); the copy into the packed rows costs less than a second collective
+    # (~11 us of NCCL in a graph, issue 55).
+    d = o.shape[-1]
+    packed = torch.cat([o, lse.unsqueeze(-1).view(o.dtype)], -1)
+    every = all_gather(packed, own.group)
+    every_o = every[..., :d].contiguous()
+    every_lse = every[..., d:].contiguous().view(torch.float32).squeeze(-1)
     out = torch.empty_like(q)
-    torch.ops.dsv4.attn_merge(all_gather(o, own.group), all_gather(lse, own.group), sinks, out)
+    torch.ops.dsv4.attn_merge(every_o, every_lse, sinks, out)
     return out

@@ -16,6 +16,7 @@ import multiproc
 from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, layers, reference, testing
 from dsv4ops.cache import CacheConfig, KVCacheManager, V41CacheManager
 from dsv4ops.cache.config import pool_blocks
+from dsv4ops.config import CSA, HCA
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.reference.v41 import stack_attention
@@ -81,7 +82,7 @@ def _v4_body(rank, group, li, mode, topk):
     layers._select, layers._select_dcp = select, select_dcp
     try:
         rows, single, sel1 = _serve(full, KVCacheManager(CFG, _cache(numerics)), log1)
-        manager = KVCacheManager(CFG, _cache(numerics), process_group=group, topk=topk)
+        manager = KVCacheManager(CFG, _cache(numerics), dcp_group=group, topk=topk)
         _, got, sel2 = _serve(sharded, manager, log2)
     finally:
         layers._select, layers._select_dcp = original, original_dcp
@@ -140,7 +141,7 @@ def _v41_body(rank, group, mode):
     cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41[mode],
                         exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT, formats=numerics)
     rows, single, topk1, pools1 = dist_cases.serve_v41(full, V41CacheManager(CFG41, cache), BLOCK41[mode])
-    manager = V41CacheManager(CFG41, cache, process_group=group)
+    manager = V41CacheManager(CFG41, cache, dcp_group=group)
     _, got, topk2, pools2 = dist_cases.serve_v41(sharded, manager, BLOCK41[mode])
     assert sharded.cache.comp_5.shape[0] == pool_blocks(cache, 1, 2) < full.cache.comp_5.shape[0]
     lowp = torch.float32 if mode == "exact" else torch.bfloat16
@@ -175,30 +176,32 @@ def _same(a, b) -> bool:
 
 
 def _disagree_body(rank, group):
-    manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), process_group=group)
+    manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), dcp_group=group)
     layer = DeepseekV4Attention(CFG, 1)
     layer.attach_cache(manager)
     manager.admit("a")
     with manager.step({"a": 40}) as step:
         layer(torch.zeros(step.positions.shape[0], CFG.hidden_size), step)
     before = _state(manager)
-    match = r"prepare_step: the ranks of the context-parallel group disagree on the step \(ranks \[\d\] agree with " \
-            r"rank \d, of 2\); every rank must plan the same steps"
+    def match(field):
+        return rf"prepare_step: the ranks of the context-parallel group disagree \({field}: rank 0 .*, rank 1 .*\); " \
+               rf"ranks \[{rank}\] agree with rank {rank}, of 2; every rank must build the same managers"
+
     # Different token counts; a request only one rank knows (its own check would raise on that rank
     # alone, and the other would wait in the next collective): every rank raises the same error.
     for new in ({"a": 5 + rank}, {"a": 1} if rank else {"zz": 1}, {"a": 1, "b": 1} if rank else {"b": 1, "a": 1}):
-        with pytest.raises(RuntimeError, match=match):
+        with pytest.raises(RuntimeError, match=match("new_tokens")):
             manager.prepare_step(new)
         assert _same(_state(manager), before)
     # A speculative step's draft blocks (each valid alone): another block size, or a block on one
     # rank only, would give the ranks different window ends for the same tokens.
     for blocks in ({"a": 3 if rank else 2}, {"a": 3} if rank else None):
-        with pytest.raises(RuntimeError, match=match):
+        with pytest.raises(RuntimeError, match=match("blocks")):
             manager.prepare_step({"a": 3}, blocks)
         assert _same(_state(manager), before)
     if rank == 1:  # a history one rank does not share (an extra request)
         manager.admit("only here")
-    with pytest.raises(RuntimeError, match=match):
+    with pytest.raises(RuntimeError, match=match("slots")):
         manager.prepare_step({"a": 1})
     if rank == 1:
         manager.release("only here")
@@ -209,12 +212,16 @@ def _disagree_body(rank, group):
     # candidate block.
     with pytest.raises(NotImplementedError, match="a context-parallel cache for a tensor-parallel layer"):
         DeepseekV4Attention(CFG, 1, process_group=group).attach_cache(manager)
+    from dsv4ops.integrations.transformers import patch_model
+
+    with pytest.raises(NotImplementedError, match=r"patch_model: process_group \(tensor parallel\) and dcp_group"):
+        patch_model(torch.nn.Module(), process_group=group, dcp_group=group)
     with pytest.raises(ValueError, match=r"topk: expected one of \('exact', 'union'\), got 'all'"):
-        KVCacheManager(CFG, _cache(CacheFormats.exact()), process_group=group, topk="all")
+        KVCacheManager(CFG, _cache(CacheFormats.exact()), dcp_group=group, topk="all")
     with pytest.raises(ValueError, match=r"block_size: context parallelism keeps each candidate block of 4 entries on "
                                          r"one rank; expected a multiple of 4, got 6"):
         V41CacheManager(CFG41, CacheConfig(max_requests=2, max_context=64, max_step_tokens=16, block_size=6,
-                                           exact_dtype=torch.float32, formats=CacheFormats.exact()), process_group=group)
+                                           exact_dtype=torch.float32, formats=CacheFormats.exact()), dcp_group=group)
     return True
 
 
@@ -238,7 +245,7 @@ def _compiled_body(rank, group):
     backend = aot_autograd(fw_compiler=record)
     for li in (1, 2):
         layer = testing.randomize_(DeepseekV4Attention(CFG, li), seed=li)
-        manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), process_group=group)
+        manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), dcp_group=group)
         layer.attach_cache(manager)
         torch._dynamo.reset()
         fn = torch.compile(layer, fullgraph=True, backend=backend)
@@ -249,10 +256,12 @@ def _compiled_body(rank, group):
                 with manager.step({"r": n}) as step:
                     x = torch.randn(step.positions.shape[0], CFG.hidden_size, generator=g)
                     assert torch.equal(fn(x, step), layer(x, step))
-    # One graph per layer and bucket (96 and 1): the step whole.
+    # One graph per layer and bucket (96 and 1): the step whole, with its all-gathers: the CSA
+    # layer's two (selection, attention), the HCA layer's one (attention).
     assert len(graphs) == 4
-    for names in graphs:
-        assert sum("attn_merge" in n for n in names) >= 1 and sum("all_gather_into_tensor" in n for n in names) >= 2
+    for names, gathers in zip(graphs, (2, 2, 1, 1)):
+        assert sum("attn_merge" in n for n in names) >= 1
+        assert sum("all_gather_into_tensor" in n for n in names) == gathers, names
     return True
 
 
@@ -266,7 +275,7 @@ def _patch_body(rank, group):
     base = T._model()
     cache = CacheConfig(max_requests=4, max_context=512, max_step_tokens=512, formats=CacheFormats.exact(),
                         exact_dtype=torch.float32, block_size=4)
-    patched = T._patched(base, cache, process_group=group, parallel="dcp")
+    patched = T._patched(base, cache, dcp_group=group)
     manager = patched.model.layers[0].self_attn.cache_manager
     assert manager.dcp.size == 2 and all(layer.self_attn.tp_group is None for layer in patched.model.layers)
     tokens, _ = T._against_transformers(base, patched, T._prompts(2), what=f"rank {rank} generate")
@@ -274,7 +283,7 @@ def _patch_body(rank, group):
 
 
 def test_dcp_patch_model_generates_like_transformers():
-    """patch_model(..., process_group=group, parallel="dcp"): the cache's entries shared by the
+    """patch_model(..., dcp_group=group): the cache's entries shared by the
     ranks (blocks of 4 entries), every rank generates the tokens transformers' model does."""
     tokens = multiproc.run(_patch_body)
     assert torch.equal(tokens[0], tokens[1])
@@ -287,11 +296,20 @@ def test_dcp_demo_under_torchrun():
     assert "dcp over 2 processes" in out and out.count("within budget") == 2, out
 
 
-def test_patch_model_rejects_an_unknown_parallel_mode():
+def test_the_managers_group_is_dcp_group():
+    """A layer's process_group is its tensor-parallel group, a manager's group is dcp_group: the old
+    spellings (a manager's process_group=, patch_model's parallel=) name the new ones."""
     import test_transformers as T
 
-    with pytest.raises(ValueError, match=r"parallel: expected 'tp' or 'dcp', got 'pp'"):
-        T._patched(T._model(), parallel="pp")
+    cache = _cache(CacheFormats.exact())
+    with pytest.raises(TypeError, match=r"KVCacheManager: process_group was renamed dcp_group=: the "
+                                        r"decode-context-parallel group \(a layer's process_group is its tensor-parallel"):
+        KVCacheManager(CFG, cache, process_group=None)
+    with pytest.raises(TypeError, match=r"V41CacheManager: process_group was renamed dcp_group="):
+        V41CacheManager(CFG41, cache, process_group=None)
+    with pytest.raises(TypeError, match=r"patch_model: parallel= was removed: pass process_group=group for tensor "
+                                        r"parallel, dcp_group=group for decode context parallel"):
+        T._patched(T._model(), parallel="dcp")
 
 
 def _bench_body(rank, group):
@@ -334,7 +352,7 @@ def _v41_union_body(rank, group):
     stack = testing.randomize_(DeepseekV41AttentionStack(CFG41, numerics), seed=5)
     cache = CacheConfig(max_requests=3, max_context=160, max_step_tokens=96, block_size=BLOCK41["exact"],
                         exact_dtype=torch.float32, max_draft_tokens=dist_cases.MAX_DRAFT, formats=numerics)
-    manager = V41CacheManager(CFG41, cache, process_group=group, topk="union")
+    manager = V41CacheManager(CFG41, cache, dcp_group=group, topk="union")
     rows, got, topk, _ = dist_cases.serve_v41(stack, manager, BLOCK41["exact"])
     p32 = dict(stack.named_parameters())
     p64 = {k: v.double() for k, v in p32.items()}
@@ -358,6 +376,76 @@ def _v41_union_body(rank, group):
 
 def test_dcp_v41_union_equals_the_oracle_on_every_ranks_selection():
     assert multiproc.run(_v41_union_body) == [True, True]
+
+
+# ---- the merge's collectives ----------------------------------------------------------------------------
+class _Counting:
+    """torch.ops._c10d_functional with its collectives counted (wait_tensor is not one)."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        op = getattr(self.ops, name)
+        if name == "wait_tensor":
+            return op
+
+        def counted(*args):
+            self.calls.append(name)
+            return op(*args)
+
+        return counted
+
+
+def _collectives_body(rank, group):
+    """A V4 CSA (exact top-k) and HCA layer step make at most two collectives each (issue 55: the
+    selection's ids and scores in one all-gather, the attention's (out, lse) in another); merge_best
+    of candidates with tied scores picks what one process picks: the k best, ties to the lower id."""
+    import dsv4ops.parallel as par
+    from dsv4ops.parallel.dcp import Ownership, merge_best
+
+    counts = {}
+    for li in (1, 2):
+        layer = testing.randomize_(DeepseekV4Attention(CFG, li), seed=li)
+        manager = KVCacheManager(CFG, _cache(CacheFormats.exact()), dcp_group=group)
+        layer.attach_cache(manager)
+        manager.admit("r")
+        counting, original = _Counting(par._C10D), par._C10D
+        par._C10D = counting
+        try:
+            with torch.no_grad():
+                for n in (70, 1, 1):
+                    with manager.step({"r": n}) as step:
+                        counting.calls.clear()
+                        layer(torch.randn(step.positions.shape[0], CFG.hidden_size), step)
+                        counts.setdefault(layer.layer_type, []).append(list(counting.calls))
+        finally:
+            par._C10D = original
+    assert counts == {CSA: [["all_gather_into_tensor"] * 2] * 3, HCA: [["all_gather_into_tensor"]] * 3}, counts
+    # Ties: scores from {0, 1, 2} (and -inf: not eligible, -1: no candidate) over 3 tokens, each
+    # rank holding its own entries (blocks of 4, alternate ranks).
+    g = torch.Generator().manual_seed(11)
+    k, c = 5, 6
+    ids, scores = [], []
+    for r in range(2):
+        mine = torch.tensor([w for w in range(64) if w // 4 % 2 == r])
+        ids.append(torch.stack([mine[torch.randperm(len(mine), generator=g)[:c]] for _ in range(3)]).int())
+        scores.append(torch.randint(0, 3, (3, c), generator=g).float())
+        scores[r][0, :2] = float("-inf")
+        ids[r][1, -1] = -1
+    got = merge_best(ids[rank], scores[rank], k, Ownership(group))
+    every_id, every_score = torch.cat(ids, 1), torch.cat(scores, 1)
+    for t in range(3):
+        pool = sorted((-s, int(i)) for i, s in zip(every_id[t].tolist(), every_score[t].tolist())
+                      if i >= 0 and s > float("-inf"))
+        want = sorted(i for _, i in pool[:k])
+        assert got[t].tolist() == want + [-1] * (k - len(want)), (t, got[t], want)
+    return counts
+
+
+def test_dcp_layer_step_makes_at_most_two_collectives_and_merges_ties_like_one_process():
+    counts = multiproc.run(_collectives_body)
+    assert counts[0] == counts[1]
 
 
 # ---- ownership arithmetic, against an enumeration ------------------------------------------------

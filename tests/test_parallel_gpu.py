@@ -91,7 +91,7 @@ def _flash_body(rank, group, mode):
             manager = KVCacheManager(CFG, cache_cfg, device="cuda")
         else:
             model = copy.deepcopy(full)
-            manager = KVCacheManager(CFG, cache_cfg, device="cuda", process_group=group)
+            manager = KVCacheManager(CFG, cache_cfg, device="cuda", dcp_group=group)
         for layer in model.layers:
             layer.attach_cache(manager)
         compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
@@ -126,7 +126,7 @@ def _selection_body(rank, group):
     cfg = CFG.replace(index_topk=64)
     layer = testing.randomize_(DeepseekV4Attention(cfg, 1, formats=FP8), seed=3).to("cuda", torch.bfloat16)
     manager = KVCacheManager(cfg, CacheConfig(max_requests=2, max_context=1024, max_step_tokens=512, block_size=16),
-                             device="cuda", process_group=group)
+                             device="cuda", dcp_group=group)
     layer.attach_cache(manager)
     original, log = layers._select_dcp, []
 
@@ -222,7 +222,7 @@ def _v41_body(rank, group, mode):
             manager = V41CacheManager(CFG41, cache_cfg, device="cuda")
         else:
             stack = copy.deepcopy(full)
-            manager = V41CacheManager(CFG41, cache_cfg, device="cuda", process_group=group)
+            manager = V41CacheManager(CFG41, cache_cfg, device="cuda", dcp_group=group)
         stack.attach_cache(manager)
         return stack, manager
 

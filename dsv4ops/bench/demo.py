@@ -253,7 +253,7 @@ def run(args) -> dict:
     cache_cfg = CacheConfig(formats=fmts, exact_dtype=dtype, max_requests=n, max_context=max(lengths),
                             max_step_tokens=args.step_tokens, buckets=buckets)
     formats = "/".join(dict.fromkeys((fmts.window, fmts.comp, fmts.index)))
-    manager = KVCacheManager(cfg, cache_cfg, device=device, process_group=group if args.parallel == "dcp" else None)
+    manager = KVCacheManager(cfg, cache_cfg, device=device, dcp_group=group if args.parallel == "dcp" else None)
     for layer in stack.layers:
         layer.attach_cache(manager)
     kinds = ", ".join(SHORT[layer.layer_type] for layer in stack.layers)

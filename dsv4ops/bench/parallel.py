@@ -100,7 +100,7 @@ def _layer_step(model, kind: str, batch: int, context: int, device, state: dict 
     layer = layer.to(device, dtype)
     cfg = CacheConfig(max_requests=batch, max_context=context, max_total_tokens=batch * context, max_step_tokens=batch,
                       buckets=(batch,))
-    manager = KVCacheManager(model, cfg, device=device, process_group=dcp)
+    manager = KVCacheManager(model, cfg, device=device, dcp_group=dcp)
     layer.attach_cache(manager)
     for r in range(batch):
         _book(manager, r, context - 1)

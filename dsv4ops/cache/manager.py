@@ -52,8 +52,9 @@ class KVCacheManager:
     window ring and the compressor states are copied. `usage()` reports blocks, shared blocks and
     bytes.
 
-    Decode context parallelism (`process_group`: the group, held as `dcp`, a dsv4ops.parallel.dcp.Ownership,
-    a no-op one-rank Ownership without a group): the ranks of the group share
+    Decode context parallelism (`dcp_group`: the group, held as `dcp`, a dsv4ops.parallel.dcp.Ownership,
+    a no-op one-rank Ownership without a group; a layer's `process_group` is its tensor-parallel
+    group, another role): the ranks of the group share
     each request's compressed entries (and indexer keys) by block: block b of a request lives on
     rank b % ranks, and each rank's pools hold only its own blocks (about 1 / ranks of the context);
     the window rings and compressor states are replicated. Every rank builds the same manager and
@@ -63,12 +64,20 @@ class KVCacheManager:
     its own blocks only (`device_tables` [requests, blocks per request / ranks]: column j = block
     j x ranks + rank), and a step's entry slots name the entries this rank stores (-1 elsewhere).
     `topk` ("exact" or "union") is how the layers merge the indexer's selection over the ranks
-    (dsv4ops.parallel.dcp)."""
+    (dsv4ops.parallel.dcp). The ranks check, on the host, that they build the manager for the same
+    model config, CacheConfig and `topk`, and attach layers of the same configs (all raise, naming
+    the field, before any step), and that they plan the same steps (prepare_step); a rank the
+    others do not join at a check raises after dsv4ops.parallel.agreement.timeout_s."""
 
     model_type = DSV4AttentionConfig  # the model config this manager plans for
 
-    def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None, process_group=None,
-                 topk: str = "exact"):
+    def __init__(self, model: DSV4AttentionConfig, cfg: CacheConfig, device=None, dcp_group=None,
+                 topk: str = "exact", **renamed):
+        if "process_group" in renamed:
+            raise TypeError(f"{type(self).__name__}: process_group was renamed dcp_group=: the decode-context-parallel "
+                            f"group (a layer's process_group is its tensor-parallel group)")
+        if renamed:
+            raise TypeError(f"{type(self).__name__}: unexpected keyword argument {sorted(renamed)[0]!r}")
         self._check_args(model, cfg)
         cfg = cfg.for_model(model)  # the formats (None: the model's default) and block size, resolved and checked
         if topk not in _dcp.TOPK_MODES:
@@ -77,8 +86,10 @@ class KVCacheManager:
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device: name it
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.id = next(_MANAGER_IDS)
-        self.dcp = _dcp.Ownership(process_group)
+        self.dcp = _dcp.Ownership(dcp_group)
         self.dcp_topk = topk
+        # Before any step: the shapes of the step's collectives follow the model config.
+        self.dcp.agree(type(self).__name__, {"cache": cfg, "topk": topk}, config=model)
         self.ratios, kinds = self._compressed_pools(model)
         self.dcp.check_layout(model, cfg)
         size = self.dcp.size
@@ -218,6 +229,9 @@ class KVCacheManager:
         while a step is open or an admitted request holds tokens: the new pools would hold nothing
         of them, and the layer would attend to never-written (NaN-poisoned) rows."""
         self._no_open_step("attach_cache")
+        # The layer's config (index_topk, heads: its collectives' shapes) may differ from the manager's
+        # in fields the pools do not depend on: the ranks compare it, before the layer's first step.
+        self.dcp.agree("attach_cache", {"layer": getattr(cache, "layer_idx", None)}, config=cache.model)
         written = [r for r, n in self.length.items() if n > 0]
         if written:
             r = written[0]
@@ -380,8 +394,9 @@ class KVCacheManager:
 
         Context parallel: first of all the ranks compare a digest of their call and state (the
         arguments, the open step, every request's slot, length and furthest position, the free
-        blocks of every rank's pools: dsv4ops.parallel.dcp.Agreement, one all-gather of 8 bytes on a
-        CPU group); ranks that disagree all raise, with nothing changed."""
+        blocks of every rank's pools: dsv4ops.parallel.agreement, one all-gather of 8 bytes on a
+        gloo side group); ranks that disagree all raise, naming what differs, and a rank the others
+        do not join within agreement.timeout_s raises, with nothing changed."""
         return planner.prepare(self, new_tokens, blocks)
 
     def _unchanged(self, p: PlannedRequest) -> bool:

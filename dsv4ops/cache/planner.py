@@ -28,10 +28,11 @@ def prepare(m, new_tokens: Mapping, blocks: Mapping | None) -> StepMeta:
     """KVCacheManager.prepare_step: the checks (ranks agree, no open step, the requests and their
     counts, capacity, free blocks), then the changes (state backups, copies on write, new blocks,
     the step's tensors)."""
-    m.dcp.agree("prepare_step", (
-        _dcp.describe(new_tokens), _dcp.describe(blocks), m._open is not None, list(m.slot_of.items()),
-        list(m.length.items()), list(m.high.items()),
-        {k: [a.free_count(s) for s in range(m.dcp.size)] for k, a in m.allocators.items()}))
+    if m.dcp.size > 1:  # (the state is built only where it is compared)
+        m.dcp.agree("prepare_step", {
+            "new_tokens": _dcp.describe(new_tokens), "blocks": _dcp.describe(blocks), "open step": m._open is not None,
+            "slots": list(m.slot_of.items()), "lengths": list(m.length.items()), "written": list(m.high.items()),
+            "free blocks": {k: [a.free_count(s) for s in range(m.dcp.size)] for k, a in m.allocators.items()}})
     if m._open is not None:
         o = m._open.step.origin
         raise RuntimeError(f"prepare_step: step {o.step_id} is still open (requests "

@@ -68,7 +68,7 @@ class LayerCache(PoolCache):
                  topk_workspace: torch.Tensor | None = None, dcp: Ownership = Ownership(), dcp_topk: str = "exact"):
         super().__init__()
         cfg = cfg.for_model(model)
-        self.cfg, self.dcp, self.dcp_topk = cfg, dcp, dcp_topk
+        self.model, self.layer_idx, self.cfg, self.dcp, self.dcp_topk = model, layer_idx, cfg, dcp, dcp_topk
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}  # pool name -> its row format (the ops take it explicitly)
         for spec in layer_pools(model, layer_idx, cfg, dcp.size):

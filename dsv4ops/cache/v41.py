@@ -108,7 +108,7 @@ class V41StackCache(PoolCache):
                  dcp_topk: str = "exact"):
         super().__init__()
         cfg = cfg.for_model(model)
-        self.cfg, self.dcp, self.dcp_topk = cfg, dcp, dcp_topk
+        self.model, self.cfg, self.dcp, self.dcp_topk = model, cfg, dcp, dcp_topk
         shards = dcp.size
         self.ring_size = cfg.ring_size(model.window)
         self.fmt: dict[str, str] = {}
@@ -158,21 +158,19 @@ class V41CacheManager(KVCacheManager):
     """KVCacheManager for a V4.1 stack: one pool group per compress ratio of the KV sources; steps
     carry V41StepMeta. The CacheConfig gives capacity, block size, buckets, the pools' formats
     (`formats`: any CacheFormats; None: CacheFormats.v41()) and the dtype of exact pools: every field
-    is honoured. `process_group`, `topk`: context parallelism, as
+    is honoured. `dcp_group`, `topk`: context parallelism, as
     KVCacheManager's (the compressed entries and index keys of a ratio's sources by block; a block
     holds whole candidate blocks)."""
 
     model_type = DSV41AttentionConfig
 
-    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, device=None, process_group=None,
+    def __init__(self, model: DSV41AttentionConfig, cfg: CacheConfig, device=None, dcp_group=None,
                  topk: str = "exact", **renamed):
         if "numerics" in renamed or isinstance(device, CacheFormats):
             raise TypeError("V41CacheManager: numerics was replaced by CacheConfig(formats=CacheFormats(...)): the "
                             "cache config carries the pools' formats")
-        if renamed:
-            raise TypeError(f"V41CacheManager: unexpected keyword argument {sorted(renamed)[0]!r}")
         self._check_args(model, cfg)
-        super().__init__(model, cfg, device, process_group, topk)
+        super().__init__(model, cfg, device, dcp_group, topk, **renamed)
 
     def _compressed_pools(self, model: DSV41AttentionConfig) -> tuple[dict, set]:
         ratios = sorted({r.ratio for r in model.roles if r.owns_compressor}, reverse=True)

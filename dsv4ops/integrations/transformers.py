@@ -62,35 +62,39 @@ def default_cache_config(config) -> CacheConfig:
 
 
 def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, routers: bool = False,
-                compile: bool | dict = False, process_group=None, parallel: str = "tp") -> nn.Module:
+                compile: bool | dict = False, process_group=None, dcp_group=None, **renamed) -> nn.Module:
     """Swap the attention of a transformers `DeepseekV4ForCausalLM` / `DeepseekV4Model` for
     dsv4ops' (in place; returns `model`). Move and cast the model first: the pools are allocated on
     its device, the layers take its dtype (the compressor projection weights too, bf16 as in the
     checkpoint: their GEMM writes fp32). `cache_config` sizes the paged cache and picks its formats
     (default: `default_cache_config`); `routers=True` swaps the MoE routers too; `compile=True` (or
     a dict of `torch.compile` options) compiles each layer's serving step (fullgraph; one graph per
-    layer and batch bucket). `process_group` (torch.distributed; every rank runs the same calls, the
-    rest of the model replicated): `parallel="tp"`, each attention layer keeps this rank's heads and
-    output groups of the model's weights and sums its output over the ranks (dsv4ops.parallel.tp);
-    `parallel="dcp"`, the ranks share the cache's compressed entries by block and merge their
-    attention (decode context parallelism, dsv4ops.parallel.dcp)."""
+    layer and batch bucket). Parallel (torch.distributed groups; every rank runs the same calls, the
+    rest of the model replicated; one of the two): `process_group`, tensor parallel, each attention
+    layer keeps this rank's heads and output groups of the model's weights and sums its output over
+    the ranks (dsv4ops.parallel.tp); `dcp_group`, decode context parallel, the ranks share the
+    cache's compressed entries by block and merge their attention (dsv4ops.parallel.dcp)."""
+    if "parallel" in renamed:
+        raise TypeError("patch_model: parallel= was removed: pass process_group=group for tensor parallel, "
+                        "dcp_group=group for decode context parallel")
+    if renamed:
+        raise TypeError(f"patch_model: unexpected keyword argument {sorted(renamed)[0]!r}")
+    if process_group is not None and dcp_group is not None:
+        raise NotImplementedError("patch_model: process_group (tensor parallel) and dcp_group (decode context "
+                                  "parallel) at once is not supported; pass one")
     inner = _decoder(model)
     if hasattr(inner, "_dsv4ops_patch"):
         raise ValueError("model: already patched by dsv4ops")
     if cache_config is not None and not isinstance(cache_config, CacheConfig):
         raise TypeError(f"cache_config: expected a dsv4ops CacheConfig or None, got {type(cache_config).__name__}")
-    if parallel not in ("tp", "dcp"):
-        raise ValueError(f"parallel: expected 'tp' or 'dcp', got {parallel!r}")
     cfg = DSV4AttentionConfig.from_hf(inner.config)
     cache_config = cache_config or default_cache_config(inner.config)
     embed = inner.embed_tokens.weight
-    dcp = process_group if parallel == "dcp" else None
-    manager = KVCacheManager(cfg, cache_config, device=embed.device, process_group=dcp)
+    manager = KVCacheManager(cfg, cache_config, device=embed.device, dcp_group=dcp_group)
     patch = _Patch(manager, _compile_options(compile))
     block = _fp8_block(inner.config)
     for decoder_layer in inner.layers:
-        attn = TransformersAttention(decoder_layer.self_attn, cfg, patch, embed.dtype, block,
-                                     process_group if parallel == "tp" else None)
+        attn = TransformersAttention(decoder_layer.self_attn, cfg, patch, embed.dtype, block, process_group)
         attn.attach_cache(manager)
         decoder_layer.self_attn = attn
         if routers:

@@ -3,9 +3,12 @@
 - Tensor parallel (`dsv4ops.parallel.tp`): a layer built with a `process_group` holds its rank's query
   heads and output groups; the rest (q_a, kv, compressors, indexer) is replicated; the output is
   summed over the ranks by one all-reduce.
-- Decode context parallel (`dsv4ops.parallel.dcp`): a cache manager built with a `process_group` keeps
+- Decode context parallel (`dsv4ops.parallel.dcp`): a cache manager built with a `dcp_group` keeps
   each request's compressed entries (and V4.1 index keys) on the rank that owns their block; each
   rank attends over its own entries and the ranks' partial outputs are merged exactly.
+- The ranks' checks (`dsv4ops.parallel.agreement`): on the host, before the collectives, that every
+  rank makes the same call with the same config, failing within `agreement.timeout_s` where one
+  rank's call has no partner.
 
 Collectives go through the functional ops of `torch.ops._c10d_functional` (all_reduce,
 all_gather_into_tensor, wait_tensor; torch 2.11 and 2.13 alike): Dynamo traces them, so a step and
@@ -34,7 +37,8 @@ class Group:
 
     @classmethod
     def of(cls, process_group, what: str = "process_group") -> Group | None:
-        """The Group of a torch.distributed ProcessGroup (None for None)."""
+        """The Group of a torch.distributed ProcessGroup (None for None); binds the group's checks
+        (agreement.bind: a collective of its ranks, once per group)."""
         if process_group is None:
             return None
         import torch.distributed as dist
@@ -43,6 +47,9 @@ class Group:
             raise RuntimeError(f"{what}: torch.distributed is not initialized (init_process_group first)")
         if not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"{what}: expected a torch.distributed ProcessGroup, got {type(process_group).__name__}")
+        from dsv4ops.parallel import agreement
+
+        agreement.bind(process_group)  # the side group of the ranks' checks (dsv4ops.parallel.agreement)
         return cls(process_group.group_name, dist.get_rank(process_group), dist.get_world_size(process_group))
 
 

@@ -15,22 +15,22 @@ only the owner of an entry's block stores the entry). A token's window is attend
 rank t % ranks (the others pass window end -1: no window).
 
 Top-k (CSA, V4.1 index sources). Each rank selects the top-k of its own entries (indexer_topk), then:
-- "exact" (default): the ranks' candidates (score, global entry) are all-gathered and the top-k
-  of all of them taken, ties to the lower entry: the top-k of the whole context, because each
-  entry of the global top-k is in its owner's top-k. The scores are recomputed for the k candidates
-  of a rank from their keys (sum_h w_h relu(q_h . k)), the indexer op's formula; their rounding may
-  differ from the op's own, so entries whose scores tie within rounding may go either way (as
-  between any two implementations of the indexer). V4.1's candidate pool is merged the same way:
-  each rank proposes its best blocks (block max of its entries; one more than the pool's width,
-  since a rank's own newest block is forced), the global newest block is forced, the best of all
-  are kept.
+- "exact" (default): the ranks' candidates (score, global entry) are all-gathered (one collective:
+  merge_best) and the top-k of all of them taken, ties to the lower entry: the top-k of the whole
+  context, because each entry of the global top-k is in its owner's top-k. The scores are recomputed for
+  the k candidates of a rank from their keys (sum_h w_h relu(q_h . k)), the indexer op's formula; their
+  rounding may differ from the op's own, so entries whose scores tie within rounding may go either way
+  (as between any two implementations of the indexer). V4.1's candidate pool is merged the same way:
+  each rank proposes its best blocks (block max of its entries; one more than the pool's width, since a
+  rank's own newest block is forced), the global newest block is forced, the best of all are kept.
 - "union": each rank attends over its own top-k (up to ranks x k entries in all, and V4.1's
   reindex layers score inside their rank's own pool): no collective for the selection, but not
   the model's math (more entries than index_topk).
 
 Attention. Each rank runs sparse_attn over its window share and its entries with `lse` (its output
 normalized without the sink, and ln of its sum); the ranks' (out, lse) are all-gathered and
-dsv4::attn_merge applies the sink once. An empty share gives zeros and -inf, and is not read.
+dsv4::attn_merge applies the sink once (one collective of both). A V4 CSA layer step makes two
+collectives, an HCA step one. An empty share gives zeros and -inf, and is not read.
 
 This module is index math and collectives only (plain torch): what runs dsv4:: ops on a rank's
 share (the candidates' scores, the merged attention) is the layers', in dsv4ops.layers_dcp.
@@ -38,13 +38,12 @@ share (the candidates' scores, the merged attention) is the layers', in dsv4ops.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from dsv4ops.parallel import Group, all_gather
+from dsv4ops.parallel import Group, agreement, all_gather
 
 TOPK_MODES = ("exact", "union")
 _NONE = torch.iinfo(torch.int32).max  # sorts after every entry
@@ -58,44 +57,8 @@ def describe(x) -> object:
     return (type(x).__name__, repr(x))
 
 
-# A gloo group with the ranks of each NCCL group the managers use (by group name): made once, by
-# the first manager of that group (a collective: every rank builds its managers in the same order).
-_CPU_GROUPS: dict = {}
-
-
-class Agreement:
-    """Checks that the ranks of a group hold the same state: one all-gather of an 8-byte digest on
-    a CPU group (gloo: the group itself, or one with its ranks), on the host, between steps: no
-    device sync."""
-
-    def __init__(self, process_group):
-        import torch.distributed as dist
-
-        self.size = dist.get_world_size(process_group)
-        if dist.get_backend(process_group) == "gloo":
-            self.group = process_group
-        else:
-            name = process_group.group_name
-            if name not in _CPU_GROUPS:
-                _CPU_GROUPS[name] = dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo")
-            self.group = _CPU_GROUPS[name]
-
-    def check(self, what: str, state) -> None:
-        """Raise on every rank unless every rank's `state` has the same repr."""
-        import torch.distributed as dist
-
-        digest = int.from_bytes(hashlib.sha256(repr(state).encode()).digest()[:8], "little", signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64)
-        got = [torch.zeros_like(mine) for _ in range(self.size)]
-        dist.all_gather(got, mine, group=self.group)
-        digests = [int(t) for t in got]
-        if len(set(digests)) > 1:
-            rank = dist.get_rank(self.group)
-            agree = [r for r, d in enumerate(digests) if d == digests[rank]]
-            raise RuntimeError(f"{what}: the ranks of the context-parallel group disagree on the step (ranks {agree} "
-                               f"agree with rank {rank}, of {self.size}); every rank must plan the same steps with "
-                               f"the same arguments in the same order, on managers with the same history (admit, "
-                               f"release, commit, abort, rewind, fork); nothing was changed")
+_HINT = ("; every rank must build the same managers and layers, and plan the same steps with the same arguments in "
+         "the same order, on managers with the same history (admit, release, commit, abort, rewind, fork)")
 
 
 # ---- ownership and the compact entries of a rank ----------------------------------------------------------
@@ -107,18 +70,19 @@ class Ownership:
     nothing, so the planner and the pools have one path. `group` (a Group, None on one rank) is what
     the collectives take."""
 
-    def __init__(self, process_group=None, what: str = "process_group"):
-        self.group = Group.of(process_group, what)
+    def __init__(self, dcp_group=None, what: str = "dcp_group"):
+        self.group = Group.of(dcp_group, what)
         self.rank, self.size = (0, 1) if self.group is None else (self.group.rank, self.group.size)
-        self._agreement = None if self.group is None else Agreement(process_group)
 
     def __repr__(self) -> str:
         return f"Ownership(rank={self.rank}, size={self.size})"
 
-    def agree(self, what: str, state) -> None:
-        """Raise on every rank unless every rank's `state` is the same (Agreement); one rank: nothing."""
-        if self._agreement is not None:
-            self._agreement.check(what, state)
+    def agree(self, what: str, state: dict, config=None, hint: str = _HINT) -> None:
+        """Raise on every rank unless every rank's `state` (and model `config`) is the same, and on a
+        rank the others do not join within agreement.timeout_s (dsv4ops.parallel.agreement: one
+        8-byte all-gather on the host, no device sync); one rank: nothing."""
+        if self.group is not None:
+            agreement.check(self.group, "context-parallel", what, state, config, hint)
 
     def check_layout(self, model, cfg) -> None:
         """A V4.1 candidate block (candidate_block_size entries) must lie in one rank's block."""
@@ -181,10 +145,14 @@ def front(slots: Tensor) -> tuple[Tensor, Tensor]:
 def merge_best(ids: Tensor, scores: Tensor, k: int, own: Ownership) -> Tensor:
     """The best k of every rank's candidates: ids [T, c] (-1: none) with scores [T, c] (-inf: not
     eligible) on each rank -> [T, k] int32, the chosen ids ascending, -1 after them; ties go to the
-    lower id (the single-process ops' rule)."""
-    t = ids.shape[0]
-    every_id = all_gather(ids.to(torch.int32), own.group).permute(1, 0, 2).reshape(t, -1)
-    every_score = all_gather(scores.float(), own.group).permute(1, 0, 2).reshape(t, -1)
+    lower id (the single-process ops' rule). One all-gather of [T, 2c] fp32 (scores, then the ids'
+    bits): a layer step's context-parallel collectives are this and attend's (out, lse)."""
+    t, c = ids.shape
+    # One all-gather of both: the ids' int32 bits ride in the fp32 buffer (a collective copies bytes).
+    packed = torch.cat([scores.float(), ids.to(torch.int32).view(torch.float32)], 1)
+    every = all_gather(packed, own.group).permute(1, 0, 2)
+    every_score = every[..., :c].reshape(t, -1)
+    every_id = every[..., c:].contiguous().view(torch.int32).reshape(t, -1)
     ok = (every_id >= 0) & (every_score > float("-inf"))
     key = torch.where(ok, every_id, _NONE)
     by_id = torch.sort(key, dim=1, stable=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from dsv4ops.parallel import Group
+from dsv4ops.parallel import Group, agreement
 
 # Parameter (under the layer's prefix) -> (dim it is split along, what is split: "heads" or
 # "groups"). The `weight_scale_inv` tile scales of a block-FP8 projection follow its weight.
@@ -27,6 +27,16 @@ SPLIT = {
     "o_b_proj.weight_scale_inv": (1, "groups"),
     "sinks": (0, "heads"),
 }
+
+
+def agree(layer, what: str, state: dict) -> None:
+    """Raise on every rank of the layer's tensor-parallel group (`layer.tp_group`; none: nothing)
+    unless every rank makes this call (`what`, `state`) with the same model config, and on a rank
+    the others do not join within dsv4ops.parallel.agreement.timeout_s. Eager code only (the
+    layers' eager checks call it): a compiled forward does not check (dsv4ops.parallel.agreement)."""
+    if layer.tp_group is not None:
+        agreement.check(layer.tp_group, "tensor-parallel", what, state, layer.config,
+                        "; every rank must build the same layers and run the same forwards on inputs of the same shape")
 
 
 def check_divides(group: Group | None, heads: int, groups: int, who: str) -> None:
