@@ -14,14 +14,12 @@ import torch
 from torch import Tensor, nn
 
 from dsv4ops.fp8_linear.reference import dequantize
+from dsv4ops.invariant_linear.api import invariant_linear
 
 
 def mm(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
     """x [..., K] @ weight [N, K]^T in out_dtype (x's or fp32), fp32 sums, row-invariant."""
-    x2 = x.reshape(-1, x.shape[-1])
-    out = torch.empty(x2.shape[0], weight.shape[0], dtype=out_dtype, device=x.device)
-    torch.ops.dsv4.invariant_linear(x2, weight, out)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return invariant_linear(x, weight, out_dtype)
 
 
 def weight_of(module: nn.Module, dtype: torch.dtype) -> Tensor:

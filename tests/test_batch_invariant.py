@@ -22,19 +22,20 @@ _ROW_BY_ROW = inv_ref.invariant_linear
 CFG = DSV4AttentionConfig.tiny(index_topk=3)
 LAYER = {SLIDING: 0, CSA: 1, HCA: 2}
 FORMATS = {"fp8": CacheFormats.v4(), "fp4": CacheFormats(window="fp8_584", comp="fp4_288", index="mxfp4_68")}
-LENGTHS = {"a": 70, "b": 59, "c": 20, "d": 12}
-# "a" alone: a prefill in two chunks, then decode.
-ALONE = [{"a": 17}, {"a": 8}] + [{"a": 1}] * 45
-# The same chunks of "a", beside others that join, prefill in chunks, decode, leave (d after c).
-BUSY = ([{"a": 17, "b": 20}, {"c": 3, "a": 8, "b": 10}] + [{"b": 1, "a": 1, "c": 1}] * 15
-        + [{"a": 1, "d": 5}, {"d": 7, "a": 1}, {"b": 14}] + [{"a": 1, "c": 2}] * 1 + [{"a": 1}] * 27)
+LENGTHS = {"a": 30, "b": 24, "c": 10, "d": 6}
+# "a" alone: a prefill in two chunks, then decode (7 CSA entries: more than index_topk).
+ALONE = [{"a": 9}, {"a": 6}] + [{"a": 1}] * 15
+# The same chunks of "a", beside others that join, prefill in chunks, decode and leave, and a step
+# without "a".
+BUSY = ([{"a": 9, "b": 11}, {"c": 3, "a": 6, "b": 5}] + [{"b": 1, "a": 1, "c": 1}] * 5
+        + [{"a": 1, "d": 2}, {"d": 4, "a": 1}, {"b": 3}, {"a": 1, "c": 2}] + [{"a": 1}] * 7)
 
 
 def _serve(kind, fmt, schedule, invariant=True, drafts=None):
     """Request outputs of `schedule` (steps of {request: tokens}, or with `drafts` {request: (tokens,
     kept)} whose rejected tokens are rewound) on a fresh fp32 layer and cache."""
     layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], formats=FORMATS[fmt]), seed=LAYER[kind])
-    cfg = CacheConfig(max_requests=4, max_context=96, max_step_tokens=48, formats=FORMATS[fmt],
+    cfg = CacheConfig(max_requests=4, max_context=48, max_step_tokens=32, formats=FORMATS[fmt],
                       exact_dtype=torch.float32, max_draft_tokens=3, batch_invariant=invariant)
     manager = KVCacheManager(CFG, cfg)
     layer.attach_cache(manager)
@@ -72,16 +73,15 @@ def test_request_outputs_do_not_depend_on_who_shares_the_steps(kind, fmt):
 
 
 # Verify steps of "a" (1 + drafts, kept), the same in both runs; beside others in the busy run.
-SPEC_ALONE = [{"a": 17}, {"a": (4, 2)}, {"a": (3, 3)}, {"a": (4, 1)}] + [{"a": (2, 1)}] * 47
-SPEC_BUSY = ([{"a": 17, "b": (9, 9)}, {"b": (4, 1), "a": (4, 2)}, {"c": 6, "a": (3, 3)}, {"a": (4, 1), "c": (4, 4)}]
-             + [{"c": (2, 1), "a": (2, 1), "b": (3, 2)}] * 10 + [{"a": (2, 1)}] * 37)
+SPEC_ALONE = [{"a": 9}, {"a": (4, 2)}, {"a": (3, 3)}, {"a": (4, 1)}] + [{"a": (2, 1)}] * 15
+SPEC_BUSY = ([{"a": 9, "b": (9, 9)}, {"b": (4, 1), "a": (4, 2)}, {"c": 6, "a": (3, 3)}, {"a": (4, 1), "c": (4, 4)}]
+             + [{"a": (2, 1), "b": (3, 2)}] * 5 + [{"a": (2, 1)}] * 10)
 
 
-@pytest.mark.parametrize("kind", [CSA, HCA])
-def test_verify_steps_and_rewinds_keep_the_property(kind):
-    alone = _serve(kind, "fp8", SPEC_ALONE)
+def test_verify_steps_and_rewinds_keep_the_property():
+    alone = _serve(CSA, "fp8", SPEC_ALONE)
     assert alone.shape == (LENGTHS["a"], CFG.hidden_size)
-    assert torch.equal(_serve(kind, "fp8", SPEC_BUSY), alone)
+    assert torch.equal(_serve(CSA, "fp8", SPEC_BUSY), alone)
 
 
 def _split_by_batch(x, weight, out):
@@ -100,7 +100,7 @@ def test_a_batch_dependent_gemm_put_back_is_caught(monkeypatch):
     assert not torch.equal(_serve(CSA, "fp8", BUSY), alone)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 7, 16, 17, 33])
+@pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
 def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtype):
@@ -109,10 +109,10 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtyp
     from dsv4ops.invariant_linear import triton as inv_triton
 
     g = torch.Generator().manual_seed(m)
-    x, w = torch.randn(40, 150, generator=g).to(dtype), torch.randn(70, 150, generator=g).to(dtype)
+    x, w = torch.randn(24, 80, generator=g).to(dtype), torch.randn(70, 80, generator=g).to(dtype)
     want = x.double() @ w.double().t()
     for run in (torch.ops.dsv4.invariant_linear, inv_triton.invariant_linear):
-        full = torch.full((40, 70), float("nan"), dtype=out_dtype)
+        full = torch.full((24, 70), float("nan"), dtype=out_dtype)
         run(x, w, full)
         testing.assert_close_to_ref(full, want, [(x.float() @ w.float().t()).to(out_dtype)], what="x @ w^T")
         for lo in (0, 5):
