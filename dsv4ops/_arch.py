@@ -31,6 +31,7 @@ ARCH_TABLE: dict[str, dict[int, tuple[str, ...]]] = {
     "visible_entries": {9: ("triton",), 10: ("triton",)},
     "inv_rope": {9: ("triton",), 10: ("triton",)},
     "fp8_linear": {9: ("triton",), 10: ("triton",)},
+    "invariant_linear": {9: ("triton",), 10: ("triton",)},
     # The Triton FP8 x FP8 kernel; on sm_90 from some token count act_quant + torch's cuBLASLt blockwise
     # GEMM (fp8_linear/w8a8.py). Its sm_100 build (tcgen05) has not run on a B200; "auto" picks it on sm_90 only.
     "fp8_linear_w8a8": {9: ("triton",), 10: ("triton",)},

@@ -33,6 +33,7 @@ TRITON_LAUNCHERS: dict[str, tuple[str, str]] = {
     "visible_entries": ("dsv4ops.visible_entries.triton", "visible_entries"),
     "inv_rope": ("dsv4ops.inv_rope.triton", "inv_rope"),
     "fp8_linear": ("dsv4ops.fp8_linear.triton", "fp8_linear"),
+    "invariant_linear": ("dsv4ops.invariant_linear.triton", "invariant_linear"),
     "fp8_linear_w8a8": ("dsv4ops.fp8_linear.w8a8", "fp8_linear_w8a8"),
     "pack_kv": ("dsv4ops.quant.triton", "pack_kv"),
     "unpack_kv": ("dsv4ops.quant.triton", "unpack_kv"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dsv4ops import checkpoint, projections
+from dsv4ops import checkpoint, invariant, projections
 from dsv4ops import layers_dcp as _dcp
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig, v4_numerics
@@ -280,6 +280,10 @@ class DeepseekV4Attention(nn.Module):
         if dcp.size > 1 and self.tp_group is not None:
             raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel layer (both process "
                                       "groups at once) is not supported; use one or the other")
+        if cfg.batch_invariant and (dcp.size > 1 or self.tp_group is not None):
+            # The all-reduce / the ranks' merge sums in an order the collective picks by message size.
+            raise NotImplementedError("manager: CacheConfig(batch_invariant=True) is not supported with tensor or "
+                                      "context parallelism (their reductions' order follows the step's size)")
         _tp.agree(self, f"{type(self).__name__}(layer {self.layer_idx}).attach_cache", {})
         cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device),
                            dcp=dcp, dcp_topk=getattr(manager, "dcp_topk", "exact"))
@@ -366,9 +370,10 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     eps = cfg.rms_norm_eps
     pos, req = live_tokens(step, cache)
     t = x.shape[0]
-    px = projections.project_x(layer, x)
+    inv = cache.cfg.batch_invariant  # every GEMM's rows independent of the step's other tokens
+    px = projections.project_x(layer, x, inv)
     qr = rms_norm(px["q_a_proj"], layer.q_a_norm.weight, eps)
-    q = layer.q_b_proj(qr).view(t, layer.heads, cfg.head_dim)
+    q = invariant.linear(layer.q_b_proj, qr, inv).view(t, layer.heads, cfg.head_dim)
     kv = rms_norm(px["kv_proj"], layer.kv_norm.weight, eps)
     q_rot = torch.empty_like(q)
     fmt = cache.fmt
@@ -411,15 +416,19 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     elif cache.dcp.size == 1:
         o = torch.empty_like(q_rot)
         ops.sparse_attn(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
-                        o, cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt)
+                        o, cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt, None, inv)
     else:  # context parallel: this rank's share, merged over the ranks with the sink
         o = _dcp.attend(q_rot, cache.window, comp_cache, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
                         cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt["window"], comp_fmt, cache.dcp)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
     o_a = layer.o_a_proj
-    z = o_a(o_rot.flatten(1)) if isinstance(o_a, BlockFP8Linear) else grouped_o_a(o_rot, o_a.weight, layer.groups)
-    y = layer.o_b_proj(z)
+    if inv:
+        z = invariant.grouped_o_a(o_rot, invariant.weight_of(o_a, o_rot.dtype), layer.groups)
+        y = invariant.linear(layer.o_b_proj, z, True)
+    else:
+        z = o_a(o_rot.flatten(1)) if isinstance(o_a, BlockFP8Linear) else grouped_o_a(o_rot, o_a.weight, layer.groups)
+        y = layer.o_b_proj(z)
     # Tensor parallel: this rank's heads' share of the output; the sum over the ranks is the layer's.
     return y if layer.tp_group is None else all_reduce(y, layer.tp_group)
 
@@ -447,7 +456,8 @@ def _index_query(indexer, w, qr, pos, layer, cache) -> tuple[Tensor, Tensor]:
     """(q_out, w_out) of indexer_q_prep: the indexer's prepared query and head weights (w: the head
     weights' projection of x)."""
     cfg, t = layer.config, w.shape[0]
-    q = indexer.q_b_proj(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    q = invariant.linear(indexer.q_b_proj, qr, cache.cfg.batch_invariant)
+    q = q.view(t, cfg.index_n_heads, cfg.index_head_dim)
     fmt = cache.fmt["index"]
     q_out = indexer_query(q, fmt)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=w.device)

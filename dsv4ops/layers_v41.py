@@ -346,6 +346,9 @@ class DeepseekV41AttentionStack(nn.Module):
         if manager.dcp.size > 1 and self.tp_group is not None:
             raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel stack (both process "
                                       "groups at once) is not supported; use one or the other")
+        if manager.cfg.batch_invariant:
+            raise NotImplementedError("manager: CacheConfig(batch_invariant=True) is not supported by the V4.1 stack "
+                                      "yet (its GEMMs and attention keep the batch-dependent schedules)")
         cache = V41StackCache(self.config, manager.cfg, device=device, dcp=manager.dcp,
                               dcp_topk=manager.dcp_topk)
         manager.attach(cache)

@@ -23,6 +23,8 @@ from dsv4ops.qkv_prep import checks as _qkv_prep_checks
 from dsv4ops.qkv_prep import reference as _qkv_prep
 from dsv4ops.inv_rope import checks as _inv_rope_checks
 from dsv4ops.inv_rope import reference as _inv_rope
+from dsv4ops.invariant_linear import checks as _invariant_linear_checks
+from dsv4ops.invariant_linear import reference as _invariant_linear
 from dsv4ops.quant import checks as _quant_checks
 from dsv4ops.quant import reference as _quant
 from dsv4ops.router import checks as _router_checks
@@ -185,17 +187,18 @@ def visible_entries(block_table: Tensor, positions: Tensor, req_slots: Tensor, o
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str,
-                lse: Tensor | None = None) -> None:
+                lse: Tensor | None = None, batch_invariant: bool = False) -> None:
     """MQA with sink over each query's window (the `window` positions of its request's ring ending at
     window_ends[t]; None: at its own position; a negative end: no window) and the compressed entries
     comp_idx[t, :comp_lens[t]] (-1 = none); K = V; padding tokens get zeros. The pools' formats are
     window_fmt and comp_fmt. With lse [T, H] fp32: a context-parallel shard's partial, out normalized
     over these keys without the sink and lse = ln sum_j e^(scaled logit j) (-inf and a zero row for
-    no key); dsv4::attn_merge applies the sink."""
+    no key); dsv4::attn_merge applies the sink. batch_invariant: a query's bits depend on its own
+    keys only (its key list's splits fixed by static sizes, not by the step's token count)."""
     _sparse_attn_checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens,
                                     window_ends, sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
     _sparse_attn.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
-                             sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
+                             sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse, batch_invariant)
 
 
 @custom_op("dsv4::attn_merge", mutates_args=("out",))
@@ -236,3 +239,13 @@ def fp8_linear_w8a8(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block
     rounded to x's dtype. block: 128 only; scale: fp32; in_features a multiple of 128."""
     _fp8_linear_checks.fp8_linear_w8a8(x, weight, scale, out, block)
     _fp8_linear.fp8_linear_w8a8(x, weight, scale, out, block)
+
+
+# ---- invariant_linear --------------------------------------------------------------------------
+@custom_op("dsv4::invariant_linear", mutates_args=("out",))
+def invariant_linear(x: Tensor, weight: Tensor, out: Tensor) -> None:
+    """out [M, N] = x [M, K] @ weight [N, K]^T, fp32 sums rounded to out's dtype (x's or fp32), by a
+    schedule fixed independently of M: each row's bits depend on that row of x and the weight only
+    (CacheConfig(batch_invariant=True))."""
+    _invariant_linear_checks.invariant_linear(x, weight, out)
+    _invariant_linear.invariant_linear(x, weight, out)

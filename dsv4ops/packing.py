@@ -30,6 +30,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from dsv4ops import invariant as _invariant
+
 
 # The tensors a member holds, stacked by row: an nn.Linear's weight parameter, a BlockFP8Linear's e4m3
 # weight and tile-scale buffers (tile rows: a member's rows must fill whole tiles, but the last's).
@@ -107,10 +109,13 @@ class Pack:
         return out
 
 
-def matmul(x: Tensor, weight: Tensor, fp32: bool) -> Tensor:
+def matmul(x: Tensor, weight: Tensor, fp32: bool, invariant: bool = False) -> Tensor:
     """x [T, K] @ weight[N, K]^T, in fp32 (fp32=True) or x's dtype. A 16-bit fp32-output product
     runs on the tensor cores where torch has the kernel (CUDA: mm's out_dtype); elsewhere it is the
-    fp32 GEMM of the upcast operands (the same products, exact in fp32)."""
+    fp32 GEMM of the upcast operands (the same products, exact in fp32). invariant: the batch-invariant
+    GEMM (dsv4ops.invariant), whose rows' bits do not depend on T."""
+    if invariant:
+        return _invariant.mm(x, weight, torch.float32 if fp32 else x.dtype)
     if not fp32 or x.dtype == torch.float32:
         y = x @ weight.t()
         return y.float() if fp32 else y

@@ -10,9 +10,11 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dsv4ops import invariant as _invariant
 from dsv4ops import packing
 from dsv4ops.fp8_linear import rule as fp8_rule
 from dsv4ops.fp8_linear.api import BlockFP8Linear, fp32_scale, fp8_linear
+from dsv4ops.fp8_linear.reference import dequantize
 from dsv4ops.reference.numerics import compressor_dtype
 
 # The compressors' projection weights: bf16 in the checkpoint (spec 1.3) and held in the model dtype.
@@ -56,10 +58,11 @@ def tie_packs(layer: nn.Module) -> None:
     layer.x8_pack.tie(layer)
 
 
-def project_x(layer: nn.Module, x: Tensor) -> dict[str, Tensor]:
+def project_x(layer: nn.Module, x: Tensor, invariant: bool = False) -> dict[str, Tensor]:
     """Every projection of x (X_PROJECTIONS the layer has): the packed bf16 GEMM's slices (fp32 where
     a compressor reads them, dsv4ops.packing) and the block-FP8 ones' own GEMMs, each in the dtype its
-    consumer computes in: the compressors' in compressor_dtype of their mode, the others in x's."""
+    consumer computes in: the compressors' in compressor_dtype of their mode, the others in x's.
+    invariant: every GEMM batch-invariant (dsv4ops.invariant)."""
     pack = layer.x_pack
     for p in (pack, layer.x8_pack) if not torch.compiler.is_compiling() else ():
         if p.members and not p.tied(layer):
@@ -69,23 +72,25 @@ def project_x(layer: nn.Module, x: Tensor) -> dict[str, Tensor]:
                                    f"must share one device and dtype to run as one GEMM, got "
                                    f"{[(m.weight.device, m.weight.dtype) for m in p.modules(layer)]}")
     fp32 = any(name in COMPRESSOR_OUTPUTS for name in pack.members)
-    out = pack.slices(layer, packing.matmul(x, layer.x_packed, fp32)) if pack.members else {}
+    out = pack.slices(layer, packing.matmul(x, layer.x_packed, fp32, invariant)) if pack.members else {}
     if layer.x8_pack.members:
-        out.update(layer.x8_pack.slices(layer, _fp8_pack_gemm(layer, x)))
+        out.update(layer.x8_pack.slices(layer, _fp8_pack_gemm(layer, x, invariant)))
     for name in X_PROJECTIONS:
         if name not in out and has(layer, name):
-            out[name] = layer.get_submodule(name)(x)  # a block-FP8 projection (dsv4::fp8_linear)
+            out[name] = _invariant.linear(layer.get_submodule(name), x, invariant)  # a block-FP8 projection
     for name, y in out.items():
         mode = layer.numerics.indexer if name.startswith("compressor.indexer.") else layer.numerics.kv
         out[name] = y.to(compressor_dtype(mode, x.dtype) if name in COMPRESSOR_OUTPUTS else x.dtype)
     return out
 
 
-def _fp8_pack_gemm(layer: nn.Module, x: Tensor) -> Tensor:
+def _fp8_pack_gemm(layer: nn.Module, x: Tensor, invariant: bool) -> Tensor:
     """x @ [q_a; kv]^T from their stacked block-FP8 weights, W8A16 or W8A8 as BlockFP8Linear picks for
-    the stacked shape (fp8_linear.rule)."""
+    the stacked shape (fp8_linear.rule); invariant: W8A16 by the batch-invariant GEMM."""
     m = layer.q_a_proj
     w, scale = layer.x8_packed, layer.x8_packed_scale
+    if invariant:
+        return _invariant.mm(x, dequantize(w, scale, m.block, x.dtype), x.dtype)
     activations = m.activations
     if activations == "auto":
         activations = fp8_rule.pick(math.prod(x.shape[:-1]), w.shape[0], w.shape[1], m.block, m._capability)

@@ -361,6 +361,12 @@ def fp8_linear_w8a8_args(dtype=torch.float32, n=200, k=384, tokens=3, scale_dtyp
     return args
 
 
+def invariant_linear_args(dtype=torch.float32, n=70, k=40, tokens=3, out_dtype=None, noncontig=False) -> dict:
+    """x [tokens, k] (rows strided with `noncontig`), weight [n, k], out [tokens, n] in out_dtype (x's)."""
+    return dict(x=_rows((tokens, k), dtype, noncontig), weight=torch.randn(n, k).to(dtype),
+                out=torch.empty(tokens, n, dtype=out_dtype or dtype))
+
+
 _PUBLIC = {
     "pack_kv": lambda api, a: api.pack_kv(a["x"], a["slots"], a["cache"], a["fmt"]),
     "unpack_kv": lambda api, a: api.unpack_kv(a["cache"], a["slots"], a["out"].shape[1], a["out"].dtype, a["fmt"]),
@@ -391,12 +397,13 @@ _PUBLIC = {
     "fp8_linear": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"],
                                                 groups=a.get("groups", 1)),
     "fp8_linear_w8a8": lambda api, a: api.fp8_linear(a["x"], a["weight"], a["scale"], a["block"], "fp8"),
+    "invariant_linear": lambda api, a: api.invariant_linear(a["x"], a["weight"], a["out"].dtype),
 }
 _FAMILY = {"pack_kv": "quant", "unpack_kv": "quant", "qkv_prep": "qkv_prep", "compressor_update": "compressor",
            "indexer_q_prep": "indexer", "indexer_k_prep": "indexer", "indexer_topk": "indexer",
            "visible_entries": "visible_entries", "sparse_attn": "sparse_attn", "attn_merge": "attn_merge",
            "inv_rope": "inv_rope",
-           "fp8_linear": "fp8_linear", "fp8_linear_w8a8": "fp8_linear"}
+           "fp8_linear": "fp8_linear", "fp8_linear_w8a8": "fp8_linear", "invariant_linear": "invariant_linear"}
 
 
 def public(name: str):

@@ -30,6 +30,7 @@ OPS = {
     "inv_rope": (partial(builders.inv_rope_args, torch.float32), "o", "out"),
     "fp8_linear": (partial(builders.fp8_linear_args, torch.float32), "x", "out"),
     "fp8_linear_w8a8": (partial(builders.fp8_linear_w8a8_args, torch.float32), "x", "out"),
+    "invariant_linear": (partial(builders.invariant_linear_args, torch.float32), "x", "out"),
 }
 
 

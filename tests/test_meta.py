@@ -31,6 +31,7 @@ CALLS = {
     "inv_rope": partial(builders.inv_rope_args, BF16, noncontig=True),
     "fp8_linear": partial(builders.fp8_linear_args, BF16, noncontig=True),
     "fp8_linear_w8a8": partial(builders.fp8_linear_w8a8_args, BF16, noncontig=True),
+    "invariant_linear": partial(builders.invariant_linear_args, BF16, out_dtype=torch.float32, noncontig=True),
 }
 
 
@@ -94,6 +95,8 @@ BAD_SHAPES = {
                    r"scale: expected shape \(3, 4\) \(a \[70, 100\] weight in 32 x 32 tiles\)"),
     "fp8_linear_w8a8": ("scale", lambda a: a["scale"].new_empty(3, 2),
                         r"scale: expected shape \(2, 3\) \(a \[200, 384\] weight in 128 x 128 tiles\)"),
+    "invariant_linear": ("weight", lambda a: a["weight"].new_empty(70, 39),
+                         r"weight: expected size 40 \(in_features of x\) at dim 1, got 39"),
 }
 
 

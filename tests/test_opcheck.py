@@ -114,6 +114,10 @@ SAMPLES = {
         partial(builders.fp8_linear_args, BF16, tokens=1, noncontig=True),
         partial(builders.fp8_linear_args, BF16, 128, n=192, k=300, noncontig=True, groups=3),  # o_a's grouped form
     ],
+    "invariant_linear": [
+        partial(builders.invariant_linear_args, FP32),
+        partial(builders.invariant_linear_args, BF16, out_dtype=FP32, noncontig=True),
+    ],
     "fp8_linear_w8a8": [
         partial(builders.fp8_linear_w8a8_args, FP32),
         partial(builders.fp8_linear_w8a8_args, BF16, n=128, k=128, tokens=1, scale_dtype=FP32, noncontig=True),

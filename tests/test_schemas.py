@@ -8,7 +8,7 @@ from expecttest import assert_expected_inline
 
 PINNED = {"gate_topk", "hash_route", "router_gate", "pack_kv", "unpack_kv", "qkv_prep", "compressor_update",
           "indexer_q_prep", "indexer_k_prep", "indexer_topk", "visible_entries", "sparse_attn", "attn_merge",
-          "inv_rope", "fp8_linear", "fp8_linear_w8a8"}
+          "inv_rope", "fp8_linear", "fp8_linear_w8a8", "invariant_linear"}
 
 
 def _schema(name: str) -> str:
@@ -64,7 +64,7 @@ def test_visible_entries():
 
 
 def test_sparse_attn():
-    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor? window_ends, Tensor sinks, Tensor(a9!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt, Tensor(a15!)? lse=None) -> ()""")
+    assert_expected_inline(_schema("sparse_attn"), """dsv4::sparse_attn(Tensor q, Tensor window_cache, Tensor comp_cache, Tensor positions, Tensor req_slots, Tensor comp_idx, Tensor comp_lens, Tensor? window_ends, Tensor sinks, Tensor(a9!) out, float scale, SymInt window, SymInt ring_size, str window_fmt, str comp_fmt, Tensor(a15!)? lse=None, bool batch_invariant=False) -> ()""")
 
 
 def test_attn_merge():
@@ -81,3 +81,7 @@ def test_fp8_linear_w8a8():
 
 def test_inv_rope():
     assert_expected_inline(_schema("inv_rope"), """dsv4::inv_rope(Tensor o, Tensor positions, Tensor inv_freq, Tensor(a3!) out) -> ()""")
+
+
+def test_invariant_linear():
+    assert_expected_inline(_schema("invariant_linear"), """dsv4::invariant_linear(Tensor x, Tensor weight, Tensor(a2!) out) -> ()""")

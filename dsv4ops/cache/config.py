@@ -70,7 +70,11 @@ class CacheConfig:
     (32 MiB of keys): a decode batch in one launch, a long prefill chunk in a few). max_draft_tokens:
     the most tokens `rewind` may drop (the largest draft a verify step checks; 0: no speculative
     decoding): it sizes the window ring and the compressor-state rings (`ring_size`, `state_rows`),
-    and bounds how far behind its parent a fork may start.
+    and bounds how far behind its parent a fork may start. batch_invariant: the attached layers
+    compute every request's rows with schedules fixed independently of the rest of the step (GEMM
+    tiles and algorithm, attention splits, fp8_linear's W8A16 / W8A8 choice), so a request's outputs
+    are bitwise the same whoever shares its steps (dsv4ops.invariant); False: the fastest schedule
+    for each step's size.
     """
 
     max_requests: int
@@ -84,8 +88,12 @@ class CacheConfig:
     topk_tokens: int | None = None
     buckets: tuple[int, ...] = field(default=())
     max_draft_tokens: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"batch_invariant: expected a bool, got {type(self.batch_invariant).__name__} "
+                            f"{self.batch_invariant!r}")
         if self.formats is not None and not isinstance(self.formats, CacheFormats):
             raise TypeError(f"formats: expected a dsv4ops.CacheFormats or None (the model's default), got "
                             f"{type(self.formats).__name__} {self.formats!r}")

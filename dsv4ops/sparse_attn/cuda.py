@@ -95,11 +95,13 @@ def split_plan(ctas: int, keys: int, sms: int, heads: int = HEADS_PER_CTA, tile:
 
 
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
-    """Launcher of `dsv4::sparse_attn` (same arguments)."""
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None,
+                batch_invariant: bool = False) -> None:
+    """Launcher of `dsv4::sparse_attn` (same arguments). batch_invariant: the splits from the key
+    list's static width alone (sparse_attn/triton.py invariant_splits) and no cluster merge."""
     if not serves(q, window_cache, comp_cache, comp_idx, window_fmt, comp_fmt, lse):
         _triton.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends,
-                            sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
+                            sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse, batch_invariant)
         return
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                         scale, window, ring_size, window_fmt, comp_fmt)
@@ -113,7 +115,10 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     keys = window_keys + comp_idx.shape[1]
     ctas = t * -(-h // cta)
     clusters = cluster_capacity(q.device.index, cta) if ctas < sms // 2 else ()
-    n_split, merge = split_plan(ctas, keys, sms, min(h, cta), tile, clusters)
+    if batch_invariant:
+        n_split, merge = _triton.invariant_splits(ctas, keys, tile), False
+    else:
+        n_split, merge = split_plan(ctas, keys, sms, min(h, cta), tile, clusters)
     split_keys = -(-keys // n_split // tile) * tile
     n_split = -(-keys // split_keys)
     merge = merge and n_split > 1

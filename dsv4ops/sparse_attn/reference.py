@@ -29,19 +29,34 @@ _CHUNK_ELEMENTS = 1 << 22
 def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: Tensor, req_slots: Tensor,
                 comp_idx: Tensor, comp_lens: Tensor, window_ends: Tensor | None, sinks: Tensor, out: Tensor,
                 scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str,
-                lse: Tensor | None = None) -> None:
-    t, h, d = q.shape
-    ends = positions if window_ends is None else window_ends
+                lse: Tensor | None = None, batch_invariant: bool = False) -> None:
+    t = q.shape[0]
     lens = comp_lens.long().clamp(0, comp_idx.shape[1])
-    n = int(lens.max()) if t else 0
+    args = (q, window_cache, comp_cache, positions if window_ends is None else window_ends, req_slots, comp_idx,
+            lens, sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
+    if not batch_invariant:
+        _attend_rows(*args, 0, t, int(lens.max()) if t else 0)
+        return
+    # One query at a time over its own listed entries: the GEMMs' shapes (window + listed keys)
+    # then depend on the query alone; in chunks they follow the longest list of the chunk, and
+    # torch's CPU GEMMs give other bits at other shapes.
+    for s in range(t):
+        _attend_rows(*args, s, s + 1, int(lens[s]))
+
+
+def _attend_rows(q, window_cache, comp_cache, ends, req_slots, comp_idx, lens, sinks, out, scale, window, ring_size,
+                 window_fmt, comp_fmt, lse, lo: int, hi: int, n: int) -> None:
+    """sparse_attn of queries lo..hi-1 over their windows and the first n columns of comp_idx."""
+    h, d = q.shape[1:]
     step = max(1, _CHUNK_ELEMENTS // ((window + n) * max(d, h)))
     listed = torch.arange(n, device=q.device)[None] < lens[:, None]
     back = torch.arange(window - 1, -1, -1, device=q.device)
     # A request slot past the window pool is a padding token; a listed entry past the compressed
     # pool is no entry (kernels never index out of range).
-    for s in range(0, t, step):
-        qs, end, req = q[s:s + step], ends[s:s + step].long(), req_slots[s:s + step]
-        idx = comp_idx[s:s + step, :n].where(listed[s:s + step], -1)
+    for s in range(lo, hi, step):
+        e = min(s + step, hi)
+        qs, end, req = q[s:e], ends[s:e].long(), req_slots[s:e]
+        idx = comp_idx[s:e, :n].where(listed[s:e], -1)
         c = qs.shape[0]
         live = (req >= 0) & valid_slots(req.long() * ring_size, window_cache, window_fmt)
         wpos = end[:, None] - back  # oldest first
@@ -58,8 +73,8 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
             o = sink_attention(qs, keys, valid, sinks, scale)
         else:
             o, l_sum = partial_attention(qs, keys, valid, scale)
-            lse[s:s + step] = l_sum.where(live[:, None], float("-inf"))
-        out[s:s + step] = o.where(live[:, None, None], 0).to(out.dtype)
+            lse[s:e] = l_sum.where(live[:, None], float("-inf"))
+        out[s:e] = o.where(live[:, None, None], 0).to(out.dtype)
 
 
 def partial_attention(q: Tensor, keys: Tensor, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:

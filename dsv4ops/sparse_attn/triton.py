@@ -353,8 +353,20 @@ def split_rule(programs: int, keys: int, bk: int, sms: int = _SMS) -> int:
     return max(1, min(max(sms // max(programs, 1), -(-keys // 1024)), keys // bk))
 
 
+def invariant_splits(programs: int, keys: int, bk: int) -> int:
+    """Splits of a batch-invariant step (CacheConfig(batch_invariant=True)): from the key list's static
+    width only, never the token count, so a query's splits and the combine's order are the same
+    whatever shares its step: one split per 1024 keys (split_rule's share for long lists), at least
+    one tile each; the interpreter's rule (`splits`) already reads the width alone. Not tuned: the
+    cost against the default at batch 1 / 128 is for the GPU bench."""
+    if INTERPRET:
+        return splits(programs, keys, bk)
+    return max(1, min(-(-keys // 1024), keys // bk))
+
+
 def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
-                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None) -> None:
+                scale: float, window: int, ring_size: int, window_fmt: str, comp_fmt: str, lse=None,
+                batch_invariant: bool = False) -> None:
     """Launcher of `dsv4::sparse_attn` (same arguments)."""
     _checks.sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, comp_lens, window_ends, sinks, out,
                         scale, window, ring_size, window_fmt, comp_fmt, lse)
@@ -378,7 +390,7 @@ def sparse_attn(q, window_cache, comp_cache, positions, req_slots, comp_idx, com
     hb, bk, warps, stages = config(h, q.dtype, (window_cache.dtype, comp_cache.dtype), comp_fmt == "fp4_288")
     n_idx = comp_idx.shape[1]
     win = triton.cdiv(window, bk) * bk
-    n_split = splits(t * triton.cdiv(h, hb), win + n_idx, bk)
+    n_split = (invariant_splits if batch_invariant else splits)(t * triton.cdiv(h, hb), win + n_idx, bk)
     split_keys = triton.cdiv(triton.cdiv(win + n_idx, n_split), bk) * bk
     n_split = triton.cdiv(win + n_idx, split_keys)
     if n_split > 1:

@@ -1,0 +1,133 @@
+"""Batch-invariant serving (CacheConfig(batch_invariant=True)): a request's outputs are bitwise the same
+whoever shares its steps. Issue: batch-invariant serving.
+
+Bitwise equality is the property itself here: request "a" runs the same computation on the same
+rows under two batch compositions. fp32 layers: on the CPU torch's fp32 GEMM gives a row other bits
+at other row counts (MKL, M = 1, 2, 3, 7 against 130), which is what the default path shows.
+"""
+
+import pytest
+import torch
+
+from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
+from dsv4ops.cache.config import CacheConfig
+from dsv4ops.cache.manager import KVCacheManager
+from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.invariant_linear import reference as inv_ref
+
+_ROW_BY_ROW = inv_ref.invariant_linear
+
+# index_topk 3 of up to 17 visible entries: the indexer's selection decides which entries a query
+# sees, so a score that moved by one bit would show.
+CFG = DSV4AttentionConfig.tiny(index_topk=3)
+LAYER = {SLIDING: 0, CSA: 1, HCA: 2}
+FORMATS = {"fp8": CacheFormats.v4(), "fp4": CacheFormats(window="fp8_584", comp="fp4_288", index="mxfp4_68")}
+LENGTHS = {"a": 30, "b": 24, "c": 10, "d": 6}
+# "a" alone: a prefill in two chunks, then decode (7 CSA entries: more than index_topk).
+ALONE = [{"a": 9}, {"a": 6}] + [{"a": 1}] * 15
+# The same chunks of "a", beside others that join, prefill in chunks, decode and leave, and a step
+# without "a".
+BUSY = ([{"a": 9, "b": 11}, {"c": 3, "a": 6, "b": 5}] + [{"b": 1, "a": 1, "c": 1}] * 5
+        + [{"a": 1, "d": 2}, {"d": 4, "a": 1}, {"b": 3}, {"a": 1, "c": 2}] + [{"a": 1}] * 7)
+
+
+def _serve(kind, fmt, schedule, invariant=True, drafts=None):
+    """Request outputs of `schedule` (steps of {request: tokens}, or with `drafts` {request: (tokens,
+    kept)} whose rejected tokens are rewound) on a fresh fp32 layer and cache."""
+    layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], formats=FORMATS[fmt]), seed=LAYER[kind])
+    cfg = CacheConfig(max_requests=4, max_context=48, max_step_tokens=32, formats=FORMATS[fmt],
+                      exact_dtype=torch.float32, max_draft_tokens=3, batch_invariant=invariant)
+    manager = KVCacheManager(CFG, cfg)
+    layer.attach_cache(manager)
+    g = torch.Generator().manual_seed(0)
+    inputs = {r: torch.randn(n, CFG.hidden_size, generator=g) for r, n in LENGTHS.items()}
+    done, outs = dict.fromkeys(LENGTHS, 0), {r: [] for r in LENGTHS}
+    draft_rng = {r: torch.Generator().manual_seed(i + 1) for i, r in enumerate(LENGTHS)}  # each request's own
+    for spec in schedule:
+        spec = {r: v if isinstance(v, tuple) else (v, v) for r, v in spec.items()}
+        for r in spec:
+            if r not in manager.slot_of:
+                manager.admit(r)
+        with manager.step({r: n for r, (n, _) in spec.items()}) as step:
+            rows = []
+            for r, (n, kept) in spec.items():
+                drafts = torch.randn(n - kept, CFG.hidden_size, generator=draft_rng[r])
+                rows += [inputs[r][done[r]:done[r] + kept], drafts]
+            x = torch.cat(rows)
+            y = layer(torch.cat([x, x.new_zeros(step.positions.shape[0] - x.shape[0], x.shape[1])]), step)
+        i = 0
+        for r, (n, kept) in spec.items():
+            outs[r].append(y[i:i + kept])
+            done[r] += kept
+            i += n
+            manager.rewind(r, n - kept)
+    return torch.cat(outs["a"])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_request_outputs_do_not_depend_on_who_shares_the_steps(kind, fmt):
+    alone = _serve(kind, fmt, ALONE)
+    assert alone.shape == (LENGTHS["a"], CFG.hidden_size) and alone.abs().sum() > 0
+    assert torch.equal(_serve(kind, fmt, BUSY), alone)
+
+
+# Verify steps of "a" (1 + drafts, kept), the same in both runs; beside others in the busy run.
+SPEC_ALONE = [{"a": 9}, {"a": (4, 2)}, {"a": (3, 3)}, {"a": (4, 1)}] + [{"a": (2, 1)}] * 15
+SPEC_BUSY = ([{"a": 9, "b": (9, 9)}, {"b": (4, 1), "a": (4, 2)}, {"c": 6, "a": (3, 3)}, {"a": (4, 1), "c": (4, 4)}]
+             + [{"a": (2, 1), "b": (3, 2)}] * 5 + [{"a": (2, 1)}] * 10)
+
+
+def test_verify_steps_and_rewinds_keep_the_property():
+    alone = _serve(CSA, "fp8", SPEC_ALONE)
+    assert alone.shape == (LENGTHS["a"], CFG.hidden_size)
+    assert torch.equal(_serve(CSA, "fp8", SPEC_BUSY), alone)
+
+
+def _split_by_batch(x, weight, out):
+    """A batch-dependent GEMM: K summed in two halves once the step has more than one row (a split-K
+    rule reading the step's size)."""
+    if x.shape[0] == 1:
+        return _ROW_BY_ROW(x, weight, out)
+    h = x.shape[1] // 2
+    out.copy_((x[:, :h].double() @ weight[:, :h].double().t()).float()
+              + (x[:, h:].double() @ weight[:, h:].double().t()).float())
+
+
+def test_a_batch_dependent_gemm_put_back_is_caught(monkeypatch):
+    alone = _serve(CSA, "fp8", ALONE)
+    monkeypatch.setattr(inv_ref, "invariant_linear", _split_by_batch)
+    assert not torch.equal(_serve(CSA, "fp8", BUSY), alone)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtype):
+    """The op (CPU reference) and its Triton kernel (interpreter): row i of x[lo:lo + m] @ w^T is bitwise
+    row lo + i of x @ w^T, wherever the rows start; the product is the fp32 GEMM."""
+    from dsv4ops.invariant_linear import triton as inv_triton
+
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(24, 80, generator=g).to(dtype), torch.randn(70, 80, generator=g).to(dtype)
+    want = x.double() @ w.double().t()
+    for run in (torch.ops.dsv4.invariant_linear, inv_triton.invariant_linear):
+        full = torch.full((24, 70), float("nan"), dtype=out_dtype)
+        run(x, w, full)
+        testing.assert_close_to_ref(full, want, [(x.float() @ w.float().t()).to(out_dtype)], what="x @ w^T")
+        for lo in (0, 5):
+            part = torch.full((m, 70), float("nan"), dtype=out_dtype)
+            run(x[lo:lo + m], w, part)
+            assert torch.equal(part, full[lo:lo + m]), (m, lo)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(TypeError, match="batch_invariant: expected a bool, got str"):
+        CacheConfig(max_requests=1, max_context=8, max_step_tokens=4, batch_invariant="yes")
+    x, w = torch.randn(3, 8), torch.randn(5, 8, dtype=torch.bfloat16)
+    out = torch.full((3, 5), 7.0)
+    with pytest.raises(RuntimeError, match=r"weight: expected dtype in \[torch.float32\], got torch.bfloat16"):
+        torch.ops.dsv4.invariant_linear(x, w, out)
+    with pytest.raises(RuntimeError, match=r"out: expected shape \(3, 4\)"):
+        torch.ops.dsv4.invariant_linear(x, w.float()[:4], out)
+    assert (out == 7.0).all()
