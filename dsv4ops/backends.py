@@ -25,8 +25,8 @@ from dsv4ops import _arch, ops
 TRITON_LAUNCHERS: dict[str, tuple[str, str]] = {
     "qkv_prep": ("dsv4ops.qkv_prep.triton", "qkv_prep"),
     "compressor_update": ("dsv4ops.compressor.triton", "compressor_update"),
-    "indexer_q_prep": ("dsv4ops.indexer.triton", "indexer_q_prep"),
-    "indexer_k_prep": ("dsv4ops.indexer.triton", "indexer_k_prep"),
+    "indexer_q_prep": ("dsv4ops.indexer.triton_prep", "indexer_q_prep"),
+    "indexer_k_prep": ("dsv4ops.indexer.triton_prep", "indexer_k_prep"),
     "indexer_topk": ("dsv4ops.indexer.triton", "indexer_topk"),
     "sparse_attn": ("dsv4ops.sparse_attn.triton", "sparse_attn"),
     "attn_merge": ("dsv4ops.attn_merge.triton", "attn_merge"),

@@ -17,6 +17,7 @@ from interp import BS, INV_FREQ, i32, new_pool, pool_fmt, pool_rows
 from dsv4ops import testing as T
 from dsv4ops.indexer import reference as indexer_ref
 from dsv4ops.indexer import triton as indexer_tt
+from dsv4ops.indexer import triton_prep as indexer_prep_tt
 from dsv4ops.quant import reference as quant_ref
 from dsv4ops.quant.reference import pack_kv
 from dsv4ops.reference.functional import apply_rope, rope_angles
@@ -562,7 +563,7 @@ def test_indexer_q_prep(out_dtype):
         fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, "fp8_132" if odt == torch.float8_e4m3fn else "exact")
         return q_out.double() * w_out.double()[..., None]  # what the scores see
 
-    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, out_dtype)
+    got = run(indexer_prep_tt.indexer_q_prep, torch.bfloat16, out_dtype)
     lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, out_dtype)
     ref = run(indexer_ref.indexer_q_prep, torch.float32, torch.float32)
     T.assert_close_to_ref(got, ref, lowp, what="q x w")
@@ -729,7 +730,7 @@ def test_indexer_q_prep_mx4():
         fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, fmt)
         return indexer_ref.query_values(q_out).double() * w_out.double()[..., None]
 
-    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, "mxfp4_68")
+    got = run(indexer_prep_tt.indexer_q_prep, torch.bfloat16, "mxfp4_68")
     lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, "mxfp4_68")
     ref = run(indexer_ref.indexer_q_prep, torch.float32, "exact")
     T.assert_close_to_ref(got, ref, lowp, what="q x w")
@@ -749,7 +750,7 @@ def test_indexer_q_prep_rotates_v4_queries(fmt):
         fn(q.to(dtype), w.to(dtype), pos, INV_FREQ, q_out, w_out, fmt, rotate)
         return indexer_ref.query_values(q_out).double() * w_out.double()[..., None]
 
-    got = run(indexer_tt.indexer_q_prep, torch.bfloat16, fmt, True)
+    got = run(indexer_prep_tt.indexer_q_prep, torch.bfloat16, fmt, True)
     lowp = run(indexer_ref.indexer_q_prep, torch.bfloat16, fmt, True)
     ref = quant_ref.hadamard(run(indexer_ref.indexer_q_prep, torch.float32, "exact", False))
     T.assert_close_to_ref(got, ref, lowp, what="rotated q x w")
@@ -791,7 +792,7 @@ def test_indexer_k_prep(pool):
         fn(latent.to(dtype), pos, req, slots, wk, kw, INV_FREQ, cache, ratio, 1e-6, builders.format_name(kind, 128))
         return pool_rows(cache, 128, fmt=builders.format_name(kind, 128))
 
-    got = run(indexer_tt.indexer_k_prep, torch.bfloat16, pool)
+    got = run(indexer_prep_tt.indexer_k_prep, torch.bfloat16, pool)
     lowp = run(indexer_ref.indexer_k_prep, torch.bfloat16, pool)
     ref = run(indexer_ref.indexer_k_prep, torch.float64, torch.float64)
     # Poisoned slots read back NaN (float pools) or -inf (0xFF bytes of mxfp4_68: -6 x 2^128).

@@ -618,13 +618,14 @@ def _fp8_rows(x: torch.Tensor) -> torch.Tensor:
 def _compiled_kernels() -> dict[str, set[str]]:
     from dsv4ops.compressor import triton as c
     from dsv4ops.indexer import triton as i
+    from dsv4ops.indexer import triton_prep as ip
     from dsv4ops.qkv_prep import triton as k
     from dsv4ops.inv_rope import triton as o
     from dsv4ops.quant import triton as q
     from dsv4ops.sparse_attn import triton as s
     from dsv4ops.visible_entries import triton as v
 
-    kernels = [k._qkv_prep_kernel, c._compress_kernel, c._save_kernel, i._q_prep_kernel, i._score_kernel,
+    kernels = [k._qkv_prep_kernel, c._compress_kernel, c._save_kernel, ip._q_prep_kernel, i._score_kernel,
                i._select_kernel, i._merge_kernel, v._visible_entries_kernel, s._sparse_attn_kernel,
                s._combine_kernel, o._inv_rope_kernel, q._pack_kernel, q._unpack_kernel]
     return {fn.__name__: {str(key) for cache in fn.device_caches.values() for key in cache[0]} for fn in kernels}

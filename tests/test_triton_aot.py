@@ -18,6 +18,7 @@ from dsv4ops.compressor import triton as compressor_tt
 from dsv4ops.fp8_linear import triton as fp8_linear_tt
 from dsv4ops.fp8_linear import triton_w8a8 as w8a8_tt
 from dsv4ops.indexer import triton as indexer_tt
+from dsv4ops.indexer import triton_prep as indexer_prep_tt
 from dsv4ops.inv_rope import triton as inv_rope_tt
 from dsv4ops.qkv_prep import triton as qkv_prep_tt
 from dsv4ops.quant import formats
@@ -94,7 +95,7 @@ def record_launches():
                                                 None, 1e-6, f512 if d == 512 else f128)
             qi = torch.zeros(t, 64, 128, dtype=dtype)
             qi_out = torch.zeros(t, 64, 128, dtype=torch.float8_e4m3fn if mode == "fp8" else dtype)
-            indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, qi_out, torch.zeros(t, 64),
+            indexer_prep_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, qi_out, torch.zeros(t, 64),
                                       "fp8_132" if mode == "fp8" else "exact")
             for tokens, blocks in ((t, 2), (t, 2100)):  # one chunk per row; rows of several chunks, merged
                 indexer_tt.indexer_topk(torch.zeros(tokens, 64, 128, dtype=qi_out.dtype), torch.zeros(tokens, 64),
@@ -167,9 +168,9 @@ def _record_v41_launches(t, pos, req) -> list:
                                    "fp8_528", "fp4_288")
         qi = torch.zeros(t, 64, 128, dtype=torch.bfloat16)
         q4 = torch.zeros(t, 64, 68, dtype=torch.uint8)
-        indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68")
+        indexer_prep_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68")
         keys = builders.page_pool(2, 128, 128, "mxfp4_68")
-        indexer_tt.indexer_k_prep(torch.zeros(t, 512, dtype=torch.bfloat16), pos, req, pos, torch.zeros(128, 512),
+        indexer_prep_tt.indexer_k_prep(torch.zeros(t, 512, dtype=torch.bfloat16), pos, req, pos, torch.zeros(128, 512),
                                   torch.ones(128), INV_FREQ, keys, 2, 1e-6, "mxfp4_68")
         cb, keep, k = 8, 2048, 512
         for blocks in (2, 8192):  # one chunk; rows of several chunks (entries and blocks), merged
@@ -206,7 +207,7 @@ def _record_v4_fp4_launches(t, pos, req) -> list:
         compressor_tt.compressor_update(a, a, torch.zeros(4, 256), pos, req, pos, torch.ones(128), INV_FREQ,
                                         torch.zeros(1, 8, 512), keys, None, 1e-6, "mxfp4_68", True)
         qi, q4 = torch.zeros(t, 64, 128, dtype=torch.bfloat16), torch.zeros(t, 64, 68, dtype=torch.uint8)
-        indexer_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68", True)
+        indexer_prep_tt.indexer_q_prep(qi, qi[..., 0], pos, INV_FREQ, q4, torch.zeros(t, 64), "mxfp4_68", True)
         idx = torch.zeros(t, 512, dtype=torch.int32)
         # The scoring of 64 heads at ratio 4 is this mode's own variant (the selects are V4's and V4.1's).
         indexer_tt.indexer_topk(q4, torch.zeros(t, 64), pos, req, keys, torch.zeros(1, 2, dtype=torch.int32), None,
