@@ -537,3 +537,24 @@ def test_cli_refuses_an_unknown_part_before_doing_anything(capsys):
     assert "versions:" not in captured.out
     assert "--only: unknown part 'nonsense'; expected a comma list of: attention, flashmla" in captured.err
     assert "memory, parallel" in captured.err
+
+
+def test_layer_stack_rows_weigh_each_kind_by_its_layer_count():
+    from dsv4ops.bench import layer_step
+
+    def row(model, kind, batch, context, us):
+        return dict(model=model, layer=kind, batch=batch, context=context, eager_us=2 * us, compiled_us=us,
+                    kernels=10, floor_us=us / 2, copy_TBps=2.5)
+
+    # V4-Flash: 2 sliding, 21 CSA, 20 HCA layers; the 1M point lacks HCA, so it gets no stack row.
+    rows = [row("flash", "sliding", 1, 4096, 100.0), row("flash", "CSA", 1, 4096, 200.0),
+            row("flash", "HCA", 1, 4096, 150.0), row("flash", "CSA", 1, 1 << 20, 300.0),
+            row("flash", "sliding", 1, 1 << 20, 100.0)]
+    (stack,) = layer_step.stack_rows(rows, "flash")
+    assert stack["layer"] == "stack of 43" and (stack["batch"], stack["context"]) == (1, 4096)
+    assert stack["compiled_us"] == 2 * 100 + 21 * 200 + 20 * 150
+    assert stack["eager_us"] == 2 * stack["compiled_us"] and stack["kernels"] == 430
+    assert stack["vs_floor"] == 2.0 and "vs_flashmla_bf16" not in stack
+    # V4-Pro's stack has no sliding layer (its sliding layer is the MTP layer): 30 CSA + 31 HCA.
+    pro = [row("pro", "CSA", 1, 4096, 10.0), row("pro", "HCA", 1, 4096, 1.0)]
+    assert layer_step.stack_rows(pro, "pro")[0]["compiled_us"] == 30 * 10 + 31 * 1

@@ -25,15 +25,15 @@ from dsv4ops.bench import flashmla
 from dsv4ops.bench.attention import Case, new_layer
 from dsv4ops.bench.sweep import KIND_NAMES, model_config
 from dsv4ops.cache.step import visible_counts
-from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear import reference as fp8_reference
 from dsv4ops.layers import FP8_PROJECTIONS, _attend
 from dsv4ops.quant import formats
 from dsv4ops.quant.reference import FP8_MAX, pow2_scale_exponent
 
-BATCHES = (1, 32, 128)
-QUICK_BATCHES = (1, 128)
-CONTEXT = 4096
+# (batch, context) points: decode at 4K context, and one request at 1M.
+POINTS = ((1, 4096), (32, 4096), (128, 4096), (1, 1 << 20))
+QUICK_POINTS = ((1, 4096), (128, 4096))
 BLOCK = 128
 FLOPS_FROM = 128  # the batch from which the GEMM FLOPs may bound the step (the floor's max)
 
@@ -163,7 +163,7 @@ def kernel_count(fn) -> int:
 
 @torch.no_grad()
 def run(quick: bool = False, progress=print, device="cuda", timer=None, models=("flash", "pro"),
-        kinds=(SLIDING, CSA, HCA), batches=None) -> list[dict]:
+        kinds=(SLIDING, CSA, HCA), points=None) -> list[dict]:
     from dsv4ops.bench.timing import graph_time_us
 
     timer = timer or graph_time_us
@@ -176,11 +176,11 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
             bf16 = to_block_fp8(layer)
             twin = bf16_twin(layer, bf16) if flashmla.available() else None
             compiled = torch.compile(layer, fullgraph=True)
-            for batch in batches or (QUICK_BATCHES if quick else BATCHES):
-                case = Case(kind, batch, CONTEXT, 1, device=device, model=cfg, layer=layer)
+            for batch, context in points or (QUICK_POINTS if quick else POINTS):
+                case = Case(kind, batch, context, 1, device=device, model=cfg, layer=layer)
                 eager = lambda: layer(case.x, case.step)  # noqa: E731
                 comp = lambda: compiled(case.x, case.step)  # noqa: E731
-                row = dict(model=model, layer=KIND_NAMES[kind], batch=batch, context=CONTEXT, heads=cfg.num_heads)
+                row = dict(model=model, layer=KIND_NAMES[kind], batch=batch, context=context, heads=cfg.num_heads)
                 row["eager_us"], row["compiled_us"] = timer(eager), timer(comp)
                 row["kernels"] = kernel_count(comp)
                 floor = (weight_bytes(layer) + kv_bytes(case)) / bandwidth
@@ -200,7 +200,40 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
             torch._dynamo.reset()
             if device == "cuda":
                 torch.cuda.empty_cache()
+        for row in stack_rows([r for r in rows if r["model"] == model], model):
+            progress(row)
+            rows.append(row)
     return rows
+
+
+STACK_SUMS = ("eager_us", "compiled_us", "kernels", "floor_us", "flashmla_bf16_us")
+
+
+def stack_rows(rows: list[dict], model: str) -> list[dict]:
+    """The whole attention stack's step per (batch, context) point: the model's layers of each kind
+    times that kind's measured row (the layers of a kind run the same shapes, so the same kernels),
+    summed; only where every kind of the stack was measured. A sum of separately timed graphs, not
+    one graph of the whole stack: the launches between layers overlap in neither."""
+    cfg = DSV4AttentionConfig.flash() if model == "flash" else DSV4AttentionConfig.pro()
+    counts = {}
+    for i in range(cfg.num_layers):
+        counts[KIND_NAMES[cfg.layer_type(i)]] = counts.get(KIND_NAMES[cfg.layer_type(i)], 0) + 1
+    out = []
+    for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in rows):
+        by_kind = {r["layer"]: r for r in rows if (r["batch"], r["context"]) == (batch, context)}
+        if not set(counts) <= set(by_kind):
+            continue
+        row = dict(model=model, layer=f"stack of {cfg.num_layers}", batch=batch, context=context,
+                   heads=cfg.num_heads)
+        for col in STACK_SUMS:
+            if all(col in by_kind[k] for k in counts):
+                row[col] = sum(n * by_kind[k][col] for k, n in counts.items())
+        row["copy_TBps"] = by_kind[next(iter(counts))]["copy_TBps"]
+        row["vs_floor"] = row["compiled_us"] / row["floor_us"]
+        if "flashmla_bf16_us" in row:
+            row["vs_flashmla_bf16"] = row["compiled_us"] / row["flashmla_bf16_us"]
+        out.append(row)
+    return out
 
 
 def _attend_with(twin, case: Case, core):
