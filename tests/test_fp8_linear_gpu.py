@@ -68,6 +68,25 @@ def test_triton_matches_the_reference_in_v41_tiles_and_ragged_shapes(m):
     _check(1000, 1000, m, 128, torch.float32)
 
 
+@pytest.mark.parametrize("m", [1, 32, 128, 300])
+@pytest.mark.parametrize("model", ["flash", "pro"])
+def test_grouped_o_a_matches_the_reference(model, m):
+    # o_a_proj kept block-FP8: groups x o_lora_rank rows, each group reading its heads' columns of x
+    cfg = dsv4ops.DSV4AttentionConfig.flash() if model == "flash" else dsv4ops.DSV4AttentionConfig.pro()
+    g, n, k = cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.num_heads * cfg.head_dim // cfg.o_groups
+    weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu, seed=m)
+    x = torch.randn(m, g * k, device="cuda")
+
+    def run(fn, dt):
+        out = torch.full((m, n), float("nan"), dtype=dt, device="cuda")
+        fn(x.to(dt), weight, scale, out, 128, g)
+        return out
+
+    got = run(torch.ops.dsv4.fp8_linear, BF16)
+    assert not got.isnan().any(), "every element written"
+    T.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear, torch.float64), run(fp8_linear_ref.fp8_linear, BF16))
+
+
 def test_captures_in_a_cuda_graph():
     n, k = FLASH["kv"]  # split-K: the partials' workspace is allocated inside the capture
     weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu)
