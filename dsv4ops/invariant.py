@@ -1,20 +1,18 @@
-"""The GEMMs of a batch-invariant step (CacheConfig(batch_invariant=True)): every projection through
-`dsv4::invariant_linear`, whose schedule does not depend on the step's token count, so a request's
-rows get the same bits whoever shares its steps. torch.mm cannot promise that: on the CPU MKL gives
-a row other bits at M = 1, 2, 3 or 7 than at M = 130, and cuBLAS picks tiles, split-K and
-algorithms by M.
+"""The GEMMs of a batch-invariant step (CacheConfig(batch_invariant=True)): a request's rows get the
+same bits whoever shares its steps. torch.mm cannot promise that: on the CPU MKL gives a row other
+bits at M = 1, 2, 3 or 7 than at M = 130, and cuBLAS picks tiles, split-K and algorithms by M.
 
-A block-FP8 projection is dequantized here as dsv4::fp8_linear's W8A16 does in registers (e4m3 x
-tile scale in fp32, rounded once to x's dtype) and runs the same GEMM: "auto" never switches it to
-W8A8 by token count. Its cost: the dequantized weight is written and read once per call."""
+- bf16 / fp32 weights: `dsv4::invariant_linear` (one launch config for every M).
+- block-FP8 weights: `dsv4::fp8_linear` with batch_invariant (W8A16 in one launch config for every
+  M, o_a_proj in its grouped form): "auto" never switches to W8A8 by token count, and the weight
+  stays e4m3 (read once, as the default path reads it)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from dsv4ops.fp8_linear.api import BlockFP8Linear
-from dsv4ops.fp8_linear.reference import dequantize
+from dsv4ops.fp8_linear.api import BlockFP8Linear, fp8_linear
 from dsv4ops.invariant_linear.api import invariant_linear
 
 
@@ -23,16 +21,14 @@ def mm(x: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
     return invariant_linear(x, weight, out_dtype)
 
 
-def weight_of(module: nn.Module, dtype: torch.dtype) -> Tensor:
-    """The [N, K] weight of an nn.Linear or GroupedLinear, or of a BlockFP8Linear dequantized to `dtype`."""
-    if isinstance(module, BlockFP8Linear):
-        return dequantize(module.weight, module.weight_scale_inv, module.block, dtype)
-    return module.weight
-
-
 def linear(module: nn.Module, x: Tensor, invariant: bool) -> Tensor:
-    """module(x), row-invariant where `invariant`."""
-    return mm(x, weight_of(module, x.dtype), x.dtype) if invariant else module(x)
+    """module(x) (an nn.Linear or a BlockFP8Linear, grouped or not), row-invariant where `invariant`."""
+    if not invariant:
+        return module(x)
+    if isinstance(module, BlockFP8Linear):
+        return fp8_linear(x, module.weight, module.weight_scale_inv, module.block, groups=module.groups,
+                          batch_invariant=True)
+    return mm(x, module.weight, x.dtype)
 
 
 def grouped_o_a(o: Tensor, o_a: Tensor, groups: int) -> Tensor:

@@ -423,12 +423,11 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
     o_a = layer.o_a_proj
-    if inv:
-        z = invariant.grouped_o_a(o_rot, invariant.weight_of(o_a, o_rot.dtype), layer.groups)
-        y = invariant.linear(layer.o_b_proj, z, True)
+    if isinstance(o_a, BlockFP8Linear):  # grouped block-FP8 (keep_fp8)
+        z = invariant.linear(o_a, o_rot.flatten(1), inv)
     else:
-        z = o_a(o_rot.flatten(1)) if isinstance(o_a, BlockFP8Linear) else grouped_o_a(o_rot, o_a.weight, layer.groups)
-        y = layer.o_b_proj(z)
+        z = (invariant.grouped_o_a if inv else grouped_o_a)(o_rot, o_a.weight, layer.groups)
+    y = invariant.linear(layer.o_b_proj, z, inv)
     # Tensor parallel: this rank's heads' share of the output; the sum over the ranks is the layer's.
     return y if layer.tp_group is None else all_reduce(y, layer.tp_group)
 

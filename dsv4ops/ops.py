@@ -222,14 +222,17 @@ def inv_rope(o: Tensor, positions: Tensor, inv_freq: Tensor, out: Tensor) -> Non
 
 # ---- fp8_linear --------------------------------------------------------------------------------
 @custom_op("dsv4::fp8_linear", mutates_args=("out",))
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, groups: int = 1) -> None:
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, groups: int = 1,
+               batch_invariant: bool = False) -> None:
     """out [M, N] = x [M, K] @ (weight [N, K] e4m3 x its block x block tile scale)^T in x's dtype,
     fp32 accumulation; the dequantized weight is the one dsv4ops.checkpoint computes on load.
     scale: fp32, or UE8M0 as uint8 bytes (2^(byte - 127); fp8_linear/checks.py says why).
     groups > 1: block-diagonal (V4's grouped o_a): x [M, groups x K], and output group g (columns
-    g N / groups .. (g + 1) N / groups, a multiple of 32) reads x's g-th K columns."""
+    g N / groups .. (g + 1) N / groups, a multiple of 32) reads x's g-th K columns.
+    batch_invariant: a row's bits do not depend on the other rows or their count (one launch config
+    for every M; on the CPU one product a row)."""
     _fp8_linear_checks.fp8_linear(x, weight, scale, out, block, groups)
-    _fp8_linear.fp8_linear(x, weight, scale, out, block, groups)
+    _fp8_linear.fp8_linear(x, weight, scale, out, block, groups, batch_invariant)
 
 
 @custom_op("dsv4::fp8_linear_w8a8", mutates_args=("out",))

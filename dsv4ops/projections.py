@@ -14,7 +14,6 @@ from dsv4ops import invariant as _invariant
 from dsv4ops import packing
 from dsv4ops.fp8_linear import rule as fp8_rule
 from dsv4ops.fp8_linear.api import BlockFP8Linear, fp32_scale, fp8_linear
-from dsv4ops.fp8_linear.reference import dequantize
 from dsv4ops.reference.numerics import compressor_dtype
 
 # The compressors' projection weights: bf16 in the checkpoint (spec 1.3) and held in the model dtype.
@@ -86,11 +85,11 @@ def project_x(layer: nn.Module, x: Tensor, invariant: bool = False) -> dict[str,
 
 def _fp8_pack_gemm(layer: nn.Module, x: Tensor, invariant: bool) -> Tensor:
     """x @ [q_a; kv]^T from their stacked block-FP8 weights, W8A16 or W8A8 as BlockFP8Linear picks for
-    the stacked shape (fp8_linear.rule); invariant: W8A16 by the batch-invariant GEMM."""
+    the stacked shape (fp8_linear.rule); invariant: W8A16 in its batch-invariant launch."""
     m = layer.q_a_proj
     w, scale = layer.x8_packed, layer.x8_packed_scale
     if invariant:
-        return _invariant.mm(x, dequantize(w, scale, m.block, x.dtype), x.dtype)
+        return fp8_linear(x, w, scale, m.block, batch_invariant=True)
     activations = m.activations
     if activations == "auto":
         activations = fp8_rule.pick(math.prod(x.shape[:-1]), w.shape[0], w.shape[1], m.block, m._capability)

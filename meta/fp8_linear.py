@@ -6,7 +6,7 @@ from dsv4ops.fp8_linear import checks
 
 
 @torch.library.register_fake("dsv4::fp8_linear")
-def _(x, weight, scale, out, block, groups=1):
+def _(x, weight, scale, out, block, groups=1, batch_invariant=False):
     checks.fp8_linear(x, weight, scale, out, block, groups)
 
 

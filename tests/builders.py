@@ -341,14 +341,15 @@ def block_fp8_weight(n: int, k: int, block: int, scale_dtype=torch.float8_e8m0fn
 
 
 def fp8_linear_args(dtype=torch.float32, block=32, n=70, k=100, tokens=3, scale_dtype=torch.float8_e8m0fnu,
-                    noncontig=False, groups=1) -> dict:
-    """groups > 1: the block-diagonal form, x [tokens, groups x k] (n a multiple of groups x 32)."""
+                    noncontig=False, groups=1, batch_invariant=False) -> dict:
+    """groups > 1: the block-diagonal form, x [tokens, groups x k] (n a multiple of groups x 32);
+    batch_invariant: its one-config-for-every-M form."""
     weight, scale = block_fp8_weight(n, k, block, scale_dtype)
     if scale.dtype == torch.float8_e8m0fnu:
         scale = scale.view(torch.uint8)  # the op takes UE8M0 scales as their bytes
     args = dict(x=_rows((tokens, groups * k), dtype, noncontig), weight=weight, scale=scale,
                 out=torch.empty(tokens, n, dtype=dtype), block=block)
-    return args if groups == 1 else dict(args, groups=groups)
+    return args if (groups, batch_invariant) == (1, False) else dict(args, groups=groups, batch_invariant=batch_invariant)
 
 
 def fp8_linear_w8a8_args(dtype=torch.float32, n=200, k=384, tokens=3, scale_dtype=torch.float8_e8m0fnu,

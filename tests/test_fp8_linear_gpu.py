@@ -87,6 +87,25 @@ def test_grouped_o_a_matches_the_reference(model, m):
     T.assert_close_to_ref(got, run(fp8_linear_ref.fp8_linear, torch.float64), run(fp8_linear_ref.fp8_linear, BF16))
 
 
+@pytest.mark.parametrize("shape", ["q_a", "o_b", "o_a"])
+def test_batch_invariant_rows_do_not_depend_on_the_row_count(shape):
+    # One launch config for every M: a row's bits the same alone, in a batch, at any offset in it.
+    g = F.o_groups if shape == "o_a" else 1
+    n, k = (g * F.o_lora_rank, F.num_heads * F.head_dim // g) if shape == "o_a" else FLASH[shape]
+    weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu)
+    x = torch.randn(300, g * k, device="cuda", dtype=BF16)
+
+    def run(rows):
+        out = torch.full((rows.shape[0], n), float("nan"), dtype=BF16, device="cuda")
+        torch.ops.dsv4.fp8_linear(rows, weight, scale, out, 128, g, True)
+        return out
+
+    full = run(x)
+    assert not full.isnan().any(), "every element written"
+    for lo, m in ((0, 1), (3, 1), (5, 7), (0, 64), (17, 128), (30, 256)):
+        assert torch.equal(run(x[lo:lo + m]), full[lo:lo + m]), (lo, m)
+
+
 def test_captures_in_a_cuda_graph():
     n, k = FLASH["kv"]  # split-K: the partials' workspace is allocated inside the capture
     weight, scale = _weights(n, k, 128, torch.float8_e8m0fnu)

@@ -113,6 +113,7 @@ SAMPLES = {
         partial(builders.fp8_linear_args, BF16, 128, n=200, k=300, scale_dtype=FP32),
         partial(builders.fp8_linear_args, BF16, tokens=1, noncontig=True),
         partial(builders.fp8_linear_args, BF16, 128, n=192, k=300, noncontig=True, groups=3),  # o_a's grouped form
+        partial(builders.fp8_linear_args, FP32, tokens=4, batch_invariant=True),
     ],
     "invariant_linear": [
         partial(builders.invariant_linear_args, FP32),

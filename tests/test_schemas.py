@@ -72,7 +72,7 @@ def test_attn_merge():
 
 
 def test_fp8_linear():
-    assert_expected_inline(_schema("fp8_linear"), """dsv4::fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor(a3!) out, SymInt block, SymInt groups=1) -> ()""")
+    assert_expected_inline(_schema("fp8_linear"), """dsv4::fp8_linear(Tensor x, Tensor weight, Tensor scale, Tensor(a3!) out, SymInt block, SymInt groups=1, bool batch_invariant=False) -> ()""")
 
 
 def test_fp8_linear_w8a8():

@@ -22,7 +22,7 @@ _fp8_linear_w8a8 = torch.ops.dsv4.fp8_linear_w8a8.default
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int, activations: str = "exact",
-               groups: int = 1) -> Tensor:
+               groups: int = 1, batch_invariant: bool = False) -> Tensor:
     """x [..., K] (bf16 / fp16 / fp32, contiguous last dim), weight [N, K] float8_e4m3fn, scale
     [ceil(N / block), ceil(K / block)] float8_e8m0fnu (UE8M0; or its uint8 bytes) or fp32, block
     128 (V4) or 32 (V4.1)
@@ -38,23 +38,26 @@ def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: int, activations
       "exact" on the CPU, on GPUs other than sm_90 and for other tile sizes).
     groups > 1 (W8A16 only; "auto" runs "exact"): the block-diagonal projection of V4's o_a, x [...,
     groups x K] and weight [N, K] of `groups` stacked [N / groups, K] blocks (N / groups a multiple of
-    32; the tile scales are the [N, K] weight's): output group g = x's g-th K columns @ block g^T."""
+    32; the tile scales are the [N, K] weight's): output group g = x's g-th K columns @ block g^T.
+    batch_invariant (W8A16 only; "auto" runs "exact"): a row's bits do not depend on the other rows
+    or their count (one launch config for every M: dsv4ops.invariant)."""
     if activations not in rule.ACTIVATIONS:
         raise ValueError(f"activations: expected one of {list(rule.ACTIVATIONS)}, got {activations!r}")
-    if groups != 1 and activations == "fp8":
-        raise ValueError(f"activations: 'fp8' (W8A8) has no grouped kernel; groups={groups} runs 'exact' or 'auto'")
+    if (groups != 1 or batch_invariant) and activations == "fp8":
+        raise ValueError(f"activations: 'fp8' (W8A8) has no grouped or batch-invariant kernel; groups={groups}, "
+                         f"batch_invariant={batch_invariant} run 'exact' or 'auto'")
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     n = weight.shape[0]  # the op checks the rest
     if activations == "auto":
-        activations = "exact" if groups != 1 else rule.pick(rows.shape[0], n, x.shape[-1], block,
+        activations = "exact" if groups != 1 or batch_invariant else rule.pick(rows.shape[0], n, x.shape[-1], block,
                                                             rule.device_capability(x.device))
     out = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
     if activations == "fp8":
         _fp8_linear_w8a8(rows, weight, fp32_scale(scale), out, block)
     else:
         _fp8_linear(rows, weight, scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale, out, block,
-                    groups)
+                    groups, batch_invariant)
     return out.view(*lead, n)
 
 

@@ -33,9 +33,13 @@ def dequantize(weight: Tensor, scale: Tensor, block: int, dtype: torch.dtype) ->
     return (weight.float() * s).to(dtype)
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, groups: int = 1) -> None:
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, out: Tensor, block: int, groups: int = 1,
+               batch_invariant: bool = False) -> None:
     w = dequantize(weight, scale, block, x.dtype)
-    if groups == 1:
+    if batch_invariant:  # one product a row: the CPU's GEMM picks its kernel by M (invariant_linear/reference.py)
+        for i in range(x.shape[0]):
+            fp8_linear(x[i:i + 1].clone(), weight, scale, out[i:i + 1], block, groups)
+    elif groups == 1:
         out.copy_(F.linear(x, w))
     else:  # block-diagonal: output group g reads x's g-th slice of K columns
         y = torch.einsum("mgk,gnk->mgn", x.unflatten(1, (groups, -1)), w.view(groups, -1, w.shape[1]))

@@ -108,6 +108,9 @@ def _reduce_kernel(part_ptr, out_ptr, m, n, so, SPLITS: tl.constexpr, BR: tl.con
     tl.store(out_ptr + (idx // n) * so + idx % n, round_to(acc, out_ptr.dtype.element_ty, SOFT), mask=ok)
 
 
+# Rows of the one launch config of a batch-invariant call: a decode step pays 64-row tiles, which
+# still read each weight byte once (decode is bound by the weight's bytes).
+INVARIANT_ROWS = 64
 REDUCE_ROWS = 1024  # elements per program of the split-K sum
 
 
@@ -146,10 +149,13 @@ def config(m: int, n: int, k: int, block: int, interpret: bool = INTERPRET) -> d
     return dict(BM=bm, BN=bn, BK=bk, SPLITS=triton.cdiv(k, k_split), K_SPLIT=k_split, WARPS=warps, STAGES=stages)
 
 
-def fp8_linear(x, weight, scale, out, block: int, groups: int = 1, cfg: dict | None = None) -> None:
+def fp8_linear(x, weight, scale, out, block: int, groups: int = 1, batch_invariant: bool = False,
+               cfg: dict | None = None) -> None:
     """Launcher of `dsv4::fp8_linear` (same arguments; `cfg` overrides config(), for sweeps). Grouped,
     the tiles are chosen for the whole [N, K] weight (each weight byte is still read once) and a
-    column tile stays inside one output group (BN 32 where 64 would straddle two)."""
+    column tile stays inside one output group (BN 32 where 64 would straddle two). batch_invariant:
+    the config of INVARIANT_ROWS rows for every M (row blocks of 64, tiles and K splits from the
+    weight's shape alone: a row's products and sums are the same whatever M is)."""
     _checks.fp8_linear(x, weight, scale, out, block, groups)
     m = x.shape[0]
     n, k = weight.shape
@@ -158,7 +164,7 @@ def fp8_linear(x, weight, scale, out, block: int, groups: int = 1, cfg: dict | N
     if k == 0:
         out.zero_()
         return
-    cfg = cfg or config(m, n, k, block)
+    cfg = cfg or config(INVARIANT_ROWS if batch_invariant else m, n, k, block)
     group_n = n // groups
     if group_n % cfg["BN"]:
         cfg = dict(cfg, BN=GROUP_ROWS)  # the checks make group_n a multiple of it

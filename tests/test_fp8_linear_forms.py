@@ -1,7 +1,8 @@
 """fp8_linear's grouped (block-diagonal) form, V4's o_a_proj kept block-FP8: the reference and the
 Triton kernel (interpreter) against a per-group float64 decode of the e4m3 / UE8M0 bits; every
 output element written; bad inputs; BlockFP8Linear(groups=...) and a V4 layer whose o_a_proj is
-kept FP8 against the same layer dequantized on load, eager and compiled."""
+kept FP8 against the same layer dequantized on load, eager and compiled. Its batch-invariant form:
+a row's bits whatever the other rows (the CPU op; the GPU kernel: tests/test_fp8_linear_gpu.py)."""
 
 import builders
 import format_model as M
@@ -107,7 +108,7 @@ def test_bad_grouped_input_is_rejected_and_writes_nothing(case):
 
 def test_grouped_w8a8_is_refused():
     weight, scale = builders.block_fp8_weight(128, 128, 128, FP32)
-    with pytest.raises(ValueError, match=r"'fp8' \(W8A8\) has no grouped kernel"):
+    with pytest.raises(ValueError, match=r"'fp8' \(W8A8\) has no grouped or batch-invariant kernel"):
         fp8_linear(torch.randn(1, 256), weight, scale, 128, "fp8", groups=2)
     with pytest.raises(ValueError, match=r"groups: expected a count that cuts out_features 96"):
         BlockFP8Linear(128, 96, groups=2)
@@ -150,3 +151,32 @@ def test_layer_keeps_o_a_block_fp8_and_computes_the_dequantized_layer():
     x = torch.randn(2, 7, cfg.hidden_size)
     with torch.no_grad():
         T.assert_close_to_ref(fp8(x.to(BF16)), ref(x), deq(x.to(BF16)), what="o_a kept FP8")
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_batch_invariant_rows_do_not_depend_on_the_other_rows(groups):
+    per, k = 64, 300
+    weight, scale = builders.block_fp8_weight(groups * per, k, 128, E8M0, seed=groups)
+    x = torch.randn(24, groups * k, generator=torch.Generator().manual_seed(1))
+    full = fp8_linear(x, weight, scale, 128, groups=groups, batch_invariant=True)
+    T.assert_close_to_ref(full, group_decode64(x, weight, scale, 128, groups),
+                          fp8_linear(x, weight, scale, 128, groups=groups), what="batch-invariant")
+    for lo, m in ((0, 1), (5, 3), (7, 17)):
+        assert torch.equal(fp8_linear(x[lo:lo + m], weight, scale, 128, groups=groups, batch_invariant=True),
+                           full[lo:lo + m]), (lo, m)
+    with pytest.raises(ValueError, match=r"no grouped or batch-invariant kernel"):
+        fp8_linear(x, weight, scale, 128, "fp8", groups=groups, batch_invariant=True)
+
+
+def test_batch_invariant_launch_config_does_not_depend_on_the_row_count(monkeypatch):
+    # The GPU's config (not the interpreter's): every M gets the 64-row config of the weight's shape.
+    seen = []
+    monkeypatch.setattr(fp8_linear_tt, "launch", lambda kernel, grid, args, consts, **kw: seen.append(
+        (grid[0], grid[2], {c: consts[c] for c in ("BM", "BN", "BK", "SPLITS")})))
+    monkeypatch.setattr(fp8_linear_tt, "reduce_splits", lambda part, out: None)
+    real = fp8_linear_tt.config
+    monkeypatch.setattr(fp8_linear_tt, "config", lambda m, n, k, block: real(m, n, k, block, interpret=False))
+    weight, scale = builders.block_fp8_weight(512, 4096, 128, FP32)
+    for m in (1, 7, 64, 130, 600):
+        fp8_linear_tt.fp8_linear(torch.empty(m, 4096), weight, scale, torch.empty(m, 512), 128, 1, True)
+    assert len({str(s) for s in seen}) == 1 and seen[0][2]["BM"] == 64, seen
