@@ -10,7 +10,6 @@ from torch import Tensor, nn
 
 from dsv4ops import checkpoint, projections
 from dsv4ops import layers_dcp as _dcp
-from dsv4ops.layers_common import AttentionLayer, check_manager, indexer_query, query, serving_cache
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig, v4_numerics
 from dsv4ops.cache.manager import KVCacheManager
@@ -19,6 +18,7 @@ from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear.api import BlockFP8Linear
 from dsv4ops.layer_weights import Compressor, linear
+from dsv4ops.layers_common import AttentionLayer, check_manager, indexer_query, query, serving_cache
 from dsv4ops.indexer.reference import query_values
 from dsv4ops.parallel import all_reduce
 from dsv4ops.parallel import tp as _tp
@@ -68,7 +68,6 @@ COMPRESSOR_WEIGHTS = ("compressor.kv_proj.weight", "compressor.gate_proj.weight"
 # nn.Linear: a layer kind without a compressor or indexer, or q_a / kv kept block-FP8, has fewer).
 X_PROJECTIONS = ("q_a_proj", "kv_proj", "compressor.indexer.scorer.weights_proj", "compressor.kv_proj",
                  "compressor.gate_proj", "compressor.indexer.kv_proj", "compressor.indexer.gate_proj")
-
 
 
 class DeepseekV4Attention(AttentionLayer):
