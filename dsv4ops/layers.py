@@ -17,17 +17,16 @@ from dsv4ops.cache.pools import LayerCache
 from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear.api import BlockFP8Linear
-from dsv4ops.layer_weights import Compressor, GroupedLinear, RMSNorm, linear
+from dsv4ops.layer_weights import Compressor, GroupedLinear, linear
+from dsv4ops.layers_common import TP_FP8, AttentionLayer, check_manager, indexer_query, query, serving_cache
 from dsv4ops.indexer.reference import query_values
-from dsv4ops.parallel import Group, all_reduce
+from dsv4ops.parallel import all_reduce
 from dsv4ops.parallel import tp as _tp
-from dsv4ops.quant import formats
 from dsv4ops.quant.formats import CacheFormats
-from dsv4ops.reference.functional import grouped_o_a, rms_norm
-from dsv4ops.reference.numerics import Numerics
+from dsv4ops.reference.functional import grouped_o_a
+from dsv4ops.reference.numerics import Numerics, compressor_dtype
 
 
-_KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "state")  # inv_freq: rebuilt by _keep_fp32
 # DeepSeek's checkpoint names (inference/model.py) -> this module's (transformers'), under
 # `layers.{i}.`: the renames transformers' conversion mapping applies to DeepSeek-V4 checkpoints.
 # The attention core's names, V4's and V4.1's:
@@ -60,27 +59,18 @@ DEEPSEEK_NAMES = {
 # every block-FP8 one of V4's checkpoints (o_a_proj grouped: fp8_linear's block-diagonal form). The
 # compressors' are bf16 in the checkpoint and stay so.
 FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj", "compressor.indexer.q_b_proj")
-_TP_FP8 = ("q_b_proj", "o_a_proj", "o_b_proj")  # the block-FP8 projections tensor parallelism splits
 _DEEPSEEK_KEY = {v: k for k, v in DEEPSEEK_NAMES.items()}
+# The compressors' projection weights: bf16 in the checkpoint (spec 1.3) and held in the model dtype.
+# Outside exact mode their a, z compute in fp32 (the packed GEMM's fp32 output, dsv4ops.packing).
+COMPRESSOR_WEIGHTS = ("compressor.kv_proj.weight", "compressor.gate_proj.weight",
+                      "compressor.indexer.kv_proj.weight", "compressor.indexer.gate_proj.weight")
+# The projections of the layer input x, in the order the packed GEMM stacks them (those present as
+# nn.Linear: a layer kind without a compressor or indexer, or q_a / kv kept block-FP8, has fewer).
+X_PROJECTIONS = ("q_a_proj", "kv_proj", "compressor.indexer.scorer.weights_proj", "compressor.kv_proj",
+                 "compressor.gate_proj", "compressor.indexer.kv_proj", "compressor.indexer.gate_proj")
 
 
-def serving_cache(module: nn.Module, who: str, owner: str, arg: str, x: Tensor, step, ndim: int, dims: str,
-                  tokens: int):
-    """The attached cache of a serving forward(x, step); in eager mode first the checks that keep a
-    bad call from writing anything: a cache is attached, x has the serving shape, the step is this
-    manager's open step for `tokens` rows."""
-    cache = module._modules.get("cache")
-    if not torch.compiler.is_compiling():
-        if cache is None:
-            raise RuntimeError(f"{who}: no cache attached; call {owner}.attach_cache(manager) before a serving forward "
-                               f"(forward({arg}, step))")
-        module._check_input(x, ndim, dims)
-        module.cache_manager.check_step(step, tokens)
-        _tp.agree(module, f"{who}.forward", {"step": step.origin.step_id, "tokens": tokens})
-    return cache
-
-
-class DeepseekV4Attention(nn.Module):
+class DeepseekV4Attention(AttentionLayer):
     """One DeepSeek-V4 attention layer (sliding window, CSA or HCA by `layer_idx`).
 
     `config` is a `DSV4AttentionConfig` or a transformers `DeepseekV4Config`. `formats` (a
@@ -103,6 +93,10 @@ class DeepseekV4Attention(nn.Module):
     the same forward on the same input. `load_state_dict` and `load_deepseek_state_dict` take the
     full tensors and keep this rank's share."""
 
+    NAME = "DeepseekV4Attention"
+    X_PROJECTIONS, COMPRESSOR_WEIGHTS = X_PROJECTIONS, COMPRESSOR_WEIGHTS
+    KEEP_FP32 = ("sinks", "position_bias", "norm.weight", "state")  # as transformers (and the compressor states)
+
     def __init__(self, config, layer_idx: int, formats: CacheFormats | None = None, process_group=None, **renamed):
         super().__init__()
         if "numerics" in renamed or isinstance(formats, Numerics):
@@ -122,72 +116,17 @@ class DeepseekV4Attention(nn.Module):
         self.follows_cache = formats is None
         self.formats = CacheFormats.exact() if formats is None else formats
         self.numerics = v4_numerics(self.formats)
-        self.config, self.layer_idx = cfg, layer_idx
         self.layer_type = cfg.layer_type(layer_idx)  # checks 0 <= layer_idx < num_layers
-        self.tp_group = Group.of(process_group)
-        _tp.check_divides(self.tp_group, cfg.num_heads, cfg.o_groups, f"DeepseekV4Attention(layer {layer_idx})")
-        ranks = 1 if self.tp_group is None else self.tp_group.size
-        self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
-        h, d = self.heads, cfg.head_dim
-        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank)
-        self.q_b_proj = linear(cfg.q_lora_rank, h * d)
-        self.kv_proj = linear(cfg.hidden_size, d)
-        self.kv_norm = RMSNorm(d)
-        self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
-        self.o_b_proj = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
-        self.sinks = nn.Parameter(torch.zeros(h))
-        # The model dtype, when every projection may hold e4m3 bytes (keep_fp8): an empty tensor that
-        # `.to(dtype)` casts with the weights (not saved).
-        self.register_buffer("dtype_anchor", torch.empty(0), persistent=False)
+        self._init_core(cfg, layer_idx, process_group)
         self.compressor = None if self.layer_type == SLIDING else Compressor(cfg, cfg.compress_ratio(layer_idx))
-        self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
         self._keep_fp32()  # also when built under another default dtype
 
-    def _apply(self, fn, recurse=True):
-        """`.to(dtype)` keeps the tensors transformers keeps in fp32 (sinks, position biases, norm
-        weights), the fp32 RoPE table and compressor states in fp32; the packed projections are tied
-        again (Module._apply moves each tensor on its own)."""
-        super()._apply(fn, recurse)
-        self._keep_fp32()
-        return self
-
-    def _keep_fp32(self) -> None:
-        for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            if name.endswith(_KEEP_FP32) and t.is_floating_point() and t.dtype != torch.float32:
-                t.data = t.data.float()
-        # Rebuilt, not widened: `.to(bfloat16)` rounded it, and no checkpoint restores a non-persistent
-        # buffer. A bf16 frequency is off by up to 2^-9 relative: 1.2 rad of angle at position 740.
-        self.inv_freq.data = self.config.inv_freq(self.layer_idx).to(self.inv_freq.device)
-        self.tie_packs()
-
-    def tie_packs(self) -> None:
-        """Stack the projections of x into their packed GEMMs (dsv4ops.projections.tie_packs)."""
-        projections.tie_packs(self)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """nn.Module.load_state_dict, all or nothing: every key, shape and dtype rule is checked before
-        anything is copied, so a failed load leaves the layer as it was."""
-        result = checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
-        if assign:  # the loaded tensors replaced the parameters: the model dtype and device are theirs
-            held = [p for n, p in self.named_parameters() if not n.endswith(_KEEP_FP32) and p.element_size() > 1]
-            dtype = held[0].dtype if held else self.dtype_anchor.dtype
-            self.dtype_anchor = torch.empty(0, dtype=dtype, device=self.sinks.device)
-        self.tie_packs()  # an assign=True load replaced the members' parameters
-        return result
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Loading (as a module of its own or inside another) cuts the full tensors of the split
-        parameters to this rank's share, before anything loads (dsv4ops.parallel.tp.shard_: a shard
-        raises, with or without a process group)."""
-        blocks = {n: m.block for n in _TP_FP8 if isinstance(m := getattr(self, n), BlockFP8Linear)}
-        _tp.shard_(state_dict, prefix, self.tp_group, _tp.full_shapes(self.config, blocks),
-                   f"DeepseekV4Attention(layer {self.layer_idx})")
-        for name in projections.COMPRESSOR_WEIGHTS:
-            given, mine = state_dict.get(prefix + name), projections.parameter(self, name)
-            if isinstance(given, Tensor) and mine is not None and given.dtype != mine.dtype:
-                checkpoint.check_exact_cast(given, mine.dtype, prefix + name)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def projection_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The compressors' a, z in compressor_dtype of their mode, the others in x's dtype."""
+        if name + ".weight" not in COMPRESSOR_WEIGHTS:
+            return dtype
+        return compressor_dtype(self.numerics.indexer if name.startswith("compressor.indexer.") else self.numerics.kv,
+                                dtype)
 
     def load_deepseek_state_dict(self, state_dict: dict, strict: bool = True, block: int = checkpoint.V4_BLOCK,
                                  keep_fp8: bool = False):
@@ -209,7 +148,7 @@ class DeepseekV4Attention(nn.Module):
             sk = checkpoint.scale_key(mine, key)
             if key in mine and sk is not None:
                 checkpoint.check_block_fp8(mine[key], mine[sk], block, name=prefix + key)
-                if self.tp_group is not None and name in _TP_FP8:
+                if self.tp_group is not None and name in TP_FP8:
                     _tp.check_fp8_split(prefix + key, tuple(mine[key].shape), _tp.SPLIT[name + ".weight"][0],
                                         self.tp_group, block)
                 scale = mine.pop(sk)
@@ -269,22 +208,8 @@ class DeepseekV4Attention(nn.Module):
             mine, theirs = getattr(self.config, field), getattr(manager.model, field)
             if mine != theirs:
                 raise ValueError(f"manager: built for a model with {field} {theirs}, the layer's config has {mine}")
-        cfg = manager.cfg
-        if cfg.formats != self.formats and not self.follows_cache:
-            raise ValueError(f"manager: its pools hold {cfg.formats}, the layer computes {self.formats} (build the "
-                             f"layer with formats=manager.cfg.formats, or with none to take the cache's)")
-        device = self.q_a_proj.weight.device
-        if manager.device != device:
-            raise ValueError(f"manager: plans steps on {manager.device}, the layer is on {device}")
-        dcp = manager.dcp
-        if dcp.size > 1 and self.tp_group is not None:
-            raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel layer (both process "
-                                      "groups at once) is not supported; use one or the other")
-        if cfg.batch_invariant and (dcp.size > 1 or self.tp_group is not None):
-            # The all-reduce / the ranks' merge sums in an order the collective picks by message size.
-            raise NotImplementedError("manager: CacheConfig(batch_invariant=True) is not supported with tensor or "
-                                      "context parallelism (their reductions' order follows the step's size)")
-        _tp.agree(self, f"{type(self).__name__}(layer {self.layer_idx}).attach_cache", {})
+        cfg, device, dcp = manager.cfg, self.q_a_proj.weight.device, manager.dcp
+        check_manager(self, manager, device, "layer")
         cache = LayerCache(self.config, self.layer_idx, cfg, device=device, topk_workspace=manager.topk_workspace(device),
                            dcp=dcp, dcp_topk=getattr(manager, "dcp_topk", "exact"))
         manager.attach(cache)
@@ -372,12 +297,9 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     t = x.shape[0]
     inv = cache.cfg.batch_invariant  # every GEMM's rows independent of the step's other tokens
     px = projections.project_x(layer, x, inv)
-    qr = rms_norm(px["q_a_proj"], layer.q_a_norm.weight, eps)
-    q = invariant.linear(layer.q_b_proj, qr, inv).view(t, layer.heads, cfg.head_dim)
-    kv = rms_norm(px["kv_proj"], layer.kv_norm.weight, eps)
-    q_rot = torch.empty_like(q)
     fmt = cache.fmt
-    ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, cache.window, cache.ring_size, eps, True, fmt["window"])
+    qr, q_rot = query(layer, px, pos, req, cache.window, cache.ring_size, fmt["window"], head_norm=True,
+                      invariant=inv)
 
     comp_cache, comp_fmt = cache.window, fmt["window"]
     comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
@@ -441,14 +363,6 @@ def indexer_rotates(numerics: Numerics) -> bool:
 def _compress(c, a, z, pos, req, entry_slots, inv_freq, state, pool, fmt, eps, hadamard=False):
     torch.ops.dsv4.compressor_update(a, z, c.position_bias, pos, req, entry_slots, c.kv_norm.weight, inv_freq, state,
                                      pool, None, eps, fmt, hadamard)
-
-
-def indexer_query(q: Tensor, fmt: str) -> Tensor:
-    """The indexer_q_prep output for query q [T, H, d] and key format `fmt`: e4m3 rows (fp8_132),
-    packed 68-B rows (mxfp4_68) or rows in q's dtype."""
-    if fmt == "mxfp4_68":
-        return torch.empty(q.shape[0], q.shape[1], formats.FORMATS[fmt].row_bytes, dtype=torch.uint8, device=q.device)
-    return torch.empty(q.shape, dtype=torch.float8_e4m3fn if fmt == "fp8_132" else q.dtype, device=q.device)
 
 
 def _index_query(indexer, w, qr, pos, layer, cache) -> tuple[Tensor, Tensor]:

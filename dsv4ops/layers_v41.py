@@ -21,10 +21,9 @@ the same step raises instead of reading a stale buffer (spec pitfall 14).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dsv4ops import checkpoint
+from dsv4ops import checkpoint, projections
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.step import live_tokens
@@ -32,16 +31,14 @@ from dsv4ops.cache.v41 import V41CacheManager, V41StackCache, V41StepMeta
 from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.parallel import Group, all_reduce
 from dsv4ops import layers_dcp as _dcp
-from dsv4ops.parallel import tp as _tp
 from dsv4ops.indexer.reference import query_values
-from dsv4ops.layer_weights import GroupedLinear, RMSNorm, linear
-from dsv4ops.layers import DEEPSEEK_CORE_NAMES, serving_cache
-from dsv4ops.quant import formats
+from dsv4ops.layer_weights import RMSNorm, linear
+from dsv4ops.layers import DEEPSEEK_CORE_NAMES
+from dsv4ops.layers_common import AttentionLayer, check_manager, indexer_query, query, serving_cache
 from dsv4ops.quant.formats import CacheFormats
-from dsv4ops.reference.functional import grouped_output, rms_norm
+from dsv4ops.reference.functional import grouped_output
 from dsv4ops.reference.v41 import compressor_dtype, entry_dtype
 
-_KEEP_FP32 = ("sinks", "norm.weight", "ape")  # inv_freq: rebuilt by DeepseekV41Attention._apply
 # Rows per page of the stateless forward's private cache: a size every format pages (mxfp4_68 pages
 # are padded to 512 B: 128 x 68 B = 17 x 512 B).
 STATELESS_BLOCK = 128
@@ -84,13 +81,21 @@ class V41Indexer(nn.Module):
         self.k_norm = RMSNorm(cfg.index_head_dim) if owns_keys else None
 
 
-class DeepseekV41Attention(nn.Module):
+class DeepseekV41Attention(AttentionLayer):
     """The weights of one V4.1 attention layer (which exist depends on its role, `config.role(i)`)
-    and its serving forward over a step (run by DeepseekV41AttentionStack).
+    and its serving forward over a step (run by DeepseekV41AttentionStack). The projections of x
+    its role has (q_a, kv, the indexer's weights_proj, the compressor's wkv / wgate) run as one GEMM
+    (dsv4ops.projections), fp32 out where a compressor reads it; the compressor weights are held in
+    the model dtype (bf16 in the checkpoint: an fp32 load bf16 cannot hold exactly is refused).
 
     `process_group`: tensor parallelism as DeepseekV4Attention's (this rank's `heads` and `groups`;
     dsv4ops.parallel.tp); forward then returns this rank's share of the output, which the stack sums
     over the ranks."""
+
+    NAME = "DeepseekV41Attention"
+    X_PROJECTIONS = ("q_a_proj", "kv_proj", "indexer.weights_proj", "compressor.wkv", "compressor.wgate")
+    COMPRESSOR_WEIGHTS = ("compressor.wkv.weight", "compressor.wgate.weight")
+    KEEP_FP32 = ("sinks", "norm.weight", "ape")  # as transformers (ape: the compressor's zero bias)
 
     def __init__(self, config: DSV41AttentionConfig, layer_idx: int, process_group=None):
         super().__init__()
@@ -98,46 +103,21 @@ class DeepseekV41Attention(nn.Module):
             raise TypeError(f"config: expected a DSV41AttentionConfig, got {type(config).__name__} (a V4 config: "
                             f"dsv4ops.DeepseekV4Attention)")
         cfg = config
-        self.config, self.layer_idx, self.role = cfg, layer_idx, cfg.role(layer_idx)
-        self.tp_group = Group.of(process_group)
-        _tp.check_divides(self.tp_group, cfg.num_heads, cfg.o_groups, f"DeepseekV41Attention(layer {layer_idx})")
-        ranks = 1 if self.tp_group is None else self.tp_group.size
-        self.heads, self.groups = cfg.num_heads // ranks, cfg.o_groups // ranks  # this rank's
-        h, d = self.heads, cfg.head_dim
-        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank)
-        self.q_b_proj = linear(cfg.q_lora_rank, h * d)
-        self.kv_proj = linear(cfg.hidden_size, d)
-        self.kv_norm = RMSNorm(d)
-        self.o_a_proj = GroupedLinear(cfg.num_heads * d // cfg.o_groups, self.groups * cfg.o_lora_rank, self.groups)
-        self.o_b_proj = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size)
-        self.sinks = nn.Parameter(torch.zeros(h))
+        self.role = cfg.role(layer_idx)
+        self._init_core(cfg, layer_idx, process_group)
         self.compressor = V41Compressor(cfg, self.role.ratio) if self.role.owns_compressor else None
         self.indexer = V41Indexer(cfg, self.role.owns_index_keys) if self.role.indexer else None
-        self.register_buffer("inv_freq", cfg.inv_freq(layer_idx), persistent=False)
+        self._keep_fp32()  # also when built under another default dtype
 
-    def _apply(self, fn, recurse=True):
-        """`.to(dtype)` rebuilds the fp32 RoPE frequencies from the config: widening the rounded ones
-        would keep bf16's error (up to 2^-9 relative: 1.2 rad of angle at position 740), and no
-        checkpoint restores a non-persistent buffer."""
-        super()._apply(fn, recurse)
-        self.inv_freq.data = self.config.inv_freq(self.layer_idx).to(self.inv_freq.device)
-        return self
+    def projection_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The compressor's a and gate: fp32 at ratio 2, the model dtype at ratio 1 (spec 2.3); the
+        others in x's dtype."""
+        return compressor_dtype(self.role.ratio, dtype) if name.startswith("compressor.") else dtype
 
     def forward(self, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
         """x [T, hidden] (the step's flat batch) -> [T, hidden]. `shared` is the step's dict of
         published top-k rows and candidate pool (written by sources, read by later layers)."""
         return _attend(self, x, step, cache, shared)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """Loading cuts the full tensors of the split parameters to this rank's share (dsv4ops.parallel.tp)."""
-        _shard_layer(self, state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-
-def _shard_layer(layer: DeepseekV41Attention, state_dict: dict, prefix: str, cut: bool = True) -> None:
-    _tp.shard_(state_dict, prefix, layer.tp_group, _tp.full_shapes(layer.config, {}),
-               f"DeepseekV41Attention(layer {layer.layer_idx})", cut)
 
 
 def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
@@ -145,19 +125,16 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     functions' eager value checks would sync the host each step). No data-dependent branch."""
     cfg, role, ops = layer.config, layer.role, torch.ops.dsv4
     pos, req = live_tokens(step, cache)
-    eps, t, i = cfg.rms_norm_eps, x.shape[0], layer.layer_idx
+    t, i = x.shape[0], layer.layer_idx
     fmt = cache.fmt
-    qr = rms_norm(F.linear(x, layer.q_a_proj.weight), layer.q_a_norm.weight, eps)
-    q = F.linear(qr, layer.q_b_proj.weight).view(t, layer.heads, cfg.head_dim)
-    kv = rms_norm(F.linear(x, layer.kv_proj.weight), layer.kv_norm.weight, eps)
-    q_rot = torch.empty_like(q)
+    px = projections.project_x(layer, x)
     window = getattr(cache, f"window_{i}")
-    ops.qkv_prep(q, kv, pos, req, layer.inv_freq, q_rot, window, cache.ring_size, eps, False, fmt[f"window_{i}"])
+    qr, q_rot = query(layer, px, pos, req, window, cache.ring_size, fmt[f"window_{i}"], head_norm=False)
 
     if role.owns_compressor:
-        _compress(layer, x, step, pos, req, cache)
+        _compress(layer, px, step, pos, req, cache)
     if role.indexer:
-        _select(layer, x, qr, step, pos, req, cache, shared)
+        _select(layer, px["indexer.weights_proj"], qr, step, pos, req, cache, shared)
     if role.sliding:
         comp, comp_fmt = window, fmt[f"window_{i}"]
         comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
@@ -186,23 +163,23 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, layer.groups)
 
 
-def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
+def _compress(layer: DeepseekV41Attention, px: dict[str, Tensor], step: V41StepMeta, pos: Tensor, req: Tensor,
               cache: V41StackCache) -> None:
     """Spec 2.3-2.4: the source's entries (ratio 2: fp32 a and gate, a 2-slot pool; ratio 1: the
-    model-dtype projection, a 1-slot pool with score 0) and, from their pre-RoPE latent, the keys."""
+    model-dtype projection, a 1-slot pool with score 0) and, from their pre-RoPE latent, the keys.
+    a and the gate are slices of the packed projection of x (project_x: no copies)."""
     role, c, i, eps = layer.role, layer.compressor, layer.layer_idx, layer.config.rms_norm_eps
     m, fmt = role.ratio, cache.fmt[f"comp_{i}"]
-    cdt = compressor_dtype(m, x.dtype)
-    a = F.linear(x.to(cdt), c.wkv.weight.to(cdt))
+    a = px["compressor.wkv"]
     if m > 1:
-        score = F.linear(x.to(cdt), c.wgate.weight.to(cdt))
+        score = px["compressor.wgate"]
     else:
         score = a.new_zeros(1, a.shape[1]).expand_as(a)  # a 1-slot softmax of a finite score weighs exactly 1
     slots = step.entry_slots(m)
     comp = getattr(cache, f"comp_{i}")
     latent = None
     if role.owns_index_keys:  # the entries before RoPE, in the pool's entry dtype
-        latent = torch.empty(x.shape[0], a.shape[1], dtype=entry_dtype(fmt, comp.dtype), device=x.device)
+        latent = torch.empty(a.shape[0], a.shape[1], dtype=entry_dtype(fmt, comp.dtype), device=a.device)
     torch.ops.dsv4.compressor_update(a, score, c.ape, pos, req, slots, c.norm.weight,
                                      layer.inv_freq, getattr(cache, f"state_{i}"), comp, latent, eps, fmt)
     if latent is not None:
@@ -211,20 +188,17 @@ def _compress(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, pos: Te
                                       layer.inv_freq, getattr(cache, f"keys_{i}"), m, eps, cache.fmt[f"keys_{i}"])
 
 
-def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
+def _select(layer: DeepseekV41Attention, w: Tensor, qr: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
             cache: V41StackCache, shared: dict) -> None:
     """Spec 2.5-2.8: score the group's keys, publish the top-k (and, at the candidate source, the
-    pool); an index source after the candidate source scores only inside that pool."""
-    cfg, role, ix, t = layer.config, layer.role, layer.indexer, x.shape[0]
+    pool); an index source after the candidate source scores only inside that pool. w: the head
+    weights' projection of x."""
+    cfg, role, ix, t = layer.config, layer.role, layer.indexer, w.shape[0]
     src, m = role.kv_source, role.ratio
     kfmt = cache.fmt[f"keys_{src}"]
-    q = F.linear(qr, ix.wq_b.weight).view(t, cfg.index_n_heads, cfg.index_head_dim)
-    w = F.linear(x, ix.weights_proj.weight)
-    if kfmt == "mxfp4_68":
-        q_out = torch.empty(t, cfg.index_n_heads, formats.FORMATS[kfmt].row_bytes, dtype=torch.uint8, device=x.device)
-    else:
-        q_out = torch.empty(q.shape, dtype=torch.float8_e4m3fn if kfmt == "fp8_132" else q.dtype, device=x.device)
-    w_out = torch.empty(w.shape, dtype=torch.float32, device=x.device)
+    q = ix.wq_b(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    q_out = indexer_query(q, kfmt)
+    w_out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
     torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, kfmt)
     if role.uses_candidates and "pool" not in shared:
         raise RuntimeError(f"layer {role.layer} scores inside the candidate pool of layer "
@@ -235,8 +209,8 @@ def _select(layer: DeepseekV41Attention, x: Tensor, qr: Tensor, step: V41StepMet
     cand = shared["pool"] if role.uses_candidates else None
     cand_out = None
     if role.candidate_source:
-        cand_out = torch.empty(t, cfg.candidate_topk_blocks, dtype=torch.int32, device=x.device)
-    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=x.device)
+        cand_out = torch.empty(t, cfg.candidate_topk_blocks, dtype=torch.int32, device=w.device)
+    idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=w.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, pos, req, getattr(cache, f"keys_{src}"),
                                 step.block_table(m), cand, idx, cand_out, cache.topk_workspace, m,
                                 cfg.candidate_block_size, kfmt)
@@ -317,15 +291,12 @@ class DeepseekV41AttentionStack(nn.Module):
         self.layers = nn.ModuleList(DeepseekV41Attention(config, i, process_group) for i in range(config.num_layers))
 
     def _apply(self, fn, recurse=True):
-        """`.to(dtype)` keeps in fp32 what transformers keeps in fp32 (sinks, norm weights; the ratio-2
-        compressor's wkv and wgate: "the reference stores fp32", spec 1.4, and they run in fp32), and
-        the RoPE tables and compressor states."""
+        """`.to(dtype)` keeps the compressor states fp32 (each layer keeps its own fp32 tensors, RoPE
+        table and packed projections: AttentionLayer._apply). The compressor weights follow the
+        model dtype: their products are exact in fp32, which the packed GEMM's fp32 output keeps."""
         super()._apply(fn, recurse)
-        for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            keep = name.rsplit(".", 1)[-1].startswith("state_") or name.endswith(_KEEP_FP32)
-            if name.endswith(("compressor.wkv.weight", "compressor.wgate.weight")):
-                keep = self.config.role(int(name.split(".")[1])).ratio > 1
-            if keep and t.is_floating_point() and t.dtype != torch.float32:
+        for name, t in self.named_buffers():
+            if name.rsplit(".", 1)[-1].startswith("state_") and t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
         return self
 
@@ -335,17 +306,10 @@ class DeepseekV41AttentionStack(nn.Module):
         follow the manager's slots). Attach after moving the stack, before compiling."""
         if not isinstance(manager, V41CacheManager):
             raise TypeError(f"manager: expected a dsv4ops V41CacheManager, got {type(manager).__name__}")
-        if manager.cfg.formats != self.formats and not self.follows_cache:
-            raise ValueError(f"manager: its pools hold {manager.cfg.formats}, the stack computes {self.formats} (build "
-                             f"the stack with formats=manager.cfg.formats, or with none to take the cache's)")
         if manager.model != self.config:
             raise ValueError("manager: it was built for another DSV41AttentionConfig than this stack's")
         device = self.layers[0].sinks.device
-        if manager.device != device:
-            raise ValueError(f"manager: plans steps on {manager.device}, the stack is on {device}")
-        if manager.dcp.size > 1 and self.tp_group is not None:
-            raise NotImplementedError("manager: a context-parallel cache for a tensor-parallel stack (both process "
-                                      "groups at once) is not supported; use one or the other")
+        check_manager(self, manager, device, "stack")
         if manager.cfg.batch_invariant:
             raise NotImplementedError("manager: CacheConfig(batch_invariant=True) is not supported by the V4.1 stack "
                                       "yet (its GEMMs and attention keep the batch-dependent schedules)")
@@ -438,6 +402,9 @@ class DeepseekV41AttentionStack(nn.Module):
         share as each layer loads, dsv4ops.parallel.tp), then every key, shape and dtype rule, are
         checked before anything is copied, so a failed load leaves the stack as it was."""
         for i, layer in enumerate(self.layers):
-            _shard_layer(layer, state_dict, f"layers.{i}.", cut=False)
-        return checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
+            layer.shard(state_dict, f"layers.{i}.", cut=False)
+        result = checkpoint.load_all_or_nothing(self, super().load_state_dict, state_dict, strict, assign)
+        for layer in self.layers:
+            layer.tie_packs()  # an assign=True load replaced the members' parameters
+        return result
 

@@ -23,7 +23,7 @@ from dsv4ops.fp8_linear import triton as fp8_linear_tt
 from dsv4ops.fp8_linear import triton_w8a8 as w8a8_tt
 from dsv4ops.layer_weights import GroupedLinear
 from dsv4ops.layers import DEEPSEEK_NAMES, FP8_PROJECTIONS
-from dsv4ops.projections import COMPRESSOR_WEIGHTS
+from dsv4ops.layers import COMPRESSOR_WEIGHTS
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 E8M0 = torch.float8_e8m0fnu

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, packing, testing
-from dsv4ops.projections import X_PROJECTIONS, project_x
+from dsv4ops.layers import X_PROJECTIONS
+from dsv4ops.projections import project_x
 
 CFG = DSV4AttentionConfig.tiny(index_topk=16)
 FP8 = CacheFormats.v4()
