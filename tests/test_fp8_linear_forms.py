@@ -16,8 +16,7 @@ from dsv4ops.fp8_linear import reference as fp8_linear_ref
 from dsv4ops.fp8_linear import triton as fp8_linear_tt
 from dsv4ops.fp8_linear.api import BlockFP8Linear, fp8_linear
 from dsv4ops.layer_weights import GroupedLinear
-from dsv4ops.layers import DEEPSEEK_NAMES
-from dsv4ops.projections import COMPRESSOR_WEIGHTS
+from dsv4ops.layers import COMPRESSOR_WEIGHTS, DEEPSEEK_NAMES
 
 BF16, FP32 = torch.bfloat16, torch.float32
 E8M0 = torch.float8_e8m0fnu
