@@ -6,6 +6,7 @@ rows under two batch compositions. fp32 layers: on the CPU torch's fp32 GEMM giv
 at other row counts (MKL, M = 1, 2, 3, 7 against 130), which is what the default path shows.
 """
 
+import dataclasses
 import functools
 
 import builders
@@ -131,6 +132,21 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtyp
             part = torch.full((m, 70), float("nan"), dtype=out_dtype)
             run(x[lo:lo + m], w, part)
             assert torch.equal(part, full[lo:lo + m]), (m, lo)
+
+
+def test_patch_model_gives_the_flag_to_every_layers_cache():
+    """patch_model(model, CacheConfig(batch_invariant=True)): the manager it makes and every patched
+    layer's cache compute batch-invariantly; its default cache config keeps the fast schedules."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from dsv4ops.integrations.transformers import default_cache_config, patch_model
+
+    hc = testing.hf_config(DSV4AttentionConfig.tiny(num_layers=2, compress_ratios=(4, 0)), moe_intermediate_size=32)
+    model = DeepseekV4ForCausalLM(hc).eval()
+    assert default_cache_config(hc).batch_invariant is False
+    patch_model(model, dataclasses.replace(default_cache_config(hc), max_requests=2, batch_invariant=True))
+    caches = [layer.self_attn.cache for layer in model.model.layers]
+    assert len(caches) == 2 and all(c.cfg.batch_invariant for c in caches)
 
 
 def test_bad_input_is_refused():
