@@ -17,10 +17,10 @@ from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, test
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.v41 import V41CacheManager
-from dsv4ops.config_v41 import DSV41AttentionConfig
-from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.invariant_linear import reference as inv_ref
+from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 
 _ROW_BY_ROW = inv_ref.invariant_linear
 
