@@ -62,9 +62,10 @@ def _attend_rows(q, window_cache, comp_cache, ends, req_slots, comp_idx, lens, s
         keys = torch.cat([wkeys.view(c, window, d), ckeys.view(c, n, d)], 1)
         valid = torch.cat([wvalid, cvalid], 1)
         if batch_invariant:
-            # Decoding is elementwise, so the keys are the query's own; the GEMMs run one query at a
-            # time over its window and its own listed entries, shapes that depend on the query alone
-            # (over the chunk's longest list, torch's CPU GEMMs give other bits at other widths).
+            # Decoding is elementwise (codes x exact powers of two), so a query's keys have the same
+            # bits in any chunk; the GEMMs run one query at a time over its window and its own listed
+            # entries, shapes that depend on the query alone (over the chunk's longest list, torch's
+            # CPU GEMMs give other bits at other widths).
             ws = (window + lens[s:s + step]).tolist()
             parts = [_attend(qs[i:i + 1], keys[i:i + 1, :w], valid[i:i + 1, :w], sinks, scale, lse is not None)
                      for i, w in enumerate(ws)]
