@@ -6,29 +6,36 @@ rows under two batch compositions. fp32 layers: on the CPU torch's fp32 GEMM giv
 at other row counts (MKL, M = 1, 2, 3, 7 against 130), which is what the default path shows.
 """
 
+import dataclasses
+import functools
+
+import builders
 import pytest
 import torch
 
 from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, testing
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
+from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.config_v41 import DSV41AttentionConfig
 from dsv4ops.invariant_linear import reference as inv_ref
+from dsv4ops.layers_v41 import DeepseekV41AttentionStack
 
 _ROW_BY_ROW = inv_ref.invariant_linear
 
-# index_topk 3 of up to 17 visible entries: the indexer's selection decides which entries a query
+# index_topk 3 of up to 5 visible entries: the indexer's selection decides which entries a query
 # sees, so a score that moved by one bit would show.
 CFG = DSV4AttentionConfig.tiny(index_topk=3)
 LAYER = {SLIDING: 0, CSA: 1, HCA: 2}
 FORMATS = {"fp8": CacheFormats.v4(), "fp4": CacheFormats(window="fp8_584", comp="fp4_288", index="mxfp4_68")}
-LENGTHS = {"a": 30, "b": 24, "c": 10, "d": 6}
-# "a" alone: a prefill in two chunks, then decode (7 CSA entries: more than index_topk).
-ALONE = [{"a": 9}, {"a": 6}] + [{"a": 1}] * 15
+LENGTHS = {"a": 20, "b": 24, "c": 10, "d": 6}
+# "a" alone: a prefill in two chunks, then decode (5 CSA entries: more than index_topk).
+ALONE = [{"a": 9}, {"a": 6}] + [{"a": 1}] * 5
 # The same chunks of "a", beside others that join, prefill in chunks, decode and leave, and a step
 # without "a".
-BUSY = ([{"a": 9, "b": 11}, {"c": 3, "a": 6, "b": 5}] + [{"b": 1, "a": 1, "c": 1}] * 5
-        + [{"a": 1, "d": 2}, {"d": 4, "a": 1}, {"b": 3}, {"a": 1, "c": 2}] + [{"a": 1}] * 7)
+BUSY = ([{"a": 9, "b": 11}, {"c": 3, "a": 6, "b": 5}] + [{"b": 1, "a": 1, "c": 1}] * 2
+        + [{"a": 1, "d": 2}, {"d": 4, "a": 1}, {"b": 3}, {"a": 1, "c": 2}])
 
 
 def _serve(kind, fmt, schedule, invariant=True, drafts=None):
@@ -64,18 +71,24 @@ def _serve(kind, fmt, schedule, invariant=True, drafts=None):
     return torch.cat(outs["a"])
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+@functools.cache
+def _alone(kind, fmt):
+    return _serve(kind, fmt, ALONE)
+
+
+# Every layer kind in FP8; FP4 once, on CSA, the kind whose compressed and indexer caches both
+# take the FP4 formats (a sliding layer's window is fp8_584 in both).
+@pytest.mark.parametrize("kind,fmt", [(SLIDING, "fp8"), (CSA, "fp8"), (HCA, "fp8"), (CSA, "fp4")])
 def test_request_outputs_do_not_depend_on_who_shares_the_steps(kind, fmt):
-    alone = _serve(kind, fmt, ALONE)
+    alone = _alone(kind, fmt)
     assert alone.shape == (LENGTHS["a"], CFG.hidden_size) and alone.abs().sum() > 0
     assert torch.equal(_serve(kind, fmt, BUSY), alone)
 
 
 # Verify steps of "a" (1 + drafts, kept), the same in both runs; beside others in the busy run.
-SPEC_ALONE = [{"a": 9}, {"a": (4, 2)}, {"a": (3, 3)}, {"a": (4, 1)}] + [{"a": (2, 1)}] * 15
+SPEC_ALONE = [{"a": 9}, {"a": (4, 2)}, {"a": (3, 3)}, {"a": (4, 1)}] + [{"a": (2, 1)}] * 5
 SPEC_BUSY = ([{"a": 9, "b": (9, 9)}, {"b": (4, 1), "a": (4, 2)}, {"c": 6, "a": (3, 3)}, {"a": (4, 1), "c": (4, 4)}]
-             + [{"a": (2, 1), "b": (3, 2)}] * 5 + [{"a": (2, 1)}] * 10)
+             + [{"a": (2, 1), "b": (3, 2)}] * 3 + [{"a": (2, 1)}] * 2)
 
 
 def test_verify_steps_and_rewinds_keep_the_property():
@@ -95,12 +108,12 @@ def _split_by_batch(x, weight, out):
 
 
 def test_a_batch_dependent_gemm_put_back_is_caught(monkeypatch):
-    alone = _serve(CSA, "fp8", ALONE)
+    alone = _alone(CSA, "fp8")
     monkeypatch.setattr(inv_ref, "invariant_linear", _split_by_batch)
     assert not torch.equal(_serve(CSA, "fp8", BUSY), alone)
 
 
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
 def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtype):
@@ -121,9 +134,34 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtyp
             assert torch.equal(part, full[lo:lo + m]), (m, lo)
 
 
+def test_patch_model_gives_the_flag_to_every_layers_cache():
+    """patch_model(model, CacheConfig(batch_invariant=True)): the manager it makes and every patched
+    layer's cache compute batch-invariantly; its default cache config keeps the fast schedules."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from dsv4ops.integrations.transformers import default_cache_config, patch_model
+
+    hc = testing.hf_config(DSV4AttentionConfig.tiny(num_layers=2, compress_ratios=(4, 0)), moe_intermediate_size=32)
+    model = DeepseekV4ForCausalLM(hc).eval()
+    assert default_cache_config(hc).batch_invariant is False
+    patch_model(model, dataclasses.replace(default_cache_config(hc), max_requests=2, batch_invariant=True))
+    caches = [layer.self_attn.cache for layer in model.model.layers]
+    assert len(caches) == 2 and all(c.cfg.batch_invariant for c in caches)
+
+
 def test_bad_input_is_refused():
     with pytest.raises(TypeError, match="batch_invariant: expected a bool, got str"):
         CacheConfig(max_requests=1, max_context=8, max_step_tokens=4, batch_invariant="yes")
+    # The V4.1 stack keeps its batch-dependent schedules: refused at attach, nothing attached.
+    # (Tensor and context parallelism: test_tp.py / test_dcp.py's bad-use bodies.)
+    cfg41 = DSV41AttentionConfig.tiny()
+    manager = V41CacheManager(cfg41, CacheConfig(max_requests=1, max_context=16, max_step_tokens=4, block_size=7,
+                                                 formats=CacheFormats.v41(), batch_invariant=True))
+    stack = DeepseekV41AttentionStack(cfg41)
+    with pytest.raises(NotImplementedError, match=r"manager: CacheConfig\(batch_invariant=True\) is not supported by "
+                                                  r"the V4.1 stack"):
+        stack.attach_cache(manager)
+    assert stack._modules.get("cache") is None and not list(manager._caches)
     x, w = torch.randn(3, 8), torch.randn(5, 8, dtype=torch.bfloat16)
     out = torch.full((3, 5), 7.0)
     with pytest.raises(RuntimeError, match=r"weight: expected dtype in \[torch.float32\], got torch.bfloat16"):
@@ -131,3 +169,24 @@ def test_bad_input_is_refused():
     with pytest.raises(RuntimeError, match=r"out: expected shape \(3, 4\)"):
         torch.ops.dsv4.invariant_linear(x, w.float()[:4], out)
     assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_sparse_attn_rows_do_not_depend_on_the_other_queries_lists(partial):
+    """dsv4::sparse_attn with batch_invariant (its CPU reference): query 0 (3 listed entries) served
+    beside queries listing 72 gets the bits it gets alone, out and lse. The default schedule's GEMMs
+    over the step's longest list give it other bits here (checked), which the layer tests' short
+    lists do not reach. The CUDA kernels' splits: tests/test_batch_invariant_gpu.py."""
+    a = builders.sparse_attn_args(entries=72, comp_blocks=32, pad=0)
+    a["comp_lens"][:] = 72
+    a["comp_lens"][0] = 3
+    alone = {k: v[:1] if k in ("q", "positions", "req_slots", "comp_idx", "comp_lens") else v for k, v in a.items()}
+    rows = []
+    for args in (a, alone):
+        out = torch.full_like(args["q"], float("nan"))
+        lse = torch.full(args["q"].shape[:2], float("nan")) if partial else None
+        torch.ops.dsv4.sparse_attn(**dict(args, out=out), lse=lse, batch_invariant=True)
+        rows.append((out[0], lse[0]) if partial else (out[0],))
+    assert rows[0][0].abs().sum() > 0
+    for busy, own in zip(*rows):
+        assert torch.equal(busy, own)

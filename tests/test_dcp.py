@@ -29,9 +29,9 @@ MODES = {"exact": CacheFormats.exact(), "fp8": CacheFormats.v4()}
 BLOCK = 4
 
 
-def _cache(fmts):
+def _cache(fmts, **kw):
     return CacheConfig(formats=fmts, exact_dtype=torch.float32, max_requests=3, max_context=160, max_step_tokens=96,
-                       block_size=BLOCK, max_draft_tokens=dist_cases.MAX_DRAFT)
+                       block_size=BLOCK, max_draft_tokens=dist_cases.MAX_DRAFT, **kw)
 
 
 def _serve(layer, manager, record):
@@ -212,6 +212,13 @@ def _disagree_body(rank, group):
     # candidate block.
     with pytest.raises(NotImplementedError, match="a context-parallel cache for a tensor-parallel layer"):
         DeepseekV4Attention(CFG, 1, process_group=group).attach_cache(manager)
+    # Batch-invariant serving: the ranks' merge sums in an order that follows the step's size.
+    invariant = KVCacheManager(CFG, _cache(CacheFormats.exact(), batch_invariant=True), dcp_group=group)
+    fresh = DeepseekV4Attention(CFG, 1)
+    with pytest.raises(NotImplementedError, match=r"manager: CacheConfig\(batch_invariant=True\) is not supported with "
+                                                  r"tensor or context parallelism"):
+        fresh.attach_cache(invariant)
+    assert fresh._modules.get("cache") is None and not list(invariant._caches)
     from dsv4ops.integrations.transformers import patch_model
 
     with pytest.raises(NotImplementedError, match=r"patch_model: process_group \(tensor parallel\) and dcp_group"):

@@ -270,6 +270,12 @@ def _bad_body(rank, group):
                                          r"full tensor: load the full checkpoint on every rank"):
         tp.load_state_dict(tp.state_dict())
     assert all(torch.equal(v, before[k]) for k, v in tp.state_dict().items())
+    # Batch-invariant serving: the all-reduce sums in an order the collective picks by message size.
+    manager = KVCacheManager(CFG, _cache(CacheFormats.exact(), batch_invariant=True))
+    with pytest.raises(NotImplementedError, match=r"manager: CacheConfig\(batch_invariant=True\) is not supported with "
+                                                  r"tensor or context parallelism"):
+        tp.attach_cache(manager)
+    assert tp._modules.get("cache") is None and not list(manager._caches)
     return True
 
 

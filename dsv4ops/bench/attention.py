@@ -66,9 +66,10 @@ class Case:
 
     def __init__(self, kind: str, batch: int, context: int, new_tokens: int, device="cuda",
                  model: DSV4AttentionConfig = FLASH, max_context: int | None = None, formats: CacheFormats = FP8,
-                 layer: DeepseekV4Attention | None = None):
+                 layer: DeepseekV4Attention | None = None, batch_invariant: bool = False):
         """`layer`: a layer of this kind, model and formats (bf16, on `device`) to attach the new cache to
-        instead of building one (a sweep reuses one per kind; `release` detaches it)."""
+        instead of building one (a sweep reuses one per kind; `release` detaches it). batch_invariant:
+        the cache's CacheConfig.batch_invariant."""
         self.kind, self.batch, self.context, self.new_tokens, self.model = kind, batch, context, new_tokens, model
         self.max_context = max_context or context + new_tokens
         self.numerics = v4_numerics(formats)
@@ -78,7 +79,8 @@ class Case:
         # key lists and the indexer's workspace rows.
         cache_cfg = CacheConfig(formats=formats, exact_dtype=torch.bfloat16, max_requests=batch,
                                 max_context=self.max_context, max_total_tokens=batch * (context + new_tokens),
-                                max_step_tokens=batch * new_tokens, buckets=(batch * new_tokens,))
+                                max_step_tokens=batch * new_tokens, buckets=(batch * new_tokens,),
+                                batch_invariant=batch_invariant)
         self.manager = KVCacheManager(cfg, cache_cfg, device=device)
         self.layer.attach_cache(self.manager)
         gen = torch.Generator(device=device).manual_seed(0)

@@ -6,6 +6,8 @@ projections).
   `torch.compile(fullgraph=True)`, the FP8_PROJECTIONS kept block-FP8 as `keep_fp8=True` loads a
   checkpoint (BlockFP8Linear, activations "auto") and the dsv4:: ops; kernels: the kernels one compiled
   step launches (torch.profiler, memcpy / memset not counted).
+- invariant_us: the compiled step of the same layer and batch on a CacheConfig(batch_invariant=True)
+  cache (a request's bits independent of its neighbours); vs_default: invariant_us / compiled_us.
 - floor_us: the bytes the step must read (the layer's weights as held, which are its checkpoint's: FP8
   where the checkpoint is FP8, o_a_proj included, bf16 where it is bf16; plus the KV rows its tokens
   read: window, selected or visible entries, indexer keys) at the copy bandwidth measured in the same
@@ -194,9 +196,13 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
                     row["vs_flashmla_bf16"] = row["compiled_us"] / row["flashmla_bf16_us"]
                     a, b = comp().float(), base().float()
                     row["rel_diff"] = ((a - b).abs().max() / b.abs().max()).item()
+                case.release()
+                case = Case(kind, batch, CONTEXT, 1, device=device, model=cfg, layer=layer, batch_invariant=True)
+                row["invariant_us"] = timer(lambda: compiled(case.x, case.step))  # noqa: B023
+                row["vs_default"] = row["invariant_us"] / row["compiled_us"]
+                case.release()
                 progress(row)
                 rows.append(row)
-                case.release()
             torch._dynamo.reset()
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -242,4 +248,4 @@ def _attend_with(twin, case: Case, core):
 
 
 COLUMNS = ["model", "layer", "batch", "context", "heads", "eager_us", "compiled_us", "kernels", "floor_us", "copy_TBps",
-           "vs_floor", "flashmla_bf16_us", "vs_flashmla_bf16", "rel_diff"]
+           "vs_floor", "flashmla_bf16_us", "vs_flashmla_bf16", "rel_diff", "invariant_us", "vs_default"]

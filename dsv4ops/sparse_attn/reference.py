@@ -32,31 +32,23 @@ def sparse_attn(q: Tensor, window_cache: Tensor, comp_cache: Tensor, positions: 
                 lse: Tensor | None = None, batch_invariant: bool = False) -> None:
     t = q.shape[0]
     lens = comp_lens.long().clamp(0, comp_idx.shape[1])
-    args = (q, window_cache, comp_cache, positions if window_ends is None else window_ends, req_slots, comp_idx,
-            lens, sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse)
-    if not batch_invariant:
-        _attend_rows(*args, 0, t, int(lens.max()) if t else 0)
-        return
-    # One query at a time over its own listed entries: the GEMMs' shapes (window + listed keys)
-    # then depend on the query alone; in chunks they follow the longest list of the chunk, and
-    # torch's CPU GEMMs give other bits at other shapes.
-    for s in range(t):
-        _attend_rows(*args, s, s + 1, int(lens[s]))
+    _attend_rows(q, window_cache, comp_cache, positions if window_ends is None else window_ends, req_slots, comp_idx,
+                 lens, sinks, out, scale, window, ring_size, window_fmt, comp_fmt, lse, int(lens.max()) if t else 0,
+                 batch_invariant)
 
 
 def _attend_rows(q, window_cache, comp_cache, ends, req_slots, comp_idx, lens, sinks, out, scale, window, ring_size,
-                 window_fmt, comp_fmt, lse, lo: int, hi: int, n: int) -> None:
-    """sparse_attn of queries lo..hi-1 over their windows and the first n columns of comp_idx."""
-    h, d = q.shape[1:]
+                 window_fmt, comp_fmt, lse, n: int, batch_invariant: bool) -> None:
+    """sparse_attn over the windows and the first n columns of comp_idx."""
+    t, h, d = q.shape
     step = max(1, _CHUNK_ELEMENTS // ((window + n) * max(d, h)))
     listed = torch.arange(n, device=q.device)[None] < lens[:, None]
     back = torch.arange(window - 1, -1, -1, device=q.device)
     # A request slot past the window pool is a padding token; a listed entry past the compressed
     # pool is no entry (kernels never index out of range).
-    for s in range(lo, hi, step):
-        e = min(s + step, hi)
-        qs, end, req = q[s:e], ends[s:e].long(), req_slots[s:e]
-        idx = comp_idx[s:e, :n].where(listed[s:e], -1)
+    for s in range(0, t, step):
+        qs, end, req = q[s:s + step], ends[s:s + step].long(), req_slots[s:s + step]
+        idx = comp_idx[s:s + step, :n].where(listed[s:s + step], -1)
         c = qs.shape[0]
         live = (req >= 0) & valid_slots(req.long() * ring_size, window_cache, window_fmt)
         wpos = end[:, None] - back  # oldest first
@@ -69,12 +61,28 @@ def _attend_rows(q, window_cache, comp_cache, ends, req_slots, comp_idx, lens, s
         unpack_kv(comp_cache, idx.where(cvalid, -1).reshape(-1), ckeys, comp_fmt)
         keys = torch.cat([wkeys.view(c, window, d), ckeys.view(c, n, d)], 1)
         valid = torch.cat([wvalid, cvalid], 1)
-        if lse is None:
-            o = sink_attention(qs, keys, valid, sinks, scale)
+        if batch_invariant:
+            # Decoding is elementwise (codes x exact powers of two), so a query's keys have the same
+            # bits in any chunk; the GEMMs run one query at a time over its window and its own listed
+            # entries, shapes that depend on the query alone (over the chunk's longest list, torch's
+            # CPU GEMMs give other bits at other widths).
+            ws = (window + lens[s:s + step]).tolist()
+            parts = [_attend(qs[i:i + 1], keys[i:i + 1, :w], valid[i:i + 1, :w], sinks, scale, lse is not None)
+                     for i, w in enumerate(ws)]
+            o = torch.cat([p[0] for p in parts])
+            l_sum = torch.cat([p[1] for p in parts]) if lse is not None else None
         else:
-            o, l_sum = partial_attention(qs, keys, valid, scale)
-            lse[s:e] = l_sum.where(live[:, None], float("-inf"))
-        out[s:e] = o.where(live[:, None, None], 0).to(out.dtype)
+            o, l_sum = _attend(qs, keys, valid, sinks, scale, lse is not None)
+        if lse is not None:
+            lse[s:s + step] = l_sum.where(live[:, None], float("-inf"))
+        out[s:s + step] = o.where(live[:, None, None], 0).to(out.dtype)
+
+
+def _attend(q: Tensor, keys: Tensor, valid: Tensor, sinks: Tensor, scale: float, partial: bool):
+    """(o, lse): sink_attention's o and None, or partial_attention's (o, lse) where `partial`."""
+    if partial:
+        return partial_attention(q, keys, valid, scale)
+    return sink_attention(q, keys, valid, sinks, scale), None
 
 
 def partial_attention(q: Tensor, keys: Tensor, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:

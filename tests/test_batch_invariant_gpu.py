@@ -1,0 +1,101 @@
+"""Batch-invariant serving on the GPU (CacheConfig(batch_invariant=True)): at V4-Flash dims (FP8
+cache, block-FP8 projections as keep_fp8 loads them), request "a" served alone and beside 1 to 31
+others of random lengths (up to 4K) gets bitwise the same outputs, eager and compiled (fullgraph); and the
+kernel of dsv4::invariant_linear gives a row the same bits whatever rows share its call. The CPU
+twin: tests/test_batch_invariant.py."""
+
+import pytest
+import torch
+
+from dsv4ops import DSV4AttentionConfig
+from dsv4ops.bench import layer_step
+from dsv4ops.bench.attention import FP8, new_layer
+from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.config import CSA, HCA, SLIDING
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FLASH = DSV4AttentionConfig.flash()
+MAX_CONTEXT = 4096  # a few K: long enough for many CSA entries (index_topk 512 of 1024) and HCA ones
+A_CHUNKS = [700, 300, 1, 1, 1, 1]  # "a": a prefill in two chunks, then decode steps
+
+
+def _serve(layer, forward, others: int, seed: int) -> torch.Tensor:
+    """The outputs of "a" (A_CHUNKS, through `forward`: the layer or its compiled form) on a fresh
+    batch-invariant cache; with `others` requests first prefilled (eager) to random lengths up to
+    MAX_CONTEXT - 64, then sharing each step of "a" with random chunks of 1 to 48 tokens, "a" at a
+    random place in the step."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = {f"o{i}": n for i, n in enumerate(torch.randint(1, MAX_CONTEXT - 64, (others,), generator=gen).tolist())}
+    cfg = CacheConfig(formats=FP8, exact_dtype=torch.bfloat16, max_requests=others + 1, max_context=MAX_CONTEXT,
+                      max_step_tokens=2048, batch_invariant=True)
+    manager = KVCacheManager(FLASH, cfg, device="cuda")
+    layer.attach_cache(manager)
+    xa = torch.randn(sum(A_CHUNKS), FLASH.hidden_size, generator=torch.Generator().manual_seed(0))
+    xa = xa.to("cuda", torch.bfloat16)
+
+    def rows(r, n, done=0):
+        if r == "a":
+            return xa[done:done + n]
+        return torch.randn(n, FLASH.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+
+    def step(spec: dict, run, done=0):
+        with manager.step(spec) as st:
+            x = torch.cat([rows(r, n, done) for r, n in spec.items()])
+            return run(torch.cat([x, x.new_zeros(st.positions.shape[0] - x.shape[0], x.shape[1])]), st)
+
+    outs, done = [], 0
+    with torch.no_grad():
+        for r, n in lengths.items():  # the others' earlier steps, without "a"
+            manager.admit(r)
+            for lo in range(0, n, 2048):
+                step({r: min(2048, n - lo)}, layer)
+        manager.admit("a")
+        for n in A_CHUNKS:
+            spec = {"a": n}
+            for r, length in list(lengths.items()):
+                k = int(torch.randint(1, 49, (1,), generator=gen))
+                if length + k <= MAX_CONTEXT and sum(spec.values()) + k <= 2048:
+                    spec[r] = k
+                    lengths[r] = length + k
+            order = [list(spec)[i] for i in torch.randperm(len(spec), generator=gen).tolist()]
+            y = step({r: spec[r] for r in order}, forward, done)
+            at = sum(spec[r] for r in order[:order.index("a")])
+            outs.append(y[at:at + n])
+            done += n
+    del layer.cache, layer.cache_manager
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_a_request_gets_the_same_bits_whoever_shares_its_steps(kind, compiled):
+    layer = new_layer(kind, FLASH)
+    layer_step.to_block_fp8(layer)
+    forward = torch.compile(layer, fullgraph=True) if compiled else layer
+    alone = _serve(layer, forward, 0, 0)
+    assert alone.shape == (sum(A_CHUNKS), FLASH.hidden_size) and alone.isfinite().all() and alone.abs().sum() > 0
+    for others, seed in ((1, 1), (7, 2), (31, 3)):
+        busy = _serve(layer, forward, others, seed)
+        diff = (busy.float() - alone.float()).abs().max().item()
+        assert torch.equal(busy, alone), f"{kind}, {others} others: max difference {diff:.3e}"
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype, out_dtype):
+    """Row i of x[lo:lo + m] @ w^T is bitwise row lo + i of the full product for m in 1..256, from a
+    tile-aligned and an unaligned lo (V4-Flash's q_b_proj: K 1024, N 4096 cut to 1024), and within
+    the fp32 GEMM's error of the fp64 product."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 1024, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(1024, 1024, device="cuda", generator=gen) * 0.03).to(dtype)
+    full = torch.ops.dsv4.invariant_linear.default
+    out = torch.full((300, 1024), float("nan"), device="cuda", dtype=out_dtype)
+    full(x, w, out)
+    exact = x.double() @ w.double().t()
+    assert (out.double() - exact).abs().max() <= exact.abs().max() * (2.0**-7 if out_dtype == torch.bfloat16 else 1e-5)
+    for lo in (0, 37):
+        for m in range(1, 257):
+            part = torch.full((m, 1024), float("nan"), device="cuda", dtype=out_dtype)
+            full(x[lo:lo + m], w, part)
+            assert torch.equal(part, out[lo:lo + m]), (lo, m)
