@@ -13,7 +13,7 @@ from builders import FP8
 
 import format_model as M
 import triton
-from interp import BS, INV_FREQ, i32, new_pool, pool_fmt, pool_rows
+from interp import INV_FREQ, i32, new_pool, pool_fmt, pool_rows
 from dsv4ops import testing as T
 from dsv4ops.indexer import reference as indexer_ref
 from dsv4ops.indexer import triton as indexer_tt

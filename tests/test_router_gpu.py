@@ -17,7 +17,7 @@ from test_router import (
 )
 from torch._dynamo.utils import counters
 
-from dsv4ops.router import api, reference
+from dsv4ops.router import reference
 from dsv4ops.router import cuda as router_cuda
 from dsv4ops.router.modules import DeepseekV4HashRouter, DeepseekV4Router
 

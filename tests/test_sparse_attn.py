@@ -303,7 +303,7 @@ def test_csrc_heads_per_cta_and_tile_keys():
 
 
 # ---- the Triton kernel under the interpreter, against the reference (helpers: tests/interp.py) -------------
-from interp import BS, i32, new_pool  # noqa: E402
+from interp import i32, new_pool  # noqa: E402
 
 from dsv4ops.quant import reference as quant_ref  # noqa: E402
 from dsv4ops.sparse_attn import reference as sparse_attn_ref  # noqa: E402

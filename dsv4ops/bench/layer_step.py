@@ -197,7 +197,7 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
                     a, b = comp().float(), base().float()
                     row["rel_diff"] = ((a - b).abs().max() / b.abs().max()).item()
                 case.release()
-                case = Case(kind, batch, CONTEXT, 1, device=device, model=cfg, layer=layer, batch_invariant=True)
+                case = Case(kind, batch, context, 1, device=device, model=cfg, layer=layer, batch_invariant=True)
                 row["invariant_us"] = timer(lambda: compiled(case.x, case.step))  # noqa: B023
                 row["vs_default"] = row["invariant_us"] / row["compiled_us"]
                 case.release()

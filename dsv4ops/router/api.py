@@ -19,7 +19,6 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops called below)
-from dsv4ops.router import checks as _checks
 from dsv4ops.router.cuda import bind_cuda_kernel
 
 _gate_topk = torch.ops.dsv4.gate_topk.default
