@@ -117,10 +117,10 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
             scale = torch.ones(-(-n // fp8_block), -(-k // fp8_block), dtype=fp8_scale, device=device)
             x, out = torch.zeros(t, k, dtype=dtype, device=device), torch.empty(t, n, dtype=dtype, device=device)
             ops.fp8_linear(x, weight, scale.view(torch.uint8) if fp8_scale == torch.float8_e8m0fnu else scale, out,
-                           fp8_block)
+                           fp8_block, 1, cache_cfg.batch_invariant)
             calls += 1
             # BlockFP8Linear's "auto" runs W8A8 at this step size: its route's kernels too
-            if fp8_rule.pick(t, n, k, fp8_block, fp8_rule.serving_capability(device)) == "fp8":
+            if not cache_cfg.batch_invariant and fp8_rule.pick(t, n, k, fp8_block, fp8_rule.serving_capability(device)) == "fp8":
                 ops.fp8_linear_w8a8(x, weight, scale.float(), out, fp8_block)
                 calls += 1
         if fp8_block:  # o_a_proj, grouped (this rank's groups)
@@ -130,8 +130,15 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
             scale = torch.ones(-(-n // fp8_block), -(-k // fp8_block), dtype=fp8_scale, device=device)
             ops.fp8_linear(torch.zeros(t, groups * k, dtype=dtype, device=device), weight,
                            scale.view(torch.uint8) if fp8_scale == torch.float8_e8m0fnu else scale,
-                           torch.empty(t, n, dtype=dtype, device=device), fp8_block, groups)
+                           torch.empty(t, n, dtype=dtype, device=device), fp8_block, groups,
+                           cache_cfg.batch_invariant)
             calls += 1
+        if cache_cfg.batch_invariant:  # every GEMM's one launch config (dsv4ops.invariant)
+            for n, k, fp32 in _invariant_shapes(model_cfg, kinds, tp):
+                ops.invariant_linear(torch.zeros(t, k, dtype=dtype, device=device),
+                                     torch.zeros(n, k, dtype=dtype, device=device),
+                                     torch.empty(t, n, dtype=torch.float32 if fp32 else dtype, device=device))
+                calls += 1
         rows = torch.empty(t, d, dtype=dtype, device=device)
         ops.pack_kv(rows, none, window, main_fmt)
         ops.unpack_kv(window, none, rows, main_fmt)
@@ -153,4 +160,22 @@ def _fp8_projections(cfg: DSV4AttentionConfig, kinds: set, tp: int = 1) -> set:
               (cfg.head_dim, cfg.hidden_size), (cfg.hidden_size, cfg.o_groups // tp * cfg.o_lora_rank)}
     if CSA in kinds:
         shapes.add((cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
+    return shapes
+
+
+def _invariant_shapes(cfg: DSV4AttentionConfig, kinds: set, tp: int = 1) -> set:
+    """(out, in, fp32 out) of the bf16 GEMMs a batch-invariant step runs through invariant_linear: each
+    kind's packed projection of x (fp32 out where a compressor reads it), q_b, o_a a group, o_b and
+    the indexer's q_b (dsv4ops.projections, dsv4ops.invariant)."""
+    h, g, d, di = cfg.num_heads // tp, cfg.o_groups // tp, cfg.head_dim, cfg.index_head_dim
+    base = cfg.q_lora_rank + d
+    shapes = {(h * d, cfg.q_lora_rank, False), (cfg.o_lora_rank, cfg.num_heads * d // cfg.o_groups, False),
+              (cfg.hidden_size, g * cfg.o_lora_rank, False)}
+    if SLIDING in kinds:
+        shapes.add((base, cfg.hidden_size, False))
+    if CSA in kinds:  # weights_proj, the compressor's kv and gate (2d wide), the indexer's (2 di wide)
+        shapes.add((base + cfg.index_n_heads + 4 * d + 4 * di, cfg.hidden_size, True))
+        shapes.add((cfg.index_n_heads * di, cfg.q_lora_rank, False))
+    if kinds - {SLIDING, CSA}:  # HCA: the compressor's kv and gate (d wide)
+        shapes.add((base + 2 * d, cfg.hidden_size, True))
     return shapes

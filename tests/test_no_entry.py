@@ -122,7 +122,7 @@ def test_out_of_range_index_is_no_entry(case):
 TRITON = {"pack_kv": ("dsv4ops.quant.triton", "pack_kv"), "unpack_kv": ("dsv4ops.quant.triton", "unpack_kv"),
           "qkv_prep": ("dsv4ops.qkv_prep.triton", "qkv_prep"),
           "compressor_update": ("dsv4ops.compressor.triton", "compressor_update"),
-          "indexer_k_prep": ("dsv4ops.indexer.triton", "indexer_k_prep")}
+          "indexer_k_prep": ("dsv4ops.indexer.triton_prep", "indexer_k_prep")}
 
 
 def _triton_formats(case) -> bool:

@@ -35,7 +35,7 @@ def test_warmup_calls_every_op_of_every_layer_kind(mode, parallel, monkeypatch):
     # Every op a V4 layer calls: all but V4.1's key writer (warmup takes V4 configurations), attn_merge
     # only for a context-parallel cache, and fp8_linear_w8a8 only where rule.pick chooses it: never
     # without a GPU (test_warmup_runs_w8a8_...).
-    skipped = ({"indexer_k_prep", "fp8_linear_w8a8"} | (set() if fp8_block else {"fp8_linear"})
+    skipped = ({"indexer_k_prep", "fp8_linear_w8a8", "invariant_linear"} | (set() if fp8_block else {"fp8_linear"})
                | ({"attn_merge"} if dcp == 1 else set()))
     assert {n for n, _ in seen} == set(dsv4ops.backends.TRITON_LAUNCHERS) - skipped
     assert {t for _, t in seen} == set(cache_cfg.buckets)
@@ -63,3 +63,27 @@ def test_warmup_runs_w8a8_where_the_rule_picks_it(monkeypatch):
     dsv4ops.warmup(cfg, cache_cfg, "cpu", fp8_block=128)
     # q_b (heads x 512, 512); q_a, kv, o_b and the indexer's q_b are all (512, 512) here
     assert {t for t, _ in seen} == {4} and {s for _, s in seen} == {(2048, 512), (512, 512)}
+
+
+def test_warmup_of_a_batch_invariant_cache_runs_every_invariant_gemm_shape(monkeypatch):
+    # The shapes come from the layers themselves: each kind's packed x projection, q_b, o_a a group,
+    # o_b and the indexer's q_b; fp8_linear in its invariant launch, never W8A8.
+    from dsv4ops.cache import CacheConfig
+
+    seen, fp8 = set(), []
+    real, real8 = torch.ops.dsv4.invariant_linear, torch.ops.dsv4.fp8_linear
+    monkeypatch.setattr(torch.ops.dsv4, "invariant_linear", lambda x, w, out: (
+        seen.add((*w.shape, out.dtype == torch.float32)), real(x, w, out)))
+    monkeypatch.setattr(torch.ops.dsv4, "fp8_linear", lambda *a: (fp8.append(a[5:]), real8(*a)))
+    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, batch_invariant=True)
+    dsv4ops.warmup(CFG, cache_cfg, "cpu", fp8_block=128)
+    want = set()
+    for i in range(CFG.num_layers):
+        layer = dsv4ops.DeepseekV4Attention(CFG, i)
+        want.add((*layer.x_packed.shape, layer.compressor is not None))
+        want |= {(*layer.q_b_proj.weight.shape, False), (*layer.o_b_proj.weight.shape, False),
+                 (CFG.o_lora_rank, layer.o_a_proj.weight.shape[1], False)}
+        if layer.compressor is not None and hasattr(layer.compressor, "indexer"):
+            want.add((*layer.compressor.indexer.q_b_proj.weight.shape, False))
+    assert seen == want
+    assert fp8 and all(a == (1, True) or a == (CFG.o_groups, True) for a in fp8)
