@@ -5,6 +5,14 @@ and listed in `mutates_args`, the op returns None); the reference kernel is regi
 device (CompositeExplicitAutograd), so it serves CPU and is the "reference backend" on GPU; CUDA
 backends attach with `register_kernel("cuda")` (Python) or `TORCH_LIBRARY_IMPL(dsv4, CUDA, m)`
 (csrc). Metadata is validated with `torch._check` by the same functions the fakes in `meta/` run.
+
+Where values are checked: shapes, dtypes and devices everywhere (the op and its fake). Values (indices,
+positions, token ids in range) on the host, with a ValueError, by the public functions in eager mode
+and by the step planner (KVCacheManager); never inside a compiled graph, where a check would sync the
+host. The raw ops trust no value but raise on none: in a kernel an index of -1 or out of range means
+"no entry" (written nowhere, read as nothing); a request slot of -1 or out of range, or a negative
+position, makes a padding token (reads and writes nothing); a hash_route token id or table entry out
+of range selects nothing (index -1, weight 0). So a bad value never leaves a half-written entry.
 """
 
 import torch
