@@ -255,7 +255,7 @@ def stack_rows(rows: list[dict], model: str, counts: dict[str, int] | None = Non
             continue
         row = dict(model=model, layer=f"stack of {sum(counts.values())}", batch=batch, context=context, heads=heads)
         for col in STACK_SUMS:
-            if all(by_kind[k].get(col) is not None for k in counts):
+            if all(col in by_kind[k] for k in counts):
                 row[col] = sum(n * by_kind[k][col] for k, n in counts.items())
         row["copy_TBps"] = by_kind[next(iter(counts))]["copy_TBps"]
         row["vs_floor"] = row["compiled_us"] / row["floor_us"]
