@@ -558,3 +558,163 @@ def test_layer_stack_rows_weigh_each_kind_by_its_layer_count():
     # V4-Pro's stack has no sliding layer (its sliding layer is the MTP layer): 30 CSA + 31 HCA.
     pro = [row("pro", "CSA", 1, 4096, 10.0), row("pro", "HCA", 1, 4096, 1.0)]
     assert layer_step.stack_rows(pro, "pro")[0]["compiled_us"] == 30 * 10 + 31 * 1
+
+
+# ---- V4.1-Flash's layer rows per role; a prefill chunk at an offset ----------------------------------
+def _v41_tiny():
+    """V4.1's tiny preset (10 layers: 1 sliding, 2 ratio-2 sources with 2 reuse layers, the ratio-1
+    source and candidate source, 3 ratio-1 reuse layers, 1 reindex inside the pool) and the 6-layer
+    stack with one layer of each of its roles, as layer_step_v41.ROLES is to V4.1-Flash."""
+    from dsv4ops.config_v41 import DSV41AttentionConfig
+
+    full = DSV41AttentionConfig.tiny()
+    return full, full.replace(num_layers=6, compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3),
+                              index_source_layers=(1, 3, 5), candidate_source_layer=3)
+
+
+def _v41_step_bytes(cfg, role, batch: int, pos: int) -> int:
+    """What a V4.1 layer's decode step must read, from the spec's shapes and dtypes (section 1.4):
+    the checkpoint's block-FP8 projections one e4m3 byte a weight and one UE8M0 byte a 32 x 32 tile,
+    the compressor's and indexer's bf16 weights, fp32 norms, sinks, RoPE table and the compressor's
+    zero bias; then `batch` tokens at position `pos`: their window rows (528 B), the group's selected
+    entries (288 B) and, at an index source, the index keys it scores (68 B)."""
+    def fp8(n, k):
+        return n * k + -(-n // 32) * -(-k // 32)
+
+    h, q, d, heads, g, r = cfg.hidden_size, cfg.q_lora_rank, cfg.head_dim, cfg.num_heads, cfg.o_groups, cfg.o_lora_rank
+    w = fp8(q, h) + fp8(heads * d, q) + fp8(d, h) + fp8(g * r, heads * d // g) + fp8(h, g * r)
+    w += 4 * (q + d + heads + cfg.rope_head_dim // 2)
+    if role.owns_compressor:
+        w += 2 * h * d * (2 if role.ratio > 1 else 1) + 4 * d + 4 * role.ratio * d
+    if role.indexer:
+        w += fp8(cfg.index_n_heads * cfg.index_head_dim, q) + 2 * cfg.index_n_heads * h
+    if role.owns_index_keys:
+        w += 2 * cfg.index_head_dim * d + 4 * cfg.index_head_dim
+    kv = min(pos + 1, cfg.window) * 528
+    if not role.sliding:
+        visible = (pos + 1) // role.ratio
+        kv += min(visible, cfg.index_topk) * 288
+        if role.indexer:
+            kv += (min(visible, cfg.candidate_pool) if role.uses_candidates else visible) * 68
+    return w + batch * kv
+
+
+def test_v41_layer_rows_per_role_with_their_floor_and_the_stack_weighted_by_role(monkeypatch):
+    """`bench --only layer --model v41` on V4.1's tiny preset (timers stubbed, the compile a no-op):
+    a row per role and point, its floor the bytes the step must read (computed here from the
+    shapes and dtypes), the stack row each role's row times its layers; the invariant column empty
+    where the stack refuses CacheConfig(batch_invariant=True), timed where it accepts it."""
+    from dsv4ops.bench import layer_step, layer_step_v41
+
+    full, roles = _v41_tiny()
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: module)
+    monkeypatch.setattr(layer_step, "kernel_count", lambda fn: (fn(), 7)[1])
+    asked = []
+
+    class Case(layer_step_v41.V41Case):  # the stack refuses the flag at batch 2, accepts it at batch 1
+        def __init__(self, stack, batch, context, device, batch_invariant=False):
+            asked.append((batch, batch_invariant))
+            if batch_invariant and batch == 2:
+                raise NotImplementedError("manager: CacheConfig(batch_invariant=True) is not supported")
+            super().__init__(stack, batch, context, device)
+
+    monkeypatch.setattr(layer_step_v41, "V41Case", Case)
+    seen = []
+    with torch.no_grad():
+        rows = layer_step_v41.run(seen.append, "cpu", lambda fn: (fn(), 2.0)[1], (1e12, 1e14), [(2, 300), (1, 40)],
+                                  roles, full)
+    assert rows == seen and asked == [(2, False), (2, True), (1, False), (1, True)]
+    counts = {"sliding": 1, "source (ratio 2)": 2, "reuse (ratio 2)": 2, "source+candidate (ratio 1)": 1,
+              "reuse (ratio 1)": 3, "reindex+pool (ratio 1)": 1}
+    assert layer_step_v41.role_counts(full) == counts
+    layer_of = {"sliding": 0, "source (ratio 2)": 1, "reuse (ratio 2)": 2, "source+candidate (ratio 1)": 3,
+                "reuse (ratio 1)": 4, "reindex+pool (ratio 1)": 5}
+    for batch, context in ((2, 300), (1, 40)):
+        point = {r["layer"]: r for r in rows if (r["batch"], r["context"]) == (batch, context)}
+        stack = point.pop("stack of 10")
+        assert set(point) == set(counts)
+        for name, row in point.items():
+            assert row["model"] == "v41" and row["heads"] == 16 and row["kernels"] == 7
+            want = _v41_step_bytes(roles, roles.role(layer_of[name]), batch, context - 1)
+            assert row["floor_us"] == pytest.approx(want / 1e12 * 1e6, rel=1e-12), name
+            assert row["vs_floor"] == 2.0 / row["floor_us"] and "flashmla_bf16_us" not in row
+            assert (row["invariant_us"], row["vs_default"]) == ((None, None) if batch == 2 else (2.0, 1.0))
+        assert stack["floor_us"] == pytest.approx(sum(n * point[k]["floor_us"] for k, n in counts.items()))
+        assert stack["compiled_us"] == 10 * 2.0 and stack["kernels"] == 10 * 7 and stack["heads"] == 16
+
+
+def test_v41_role_stack_holds_every_role_of_v41_flash_at_its_shapes():
+    """layer_step_v41.ROLES times each role on one layer: the same weights (shapes, dtypes) as the
+    first layer of that role in V4.1-Flash, whose 40 layers the stack row counts by role (spec 1.3)."""
+    from dsv4ops.bench import layer_step_v41 as v41
+    from dsv4ops.layers_v41 import DeepseekV41Attention
+
+    assert v41.role_counts(v41.FLASH) == {"sliding": 2, "source (ratio 2)": 3, "reuse (ratio 2)": 15,
+                                          "source+candidate (ratio 1)": 1, "reuse (ratio 1)": 15,
+                                          "reindex+pool (ratio 1)": 4}
+    flash = v41.role_layers(v41.FLASH)
+    assert flash == {"sliding": 0, "source (ratio 2)": 2, "reuse (ratio 2)": 3, "source+candidate (ratio 1)": 20,
+                     "reuse (ratio 1)": 21, "reindex+pool (ratio 1)": 24}
+    for name, i in v41.role_layers(v41.ROLES).items():
+        with torch.device("meta"):
+            ours, theirs = DeepseekV41Attention(v41.ROLES, i), DeepseekV41Attention(v41.FLASH, flash[name])
+        shapes = [{n: (t.shape, t.dtype) for n, t in [*m.named_parameters(), *m.named_buffers()]}
+                  for m in (ours, theirs)]
+        assert shapes[0] == shapes[1], name
+        role, flash_role = v41.ROLES.role(i), v41.FLASH.role(flash[name])
+        assert (role.uses_candidates, role.candidate_source) == (flash_role.uses_candidates, flash_role.candidate_source)
+
+
+def test_layer_bench_runs_v41_rows_and_the_cli_keeps_v41_to_them(monkeypatch, capsys):
+    from dsv4ops.bench import cli, layer_step, layer_step_v41
+
+    got = []
+    monkeypatch.setattr(layer_step, "measured_rates", lambda timer: (2e12, 5e14))
+    monkeypatch.setattr(layer_step_v41, "run", lambda *a: (got.append(a), [{"model": "v41"}])[1])
+    timer = lambda fn: 1.0  # noqa: E731
+    assert layer_step.run(models=("v41",), timer=timer, points=[(3, 500)], device="cpu") == [{"model": "v41"}]
+    assert got == [(print, "cpu", timer, (2e12, 5e14), [(3, 500)])]
+    assert cli.build_parser().parse_args(["--only", "layer", "--model", "v41"]).model == "v41"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--only", "memory,attention", "--model", "v41"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert "versions:" not in captured.out and "--model v41: only the layer part" in captured.err
+
+
+def test_case_of_a_prefill_chunk_reads_the_cached_context(monkeypatch):
+    """`--case csa:1x640:128`: one request holding 512 cached tokens, a 128-token chunk of prefill at
+    positions 512..639 (as engines run chunked prefill; CONTEXT counts the chunk), not a prefill
+    from 0: the chunk's first token attends cached compressed entries and a window of cached rows,
+    its bytes count them, and FlashMLA's prefill gets the ring slots of those cached positions."""
+    from dsv4ops.bench import flashmla
+    from dsv4ops.bench.cli import parse_case
+
+    assert parse_case("csa:1x34K:2K") == (CSA, 1, 34 << 10, 2 << 10, None)
+    assert parse_case("csa:1x640:128") == (CSA, 1, 640, 128, None)
+    model = DSV4AttentionConfig.tiny()  # window 128, top-16 of the ratio-4 entries
+    case = attention.Case(CSA, 1, 640, 128, device="cpu", model=model)
+    st, cache = case.step, case.layer.cache
+    assert torch.equal(st.positions, torch.arange(512, 640, dtype=torch.int32))
+    assert case.manager.length[0] == 512  # the cached context the chunk follows
+    calls = case.op_calls()
+    with torch.no_grad():
+        for call in calls.values():
+            call()
+        before = case.o.clone()
+        # Every compressed entry the chunk's first token sees (513 // 4 = 128) closed before the chunk:
+        # new values in the pool's cached rows change its output.
+        attention._fill(cache.comp, 512, cache.fmt["comp"], torch.Generator().manual_seed(1))
+        calls["sparse_attn"]()
+    assert not torch.equal(case.o[0], before[0])
+    pos = st.positions.long()
+    assert (case.lens == ((pos + 1) // 4).clamp(max=16)).all() and case.lens[0] == 16
+    # Bytes: every token of the chunk reads a full window (127 cached rows for the first) and 16
+    # selected entries; the indexer scores (p + 1) // 4 keys for each.
+    nbytes, _, ceiling = case.work("sparse_attn")
+    assert nbytes == 128 * (128 * 584 + 16 * 584 + 4 * 512 * 2 * 2) and ceiling == "bf16"
+    assert case.work("indexer_topk")[0] == int(((pos + 1) // 4).sum()) * 132 + 128 * 4 * 128
+    slots = flashmla.window_slots(st.positions, st.req_slots, model.window, cache.ring_size)
+    want = (pos[:, None] - torch.arange(127, -1, -1)) % cache.ring_size
+    assert torch.equal(slots.long(), want) and slots[0, 0] == 385 % cache.ring_size
+    case.release()

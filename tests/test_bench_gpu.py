@@ -54,3 +54,38 @@ def test_layer_step_and_its_flashmla_composition_capture_and_agree(kind):
     # same projections, two cores on the same keys; the block-FP8 step's output is whole
     assert ((c - b).abs().max() / b.abs().max()).item() < SAME_KEYS
     assert a.shape == b.shape and a.isfinite().all()
+
+
+def test_v41_layer_rows_capture_every_role_compiled():
+    """`bench --only layer --model v41` at one small point: every V4.1-Flash role's step captured
+    eager and compiled (fullgraph) in CUDA graphs, its kernels counted, its floor positive; the stack
+    row sums the 40 layers."""
+    from dsv4ops.bench import layer_step_v41
+
+    timer = lambda fn: graph_time_us(fn, iters=3, reps=2)  # noqa: E731
+    with torch.no_grad():
+        rows = layer_step_v41.run(lambda r: None, "cuda", timer, layer_step.measured_rates(timer), [(8, 4096)])
+    roles = layer_step_v41.role_counts(layer_step_v41.FLASH)
+    assert [r["layer"] for r in rows] == [*roles, "stack of 40"]
+    for r in rows:
+        assert r["eager_us"] > 0 and r["compiled_us"] > 0 and r["kernels"] > 0 and r["floor_us"] > 0, r
+
+
+def test_prefill_chunk_at_an_offset_runs_ours_and_flashmla_on_the_same_keys():
+    """`--case csa:1x6K:2K`: a 2K-token chunk after 4K cached tokens; sparse_attn and FlashMLA's sparse
+    prefill (on the same window slots and selected entries, gathered to bf16) agree, and the attention
+    rows time both."""
+    from dsv4ops.bench import attention
+
+    case = attention.Case(CSA, 1, 6144, 2048)
+    assert case.step.positions[0].item() == 4096
+    calls = case.op_calls()
+    with torch.no_grad():
+        for call in calls.values():
+            call()
+        theirs = case.flashmla_call()().float()
+    assert ((case.o.float() - theirs).abs().max() / theirs.abs().max()).item() < SAME_KEYS
+    with torch.no_grad():
+        rows = attention.bench_case(case, with_reference=False)
+    row = next(r for r in rows if r["op"] == "sparse_attn")
+    assert row["tokens"] == 2048 and row["us"] > 0 and row["flashmla_us"] > 0

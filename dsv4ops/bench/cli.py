@@ -20,14 +20,19 @@ KINDS = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "hca": HCA}
 # Every part --only names (its help describes each); a name outside it is refused before anything runs.
 PARTS = ("attention", "flashmla", "v41", "router", "fp8_linear", "fp8_tune", "fp4_cache", "layer", "memory", "parallel")
 MODELS = {"flash": DSV4AttentionConfig.flash, "pro": DSV4AttentionConfig.pro}
+# The parts whose shapes --model picks among V4's (MODELS); --model v41 is the layer part's alone.
+V4_MODEL_PARTS = ("attention", "fp4_cache", "fp8_linear", "fp8_tune", "parallel")
 
 
 def parse_case(text: str) -> tuple[str, int, int, int, int | None]:
     """`KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]` -> (layer kind, batch, context, new tokens per
     request, the cache's max_context or None: context + NEW); KIND is swa / sliding / csa / hca,
-    numbers take a K (x1024) or M (x1048576) suffix, NEW defaults to 1 (decode; NEW = CONTEXT with
-    batch 1 is a prefill from position 0). E.g. csa:128x4K, hca:1x64K, csa:1x4K:4K, csa:1x4K@1M (a
-    4K context in a cache sized for 1M positions a request)."""
+    numbers take a K (x1024) or M (x1048576) suffix, NEW defaults to 1 (decode). CONTEXT counts the
+    step's own tokens: each request holds CONTEXT - NEW cached tokens and its NEW tokens sit at
+    positions CONTEXT - NEW .. CONTEXT - 1 (NEW = CONTEXT: a prefill from position 0; NEW < CONTEXT
+    with NEW > 1: a chunk of prefill at that offset, as engines run chunked prefill). E.g.
+    csa:128x4K, hca:1x64K, csa:1x4K:4K, csa:1x34K:2K (a 2K chunk after 32K cached tokens), csa:1x4K@1M
+    (a 4K context in a cache sized for 1M positions a request)."""
     m = re.fullmatch(r"(\w+):(\d+[KM]?)x(\d+[KM]?)(?::(\d+[KM]?))?(?:@(\d+[KM]?))?", text.strip(),
                      flags=re.IGNORECASE)
     if not m or m.group(1).lower() not in KINDS:
@@ -79,15 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "default set), fp4_cache (the V4 "
                          "stack's decode step, FP8 cache and FP4 cache option, at 64K and 1M context or the --case "
                          "shapes), layer (the whole layer's decode step, eager and compiled in CUDA graphs, against "
-                         "its floor and beside FlashMLA + bf16 GEMMs; --model picks flash or pro, --quick batch 1 and "
-                         "128; not in the default set), memory, parallel (TP2 / DCP2 against one GPU: torchrun --nproc-per-node 2 -m dsv4ops bench "
+                         "its floor and beside FlashMLA + bf16 GEMMs; --model picks flash, pro or v41 (V4.1-Flash, a "
+                         "row per layer role), --quick batch 1 and 128; not in the default set), memory, parallel "
+                         "(TP2 / DCP2 against one GPU: torchrun --nproc-per-node 2 -m dsv4ops bench "
                          "--only parallel; not in the default set)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--case", type=parse_case, action="append", metavar="KIND:BATCHxCONTEXT[:NEW][@MAX_CONTEXT]",
                     help="attention shape to run instead of the default set (repeatable), e.g. csa:128x4K, hca:32x1M, "
-                         "csa:1x4K:4K (a 4K prefill), csa:128x4K@1M (a cache sized for 1M positions a request)")
-    ap.add_argument("--model", choices=sorted(MODELS), default="flash",
-                    help="layer dims of the attention cases and the fp8_linear / fp8_tune projections")
+                         "csa:1x4K:4K (a 4K prefill from position 0), csa:1x34K:2K (a 2K-token prefill chunk at "
+                         "positions 32K .. 34K - 1, reading the 32K cached tokens: CONTEXT counts the step's tokens), "
+                         "csa:128x4K@1M (a cache sized for 1M positions a request)")
+    ap.add_argument("--model", choices=sorted([*MODELS, "v41"]), default="flash",
+                    help="layer dims of the attention cases, the layer rows and the fp8_linear / fp8_tune "
+                         "projections; v41 (V4.1-Flash) only with --only layer")
     ap.add_argument("--tp", type=lambda s: tuple(int(v) for v in s.split(",")), default=(1,), metavar="N[,N...]",
                     help="fp8_tune: the tensor-parallel sizes whose rank shapes it sweeps (1: the full projections), "
                          "e.g. 1,2,4,8,16")
@@ -112,6 +121,9 @@ def main(argv=None):
     unknown = [p for p in args.only.split(",") if p not in PARTS]
     if unknown:
         ap.error(f"--only: unknown part {unknown[0]!r}; expected a comma list of: {', '.join(PARTS)}")
+    v4_only = [p for p in args.only.split(",") if p in V4_MODEL_PARTS]
+    if args.model == "v41" and v4_only and not (args.sweep or args.sweep_quick or args.from_json):
+        ap.error(f"--model v41: only the layer part has V4.1 rows (--only layer), got --only with {v4_only[0]!r}")
     if args.sweep or args.sweep_quick:
         return _sweep(args)
     if args.from_json:

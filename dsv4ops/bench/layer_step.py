@@ -15,6 +15,10 @@ projections).
   bf16 dense rate measured in the same run.
 - flashmla_bf16_us: the same layer with bf16 projections (the FP8 weights dequantized: the same
   values) and FlashMLA's decode as its core, through `_attend`'s core seam, captured likewise in eager.
+
+V4-Flash and V4-Pro rows are per layer kind; V4.1-Flash rows per layer role (bench/layer_step_v41:
+the same columns and timers, no FlashMLA one). After each model's rows, its whole stack's
+(`stack_rows`).
 """
 
 from __future__ import annotations
@@ -163,33 +167,50 @@ def kernel_count(fn) -> int:
                and not any(k in e.name.lower() for k in kinds))
 
 
+def step_columns(timer, eager, compiled, nbytes: int, gemm_flops: float, batch: int, rates) -> dict:
+    """eager_us, compiled_us, kernels, floor_us, copy_TBps, vs_floor of one layer step: `nbytes` (the
+    bytes it must read) at the copy bandwidth of `rates` (measured_rates), at batch >= FLOPS_FROM the
+    larger of that and `gemm_flops` at its GEMM rate."""
+    bandwidth, flops = rates
+    row = {"eager_us": timer(eager), "compiled_us": timer(compiled), "kernels": kernel_count(compiled)}
+    floor = nbytes / bandwidth
+    if batch >= FLOPS_FROM:
+        floor = max(floor, gemm_flops / flops)
+    row["floor_us"], row["copy_TBps"] = floor * 1e6, bandwidth / 1e12
+    row["vs_floor"] = row["compiled_us"] / row["floor_us"]
+    return row
+
+
 @torch.no_grad()
-def run(quick: bool = False, progress=print, device="cuda", timer=None, models=("flash", "pro"),
+def run(quick: bool = False, progress=print, device="cuda", timer=None, models=("flash", "pro", "v41"),
         kinds=(SLIDING, CSA, HCA), points=None) -> list[dict]:
+    """The rows of `models` (flash, pro: per layer kind; v41: per V4.1-Flash role, bench/layer_step_v41)
+    at `points` (default POINTS, QUICK_POINTS with `quick`), each model's stack rows after its own."""
     from dsv4ops.bench.timing import graph_time_us
 
     timer = timer or graph_time_us
-    bandwidth, flops = measured_rates(timer)
+    rates = measured_rates(timer)
+    points = points or (QUICK_POINTS if quick else POINTS)
     rows = []
     for model in models:
+        if model == "v41":
+            from dsv4ops.bench import layer_step_v41
+
+            rows += layer_step_v41.run(progress, device, timer, rates, points)
+            continue
         for kind in kinds:
             cfg = model_config(model, kind)
             layer = new_layer(kind, cfg, device)
             bf16 = to_block_fp8(layer)
             twin = bf16_twin(layer, bf16) if flashmla.available() else None
             compiled = torch.compile(layer, fullgraph=True)
-            for batch, context in points or (QUICK_POINTS if quick else POINTS):
+            for batch, context in points:
                 case = Case(kind, batch, context, 1, device=device, model=cfg, layer=layer)
                 eager = lambda: layer(case.x, case.step)  # noqa: E731
                 comp = lambda: compiled(case.x, case.step)  # noqa: E731
                 row = dict(model=model, layer=KIND_NAMES[kind], batch=batch, context=context, heads=cfg.num_heads)
-                row["eager_us"], row["compiled_us"] = timer(eager), timer(comp)
-                row["kernels"] = kernel_count(comp)
-                floor = (weight_bytes(layer) + kv_bytes(case)) / bandwidth
-                if batch >= FLOPS_FROM:
-                    floor = max(floor, 2 * case.x.shape[0] * weight_elements(layer) / flops)
-                row["floor_us"], row["copy_TBps"] = floor * 1e6, bandwidth / 1e12
-                row["vs_floor"] = row["compiled_us"] / row["floor_us"]
+                row.update(step_columns(timer, eager, comp, weight_bytes(layer) + kv_bytes(case),
+                                        2 * case.x.shape[0] * weight_elements(layer), batch, rates))
                 if twin is not None:
                     base = _attend_with(twin, case, flashmla_core(case))
                     row["flashmla_bf16_us"] = timer(base)
@@ -215,22 +236,24 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
 STACK_SUMS = ("eager_us", "compiled_us", "kernels", "floor_us", "flashmla_bf16_us")
 
 
-def stack_rows(rows: list[dict], model: str) -> list[dict]:
+def stack_rows(rows: list[dict], model: str, counts: dict[str, int] | None = None, heads: int | None = None
+               ) -> list[dict]:
     """The whole attention stack's step per (batch, context) point: the model's layers of each kind
     times that kind's measured row (the layers of a kind run the same shapes, so the same kernels),
     summed; only where every kind of the stack was measured. A sum of separately timed graphs, not
-    one graph of the whole stack: the launches between layers overlap in neither."""
-    cfg = DSV4AttentionConfig.flash() if model == "flash" else DSV4AttentionConfig.pro()
-    counts = {}
-    for i in range(cfg.num_layers):
-        counts[KIND_NAMES[cfg.layer_type(i)]] = counts.get(KIND_NAMES[cfg.layer_type(i)], 0) + 1
+    one graph of the whole stack: the launches between layers overlap in neither. counts: row name
+    (`layer`) -> layers of it in the stack (default: the V4 model's kinds), heads: the model's."""
+    if counts is None:
+        cfg = DSV4AttentionConfig.flash() if model == "flash" else DSV4AttentionConfig.pro()
+        counts, heads = {}, cfg.num_heads
+        for i in range(cfg.num_layers):
+            counts[KIND_NAMES[cfg.layer_type(i)]] = counts.get(KIND_NAMES[cfg.layer_type(i)], 0) + 1
     out = []
     for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in rows):
         by_kind = {r["layer"]: r for r in rows if (r["batch"], r["context"]) == (batch, context)}
         if not set(counts) <= set(by_kind):
             continue
-        row = dict(model=model, layer=f"stack of {cfg.num_layers}", batch=batch, context=context,
-                   heads=cfg.num_heads)
+        row = dict(model=model, layer=f"stack of {sum(counts.values())}", batch=batch, context=context, heads=heads)
         for col in STACK_SUMS:
             if all(col in by_kind[k] for k in counts):
                 row[col] = sum(n * by_kind[k][col] for k, n in counts.items())
