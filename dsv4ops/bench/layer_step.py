@@ -203,8 +203,11 @@ def run(quick: bool = False, progress=print, device="cuda", timer=None, models=(
             layer = new_layer(kind, cfg, device)
             bf16 = to_block_fp8(layer)
             twin = bf16_twin(layer, bf16) if flashmla.available() else None
-            compiled = torch.compile(layer, fullgraph=True)
             for batch, context in points:
+                # A graph per point, static shapes: one compiled module reused over the points would
+                # turn dynamic at the second batch size and time symbolic-shape kernels from then on.
+                torch._dynamo.reset()
+                compiled = torch.compile(layer, fullgraph=True, dynamic=False)
                 case = Case(kind, batch, context, 1, device=device, model=cfg, layer=layer)
                 eager = lambda: layer(case.x, case.step)  # noqa: E731
                 comp = lambda: compiled(case.x, case.step)  # noqa: E731

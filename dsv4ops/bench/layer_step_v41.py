@@ -168,7 +168,7 @@ def run(progress, device, timer, rates, points, model: DSV41AttentionConfig = RO
                          f"{sorted(layers)}")
     stack = new_stack(model, device)
     steps = {name: OneLayer(stack, i) for name, i in layers.items()}
-    compiled = {name: torch.compile(step, fullgraph=True) for name, step in steps.items()}
+    compiled = {name: torch.compile(step, fullgraph=True, dynamic=False) for name, step in steps.items()}
     rows = []
     for batch, context in points:
         torch._dynamo.reset()  # the roles share OneLayer.forward: a point's compiles stay under its cache limit
