@@ -10,6 +10,7 @@ import dataclasses
 import functools
 
 import builders
+import drivers_v41
 import pytest
 import torch
 
@@ -113,6 +114,98 @@ def test_a_batch_dependent_gemm_put_back_is_caught(monkeypatch):
     assert not torch.equal(_serve(CSA, "fp8", BUSY), alone)
 
 
+# ---- V4.1: every role of the tiny stack (sliding, source+indexer, reindex, reuse, candidate source,
+# reindex inside the pool) in one run; its 20 tokens see 10 ratio-2 entries (index_topk 8) and 20
+# ratio-1 entries (a 16-entry candidate pool), so the selections decide what a query sees.
+CFG41 = DSV41AttentionConfig.tiny()
+BLOCK41 = 7  # odd: slots cross pages
+
+
+def _serve41(schedule, invariant=True):
+    """Request "a"'s outputs [num_layers, 20, hidden] through `schedule` on a fresh fp32 stack and
+    cache (QAT formats); padding tokens get random rows and positions (they must change nothing)."""
+    stack = testing.randomize_(DeepseekV41AttentionStack(CFG41, CacheFormats.v41()), seed=3)
+    cfg = CacheConfig(max_requests=4, max_context=48, max_step_tokens=32, block_size=BLOCK41,
+                      formats=CacheFormats.v41(), exact_dtype=torch.float32, batch_invariant=invariant)
+    manager = V41CacheManager(CFG41, cfg)
+    stack.attach_cache(manager)
+    g = torch.Generator().manual_seed(0)
+    inputs = {r: torch.randn(CFG41.num_layers, n, CFG41.hidden_size, generator=g) for r, n in LENGTHS.items()}
+    served = {r: inputs[r] for r in dict.fromkeys(r for spec in schedule for r in spec)}
+    outs, _, _ = drivers_v41.serve_schedule(stack, manager, served, schedule, garbage=torch.Generator().manual_seed(9))
+    return outs["a"]
+
+
+@functools.cache
+def _alone41():
+    return _serve41(ALONE)
+
+
+def test_v41_request_outputs_do_not_depend_on_who_shares_the_steps():
+    alone = _alone41()
+    assert alone.shape == (CFG41.num_layers, LENGTHS["a"], CFG41.hidden_size) and alone.abs().sum() > 0
+    assert torch.equal(_serve41(BUSY), alone)
+
+
+def test_v41_a_batch_dependent_gemm_put_back_is_caught(monkeypatch):
+    alone = _alone41()
+    monkeypatch.setattr(inv_ref, "invariant_linear", _split_by_batch)
+    assert not torch.equal(_serve41(BUSY), alone)
+
+
+# Request 0's 7 tokens (3 closing ratio-2 entries) alone, then beside request 1's 30 (at positions
+# 3..32) whose entry slots are -1: they compute everything (the GEMM's M, the kernels' grids) and
+# store no entry, so every pool byte and request 0's state and latent rows must come out the same.
+ALONE_RUN, BUSY_RUNS = (0, 0, 7), ((0, 0, 7), (1, 3, 30))
+
+
+def _alone_and_busy(args, per_token):
+    busy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    busy["entry_slots"][ALONE_RUN[2]:] = -1
+    alone = {k: v[:ALONE_RUN[2]].clone() if k in per_token else v.clone() if isinstance(v, torch.Tensor) else v
+             for k, v in args.items()}
+    return alone, busy
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_v41_compressor_rows_do_not_depend_on_the_other_tokens(path, ratio):
+    """dsv4::compressor_update as V4.1 runs it (no overlap, a latent out): a request's entries, state
+    and latent rows are the same whatever other tokens share the call. Row-wise on both paths, no
+    flag needed: one entry pools its own request's <= 2 rows, and the Triton pooling plan
+    (compressor/triton.py pool_plan) reads the token count only for spans >= 64 (V4's HCA)."""
+    from dsv4ops.compressor import triton as comp_triton
+
+    run = torch.ops.dsv4.compressor_update if path == "reference" else comp_triton.compressor_update
+    args = builders.compressor_update_args(dim=512, ratio=ratio, overlap=False, runs=BUSY_RUNS, pad=0, blocks=16,
+                                           latent=True)
+    args["inv_freq"] = builders.rope_table(64)
+    alone, busy = _alone_and_busy(args, ("kv", "score", "positions", "req_slots", "entry_slots", "latent_out"))
+    for a in (alone, busy):
+        run(**a)
+    assert alone["latent_out"].abs().sum() > 0
+    assert torch.equal(alone["cache"], busy["cache"]) and not torch.equal(alone["cache"], args["cache"])
+    assert torch.equal(alone["state"][0], busy["state"][0])
+    assert torch.equal(alone["latent_out"], busy["latent_out"][:ALONE_RUN[2]])
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_v41_index_keys_do_not_depend_on_the_other_tokens(path):
+    """dsv4::indexer_k_prep with batch_invariant: a request's keys are the same whatever other tokens
+    share the call. Its GEMM (latent @ wk^T over the step's closing tokens) is the op's one
+    batch-dependent part by default: MKL / cuBLAS pick their kernel by M."""
+    from dsv4ops.indexer import triton_prep
+
+    run = torch.ops.dsv4.indexer_k_prep if path == "reference" else triton_prep.indexer_k_prep
+    args = builders.indexer_k_prep_args(dim=512, di=128, runs=BUSY_RUNS, pad=0, blocks=16)
+    args["inv_freq"] = builders.rope_table(64)
+    alone, busy = _alone_and_busy(args, ("latent", "positions", "req_slots", "entry_slots"))
+    for a in (alone, busy):
+        run(**a, batch_invariant=True)
+    assert not torch.equal(alone["cache"], args["cache"])
+    assert torch.equal(alone["cache"], busy["cache"])
+
+
 @pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
@@ -152,16 +245,7 @@ def test_patch_model_gives_the_flag_to_every_layers_cache():
 def test_bad_input_is_refused():
     with pytest.raises(TypeError, match="batch_invariant: expected a bool, got str"):
         CacheConfig(max_requests=1, max_context=8, max_step_tokens=4, batch_invariant="yes")
-    # The V4.1 stack keeps its batch-dependent schedules: refused at attach, nothing attached.
     # (Tensor and context parallelism: test_tp.py / test_dcp.py's bad-use bodies.)
-    cfg41 = DSV41AttentionConfig.tiny()
-    manager = V41CacheManager(cfg41, CacheConfig(max_requests=1, max_context=16, max_step_tokens=4, block_size=7,
-                                                 formats=CacheFormats.v41(), batch_invariant=True))
-    stack = DeepseekV41AttentionStack(cfg41)
-    with pytest.raises(NotImplementedError, match=r"manager: CacheConfig\(batch_invariant=True\) is not supported by "
-                                                  r"the V4.1 stack"):
-        stack.attach_cache(manager)
-    assert stack._modules.get("cache") is None and not list(manager._caches)
     x, w = torch.randn(3, 8), torch.randn(5, 8, dtype=torch.bfloat16)
     out = torch.full((3, 5), 7.0)
     with pytest.raises(RuntimeError, match=r"weight: expected dtype in \[torch.float32\], got torch.bfloat16"):
