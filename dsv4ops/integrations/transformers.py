@@ -98,7 +98,7 @@ def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, ro
         attn.attach_cache(manager)
         decoder_layer.self_attn = attn
         if routers:
-            decoder_layer.mlp.gate = _router(decoder_layer.mlp.gate, inner.config)
+            decoder_layer.mlp.gate = _router(decoder_layer.mlp.gate, inner.config, cache_config.batch_invariant)
     inner._dsv4ops_patch = patch
     inner.forward = _patched_forward(inner, patch)
     inner.config._attn_implementation = ATTN_IMPLEMENTATION
@@ -433,13 +433,13 @@ def _fp8_block(config) -> int:
     return int(size[0])
 
 
-def _router(gate: nn.Module, config) -> nn.Module:
+def _router(gate: nn.Module, config, batch_invariant: bool) -> nn.Module:
     """dsv4ops' router with the weights (and tensors, dtypes kept) of transformers' `gate`."""
     kind = DeepseekV4HashRouter if isinstance(gate, hf.DeepseekV4HashRouter) else DeepseekV4Router
     if not isinstance(gate, (hf.DeepseekV4HashRouter, hf.DeepseekV4TopKRouter)):
         raise TypeError(f"gate: expected a transformers DeepSeek-V4 router, got {type(gate).__name__}")
     with torch.device("meta"):
-        ours = kind(config)
+        ours = kind(config, batch_invariant)
     ours.load_state_dict(gate.state_dict(), strict=True, assign=True)
     return ours
 
