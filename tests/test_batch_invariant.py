@@ -6,6 +6,7 @@ rows under two batch compositions. fp32 layers: on the CPU torch's fp32 GEMM giv
 at other row counts (MKL, M = 1, 2, 3, 7 against 130), which is what the default path shows.
 """
 
+import copy
 import dataclasses
 import functools
 
@@ -225,6 +226,135 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtyp
             part = torch.full((m, 70), float("nan"), dtype=out_dtype)
             run(x[lo:lo + m], w, part)
             assert torch.equal(part, full[lo:lo + m]), (m, lo)
+
+
+# ---- the model around the layers: dsv4ops.invariant_mode ----------------------------------------
+def _split_mm(a, b):
+    """A batch-dependent mm: K summed in two halves once there is more than one row."""
+    if a.shape[0] == 1:
+        return a @ b
+    h = a.shape[1] // 2
+    return ((a[:, :h].double() @ b[:h].double()).float() + (a[:, h:].double() @ b[h:].double()).float()).to(a.dtype)
+
+
+_W = torch.randn(12, 40, generator=torch.Generator().manual_seed(2))
+
+
+def _grouped(x, w):
+    """Rows [0, 12) x group 0, [12, 18) x group 1, the rest x group 2 (of x's 37 rows; a part of them:
+    the offsets clamped to its rows)."""
+    offs = torch.tensor([12, 18, 37], dtype=torch.int32).clamp(max=x.shape[0])
+    if x.dtype == torch.float64:  # no fp64 grouped GEMM: the groups one by one
+        return torch.cat([x[lo:hi] @ w[4 * g:4 * g + 4].t() for g, (lo, hi) in enumerate(zip([0, *offs[:2]], offs))])
+    return torch._grouped_mm(x, w.view(3, 4, 40).transpose(1, 2), offs)
+
+
+MODE_OPS = {  # (x [37, 40], w [12, 40]) -> rows that must be those of each row alone
+    "linear": lambda x, w: torch.nn.functional.linear(x, w),
+    "linear+bias": lambda x, w: torch.nn.functional.linear(x, w, w[:, 0]),
+    "bmm": lambda x, w: torch.bmm(x.view(-1, 4, 10), w[:, :10].t().expand(x.shape[0], 10, 12)),
+    "grouped_mm": _grouped,
+    "sigmoid": lambda x, w: torch.sigmoid(x[:, :12] * 3),
+    "silu": lambda x, w: torch.nn.functional.silu(x[:, :12] * 3),
+    "softplus": lambda x, w: torch.nn.functional.softplus(x[:, :12] * 3),
+}
+
+
+@pytest.mark.parametrize("op", MODE_OPS)
+def test_invariant_mode_rows_do_not_depend_on_the_other_rows(op):
+    """Inside dsv4ops.invariant_mode.mode() each op's row bits are those of the row alone (37 rows
+    of 12 values: the CPU's SIMD remainder falls on some rows; a grouped GEMM's rows beside other
+    groups' or alone), its values torch's; outside, the ops are torch's again (the mode does not
+    leak)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from dsv4ops.invariant_mode import mode
+
+    fn = MODE_OPS[op]
+    x = torch.randn(37, 40, generator=torch.Generator().manual_seed(3))
+    with mode():
+        busy = fn(x, _W)
+        alone = {i: fn(x[i:i + 1].clone(), _W) for i in (0, 5, 11, 36)} if op != "grouped_mm" else {}
+        if op == "grouped_mm":  # rows 12 .. 17 (group 1) alone: an empty group 0 before them
+            part = torch._grouped_mm(x[12:18], _W.view(3, 4, 40).transpose(1, 2), torch.tensor([0, 6, 6]).int())
+            assert torch.equal(part, busy[12:18])
+    assert _get_current_dispatch_mode() is None
+    testing.assert_close_to_ref(busy, fn(x.double(), _W.double()), [fn(x, _W)], what=op)
+    for i, row in alone.items():
+        assert torch.equal(row[0], busy[i]), i
+
+
+def test_invariant_mode_refuses_what_it_cannot_make_invariant():
+    from dsv4ops.invariant_mode import mode
+
+    with mode(), pytest.raises(NotImplementedError, match=r"aten._grouped_mm of a 3-D and a 3-D operand has no "
+                                                           r"row-invariant form"):
+        torch._grouped_mm(torch.randn(2, 3, 8), torch.randn(2, 8, 4), torch.tensor([1, 2], dtype=torch.int32))
+
+
+# A 2-layer model (CSA, sliding), its hash MoE and hyper-connections: prompt 0 alone, then left-padded
+# beside two others (shorter and longer).
+GEN_LENS = (7, 3, 10)
+
+
+@functools.cache
+def _gen_model():
+    from transformers import DeepseekV4ForCausalLM
+
+    hc = testing.hf_config(DSV4AttentionConfig.tiny(num_layers=2, compress_ratios=(4, 0)), moe_intermediate_size=32,
+                           pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(hc).eval()
+    for layer in model.model.layers:
+        testing.randomize_(layer.self_attn, seed=layer.layer_idx)
+    return model
+
+
+def _generate(rows, new=3):
+    """(tokens [rows, new], logits [rows, new, vocab]) of greedy generate() on a fresh patched copy."""
+    from dsv4ops.integrations.transformers import patch_model
+
+    model = patch_model(copy.deepcopy(_gen_model()), CacheConfig(max_requests=4, max_context=32, max_step_tokens=64,
+                                                                  batch_invariant=True))
+    w = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), w, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, w - len(r):], mask[i, w - len(r):] = r, 1
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[:, w:], torch.stack(out.logits, 1)
+
+
+@functools.cache
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randint(2, 64, (n,), generator=g) for n in GEN_LENS)
+
+
+@functools.cache
+def _alone_generated(new):
+    return _generate(_prompts()[:1], new)
+
+
+def test_patch_model_generate_alone_equals_in_a_padded_batch():
+    """Issue: greedy generate() of a prompt alone gives the same tokens and logits, bitwise, as inside
+    a left-padded batch of others (patch_model with CacheConfig(batch_invariant=True)). Without the
+    mode around the model (its GEMMs and sigmoids torch's) the logits differ (1e-6 here)."""
+    tokens, logits = _alone_generated(3)
+    busy_tokens, busy_logits = _generate(_prompts())
+    assert logits.abs().sum() > 0
+    assert torch.equal(busy_tokens[0], tokens[0]) and torch.equal(busy_logits[0], logits[0])
+
+
+def test_patch_model_generate_with_a_batch_dependent_mm_put_back_is_caught(monkeypatch):
+    from dsv4ops import invariant_mode
+
+    _, logits = _alone_generated(3)
+    monkeypatch.setitem(invariant_mode._GEMMS, torch.ops.aten.mm.default, _split_mm)
+    _, busy_logits = _generate(_prompts(), new=1)  # the prefill's logits already differ
+    assert not torch.equal(busy_logits[0, 0], logits[0, 0])
 
 
 def test_patch_model_gives_the_flag_to_every_layers_cache():

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from transformers import Cache
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from dsv4ops import checkpoint
+from dsv4ops import checkpoint, invariant_mode
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import CacheFullError, KVCacheManager
 from dsv4ops.cache.step import StepMeta
@@ -101,6 +101,8 @@ def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, ro
             decoder_layer.mlp.gate = _router(decoder_layer.mlp.gate, inner.config, cache_config.batch_invariant)
     inner._dsv4ops_patch = patch
     inner.forward = _patched_forward(inner, patch)
+    if cache_config.batch_invariant:  # the model's own GEMMs and pointwise ops too (lm_head's included)
+        model.forward = _invariant_forward(model.forward)
     inner.config._attn_implementation = ATTN_IMPLEMENTATION
     return model
 
@@ -341,6 +343,17 @@ def _patched_forward(inner: nn.Module, patch: _Patch):
         return out
 
     return forward
+
+
+def _invariant_forward(forward):
+    """forward inside dsv4ops.invariant_mode.mode(): every row of the call gets the bits it gets alone."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with invariant_mode.mode():
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _run(patch: _Patch, call: _Call, original, kwargs):
