@@ -4,7 +4,7 @@ every call). dsv4ops' own layers need no mode (their cache's flag picks their sc
 model around them does: its experts, hyper-connections, MLPs, routers and lm_head.
 
 What the mode replaces, and why (x86-64 AVX2, torch 2.13; CUDA's reasons in brackets):
-- aten.mm / addmm / bmm / _grouped_mm: by dsv4::invariant_linear (fp32 sums, one rounding; a bias
+- aten.mm (and its out_dtype form) / addmm / bmm / baddbmm / _grouped_mm: by dsv4::invariant_linear (fp32 sums, one rounding; a bias
   added in fp32 before it). MKL picks its GEMM kernel by M, and a row's bits change with it [cuBLAS
   picks tiles, split-K and algorithms by M]; a grouped GEMM's groups are the other tokens' routing.
 - the transcendental pointwise ops (sigmoid, silu, softplus, exp, ...), on the CPU only: ATen runs 2 x SIMD width elements at a time (Sleef) and the rest one at a time (libm), which
@@ -18,8 +18,8 @@ Not replaced, being row-wise already: IEEE-exact pointwise ops (add, mul, div, s
 one output (mean, sum, amax: ATen splits only a reduction to one value across threads), indexing,
 sorting and argmax.
 
-An overload the mode cannot make invariant (e.g. a 3-D x 3-D grouped GEMM) raises rather than run
-batch-dependently. The mode is eager: entered inside a torch.compile'd region it is not traced.
+A GEMM overload the mode does not replace (the out= forms, _scaled_mm, addbmm, a 3-D x 3-D grouped
+GEMM) raises rather than run batch-dependently. The mode is eager: entered inside a torch.compile'd region it is not traced.
 """
 
 from __future__ import annotations
@@ -61,8 +61,18 @@ def _addmm(bias: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
     return (y * alpha + bias.float() * beta).to(a.dtype)
 
 
+def _mm_dtype(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return _linear(a, b.t(), out_dtype)
+
+
 def _bmm(a: Tensor, b: Tensor) -> Tensor:
     return torch.stack([_mm(a[i], b[i]) for i in range(a.shape[0])]) if a.shape[0] else torch.bmm(a, b)
+
+
+def _baddbmm(c: Tensor, a: Tensor, b: Tensor, *, beta=1, alpha=1) -> Tensor:
+    c = c.expand(a.shape[0], a.shape[1], b.shape[2])
+    return torch.stack([_addmm(c[i], a[i], b[i], beta=beta, alpha=alpha) for i in range(a.shape[0])]) if a.shape[0] \
+        else torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
 
 
 def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None,
@@ -82,8 +92,12 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Tensor | None = None, bias: Tensor |
     return out
 
 
-_GEMMS = {aten.mm.default: _mm, aten.addmm.default: _addmm, aten.bmm.default: _bmm,
+_GEMMS = {aten.mm.default: _mm, aten.addmm.default: _addmm, aten.bmm.default: _bmm, aten.baddbmm.default: _baddbmm,
           aten._grouped_mm.default: _grouped_mm}
+if "dtype" in aten.mm.overloads():  # torch.mm(..., out_dtype=)
+    _GEMMS[aten.mm.dtype] = _mm_dtype
+_REFUSED = {getattr(getattr(aten, op), o) for op in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm")
+            for o in getattr(aten, op).overloads()} - set(_GEMMS)
 _POINTWISE = {aten.sigmoid.default: torch.sigmoid, aten.silu.default: torch.nn.functional.silu,
               aten.exp.default: torch.exp, aten.tanh.default: torch.tanh, aten.log.default: torch.log,
               aten.log1p.default: torch.log1p, aten.expm1.default: torch.expm1, aten.erf.default: torch.erf,
@@ -101,6 +115,9 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _GEMMS and args[0].is_floating_point():
             return _GEMMS[func](*args, **kwargs)
+        if func in _REFUSED:
+            raise NotImplementedError(f"dsv4ops.invariant_mode: {func} has no row-invariant form here (the modes' "
+                                      f"GEMMs: {sorted(map(str, _GEMMS))})")
         if args and _cpu_float(args[0]):
             x = args[0]
             if func in _POINTWISE:

@@ -253,6 +253,7 @@ MODE_OPS = {  # (x [37, 40], w [12, 40]) -> rows that must be those of each row 
     "linear": lambda x, w: torch.nn.functional.linear(x, w),
     "linear+bias": lambda x, w: torch.nn.functional.linear(x, w, w[:, 0]),
     "bmm": lambda x, w: torch.bmm(x.view(-1, 4, 10), w[:, :10].t().expand(x.shape[0], 10, 12)),
+    "baddbmm": lambda x, w: torch.baddbmm(w[:, 0], x.view(-1, 4, 10), w[:, :10].t().expand(x.shape[0], 10, 12)),
     "grouped_mm": _grouped,
     "sigmoid": lambda x, w: torch.sigmoid(x[:, :12] * 3),
     "silu": lambda x, w: torch.nn.functional.silu(x[:, :12] * 3),
@@ -290,6 +291,10 @@ def test_invariant_mode_refuses_what_it_cannot_make_invariant():
     with mode(), pytest.raises(NotImplementedError, match=r"aten._grouped_mm of a 3-D and a 3-D operand has no "
                                                            r"row-invariant form"):
         torch._grouped_mm(torch.randn(2, 3, 8), torch.randn(2, 8, 4), torch.tensor([1, 2], dtype=torch.int32))
+    out = torch.full((3, 4), 7.0)
+    with mode(), pytest.raises(NotImplementedError, match=r"aten.mm.out has no row-invariant form here"):
+        torch.mm(torch.randn(3, 8), torch.randn(8, 4), out=out)
+    assert (out == 7.0).all()
 
 
 # A 2-layer model (CSA, sliding), its hash MoE and hyper-connections: prompt 0 alone, then left-padded
