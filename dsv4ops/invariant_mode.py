@@ -19,7 +19,8 @@ one output (mean, sum, amax: ATen splits only a reduction to one value across th
 sorting and argmax.
 
 A GEMM overload the mode does not replace (the out= forms, _scaled_mm, addbmm, a 3-D x 3-D grouped
-GEMM) raises rather than run batch-dependently. The mode is eager: entered inside a torch.compile'd region it is not traced.
+GEMM) raises rather than run batch-dependently. The mode is eager: Dynamo does not trace under it, so a compiled region whose own
+ops are invariant (dsv4ops' layers with a batch-invariant cache) runs inside `suspended()`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import contextlib
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from dsv4ops.invariant_linear.api import invariant_linear
 
@@ -132,6 +133,13 @@ class _Mode(TorchDispatchMode):
                 return _simd_only(lambda c: torch.nn.functional.gelu(c, approximate=kwargs.get("approximate", "none")),
                                   x)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def suspended():
+    """The dispatch modes (this one among them) popped for a while, pushed back after."""
+    with _disable_current_modes():
+        yield
 
 
 @contextlib.contextmanager

@@ -362,6 +362,20 @@ def test_patch_model_generate_with_a_batch_dependent_mm_put_back_is_caught(monke
     assert not torch.equal(busy_logits[0, 0], logits[0, 0])
 
 
+def test_patch_model_compiled_layers_run_outside_the_mode():
+    """compile= with a batch-invariant cache: Dynamo does not trace under a dispatch mode (fullgraph
+    found no frame), so the compiled layers run with the mode suspended; with the aot_eager backend
+    (the same ops) the logits are those of the eager run, bit for bit."""
+    from dsv4ops.integrations.transformers import patch_model
+
+    model = patch_model(copy.deepcopy(_gen_model()), CacheConfig(max_requests=4, max_context=32, max_step_tokens=64,
+                                                                  batch_invariant=True), compile={"backend": "aot_eager"})
+    with torch.no_grad():
+        out = model.generate(_prompts()[0][None], max_new_tokens=2, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    assert torch.equal(torch.stack(out.logits, 1)[0], _alone_generated(3)[1][0, :2])
+
+
 def test_patch_model_gives_the_flag_to_every_layers_cache():
     """patch_model(model, CacheConfig(batch_invariant=True)): the manager it makes and every patched
     layer's cache compute batch-invariantly; its default cache config keeps the fast schedules."""

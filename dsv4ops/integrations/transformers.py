@@ -30,6 +30,7 @@ runs through `dsv4ops.DeepseekV41AttentionStack`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -293,8 +294,12 @@ def _compiled(layer: TransformersAttention, patch: _Patch):
     manager = patch.manager
     limit = max(8, manager.model.num_layers * len(manager.cfg.buckets))
 
+    # A batch-invariant model runs inside invariant_mode.mode(), under which Dynamo does not trace;
+    # the layer's own ops are invariant by its cache's flag.
+    outside = invariant_mode.suspended if manager.cfg.batch_invariant else contextlib.nullcontext
+
     def serve(x: Tensor, step: StepMeta) -> Tensor:
-        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)):
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)), outside():
             return fn(x, step)
 
     return serve
