@@ -4,23 +4,26 @@ every call). dsv4ops' own layers need no mode (their cache's flag picks their sc
 model around them does: its experts, hyper-connections, MLPs, routers and lm_head.
 
 What the mode replaces, and why (x86-64 AVX2, torch 2.13; CUDA's reasons in brackets):
-- aten.mm (and its out_dtype form) / addmm / bmm / baddbmm / _grouped_mm: by dsv4::invariant_linear (fp32 sums, one rounding; a bias
-  added in fp32 before it). MKL picks its GEMM kernel by M, and a row's bits change with it [cuBLAS
-  picks tiles, split-K and algorithms by M]; a grouped GEMM's groups are the other tokens' routing.
-- the transcendental pointwise ops (sigmoid, silu, softplus, exp, ...), on the CPU only: ATen runs 2 x SIMD width elements at a time (Sleef) and the rest one at a time (libm), which
-  differ by an ulp, and the rest is wherever the tensor's size (or a thread's chunk, past 32768
-  elements) ends: a row's place in the batch (37 rows of 12 values: sigmoid changes 14 rows, silu
-  17, softplus 27 against each row alone). Here the flat tensor is padded to a multiple of 64
-  and cut into calls of < 32768 elements, so every element takes the SIMD path. (CUDA's kernels
-  compute each element by the same code: left as they are.)
+- aten.mm (and its out_dtype form), addmm, bmm, baddbmm, _grouped_mm: by dsv4::invariant_linear
+  (fp32 sums, one rounding; a bias added in fp32 before it). MKL picks its GEMM kernel by M, and a
+  row's bits change with it [cuBLAS picks tiles, split-K and algorithms by M]; a grouped GEMM's
+  groups are the other tokens' routing.
+- the transcendental pointwise ops (sigmoid, silu, softplus, exp, ...), on the CPU only: ATen runs
+  2 x SIMD width elements at a time (Sleef) and the rest one at a time (libm), which differ by an
+  ulp, and the rest is wherever the tensor's size (or a thread's chunk, past 32768 elements) ends:
+  a row's place in the batch (37 rows of 12 values: sigmoid changes 14 rows, silu 17, softplus 27
+  against each row alone). Here the flat tensor is padded to a multiple of 64 and cut into calls of
+  < 32768 elements, so every element takes the SIMD path. (CUDA's kernels compute each element by
+  the same code: left as they are.)
 Not replaced, being row-wise already: IEEE-exact pointwise ops (add, mul, div, sqrt, rsqrt, pow by
 2), softmax (ATen's CPU kernel works a row at a time), reductions of a row's own values to more than
 one output (mean, sum, amax: ATen splits only a reduction to one value across threads), indexing,
 sorting and argmax.
 
 A GEMM overload the mode does not replace (the out= forms, _scaled_mm, addbmm, a 3-D x 3-D grouped
-GEMM) raises rather than run batch-dependently. The mode is eager: Dynamo does not trace under it, so a compiled region whose own
-ops are invariant (dsv4ops' layers with a batch-invariant cache) runs inside `suspended()`.
+GEMM) raises rather than run batch-dependently. The mode is eager: Dynamo does not trace under it,
+so a compiled region whose own ops are invariant (dsv4ops' layers with a batch-invariant cache)
+runs inside `suspended()`.
 """
 
 from __future__ import annotations
