@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-
 # ATen's CPU softplus runs 2 x SIMD width elements at a time (Sleef's exp / log1p) and a call's last
 # < 2 x width elements, and those before each thread's chunk boundary (calls of >= 32768 elements),
 # one at a time (libm's): the two differ by an ulp, so a token's scores would follow its place in
