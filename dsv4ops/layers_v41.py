@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dsv4ops import checkpoint, projections
+from dsv4ops import checkpoint, invariant, projections
 from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.step import live_tokens
@@ -127,9 +127,11 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     pos, req = live_tokens(step, cache)
     t, i = x.shape[0], layer.layer_idx
     fmt = cache.fmt
-    px = projections.project_x(layer, x)
+    inv = cache.cfg.batch_invariant  # every GEMM's rows independent of the step's other tokens
+    px = projections.project_x(layer, x, inv)
     window = getattr(cache, f"window_{i}")
-    qr, q_rot = query(layer, px, pos, req, window, cache.ring_size, fmt[f"window_{i}"], head_norm=False)
+    qr, q_rot = query(layer, px, pos, req, window, cache.ring_size, fmt[f"window_{i}"], head_norm=False,
+                      invariant=inv)
 
     if role.owns_compressor:
         _compress(layer, px, step, pos, req, cache)
@@ -154,12 +156,15 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     if cache.dcp.size == 1 or role.sliding:
         o = torch.empty_like(q_rot)
         ops.sparse_attn(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks, o,
-                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt)
+                        cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt, None, inv)
     else:  # context parallel: this rank's share, merged over the ranks with the sink
         o = _dcp.attend(q_rot, window, comp, pos, req, comp_idx, comp_lens, step.window_ends, layer.sinks,
                         cfg.head_dim**-0.5, cfg.window, cache.ring_size, fmt[f"window_{i}"], comp_fmt, cache.dcp)
     o_rot = torch.empty_like(o)
     ops.inv_rope(o, pos, layer.inv_freq, o_rot)
+    if inv:
+        z = invariant.grouped_o_a(o_rot, layer.o_a_proj.weight, layer.groups)
+        return invariant.mm(z, layer.o_b_proj.weight.to(z.dtype), z.dtype)
     return grouped_output(o_rot, layer.o_a_proj.weight, layer.o_b_proj.weight, layer.groups)
 
 
@@ -185,7 +190,8 @@ def _compress(layer: DeepseekV41Attention, px: dict[str, Tensor], step: V41StepM
     if latent is not None:
         ix = layer.indexer
         torch.ops.dsv4.indexer_k_prep(latent, pos, req, slots, ix.wk.weight, ix.k_norm.weight,
-                                      layer.inv_freq, getattr(cache, f"keys_{i}"), m, eps, cache.fmt[f"keys_{i}"])
+                                      layer.inv_freq, getattr(cache, f"keys_{i}"), m, eps, cache.fmt[f"keys_{i}"],
+                                      cache.cfg.batch_invariant)
 
 
 def _select(layer: DeepseekV41Attention, w: Tensor, qr: Tensor, step: V41StepMeta, pos: Tensor, req: Tensor,
@@ -196,7 +202,7 @@ def _select(layer: DeepseekV41Attention, w: Tensor, qr: Tensor, step: V41StepMet
     cfg, role, ix, t = layer.config, layer.role, layer.indexer, w.shape[0]
     src, m = role.kv_source, role.ratio
     kfmt = cache.fmt[f"keys_{src}"]
-    q = ix.wq_b(qr).view(t, cfg.index_n_heads, cfg.index_head_dim)
+    q = invariant.linear(ix.wq_b, qr, cache.cfg.batch_invariant).view(t, cfg.index_n_heads, cfg.index_head_dim)
     q_out = indexer_query(q, kfmt)
     w_out = torch.empty(w.shape, dtype=torch.float32, device=w.device)
     torch.ops.dsv4.indexer_q_prep(q, w, pos, layer.inv_freq, q_out, w_out, kfmt)
@@ -310,9 +316,6 @@ class DeepseekV41AttentionStack(nn.Module):
             raise ValueError("manager: it was built for another DSV41AttentionConfig than this stack's")
         device = self.layers[0].sinks.device
         check_manager(self, manager, device, "stack")
-        if manager.cfg.batch_invariant:
-            raise NotImplementedError("manager: CacheConfig(batch_invariant=True) is not supported by the V4.1 stack "
-                                      "yet (its GEMMs and attention keep the batch-dependent schedules)")
         cache = V41StackCache(self.config, manager.cfg, device=device, dcp=manager.dcp,
                               dcp_topk=manager.dcp_topk)
         manager.attach(cache)

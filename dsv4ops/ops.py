@@ -154,13 +154,16 @@ def indexer_q_prep(q: Tensor, weights: Tensor, positions: Tensor, inv_freq: Tens
 
 @custom_op("dsv4::indexer_k_prep", mutates_args=("cache",))
 def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_slots: Tensor, wk: Tensor,
-                   k_norm_weight: Tensor, inv_freq: Tensor, cache: Tensor, ratio: int, eps: float, fmt: str) -> None:
+                   k_norm_weight: Tensor, inv_freq: Tensor, cache: Tensor, ratio: int, eps: float, fmt: str,
+                   batch_invariant: bool = False) -> None:
     """Index keys of the entries closed by this step: k = RoPE_{w*m}(RMSNorm(latent @ wk^T)) of each
-    token with (p + 1) % ratio == 0, stored at entry_slots (-1: none) of the key pool (format fmt)."""
+    token with (p + 1) % ratio == 0, stored at entry_slots (-1: none) of the key pool (format fmt).
+    batch_invariant: a key's bits depend on its own latent row only (the GEMM by
+    dsv4::invariant_linear's schedule, not one picked by the step's token count)."""
     _indexer_checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache,
                                    ratio, eps, fmt)
     _indexer.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio,
-                            eps, fmt)
+                            eps, fmt, batch_invariant)
 
 
 @custom_op("dsv4::indexer_topk", mutates_args=("idx_out", "cand_out", "workspace"))

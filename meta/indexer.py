@@ -11,7 +11,8 @@ def _(q, weights, positions, inv_freq, q_out, w_out, fmt, hadamard=False):
 
 
 @torch.library.register_fake("dsv4::indexer_k_prep")
-def _(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps, fmt):
+def _(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps, fmt,
+      batch_invariant=False):
     checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps,
                           fmt)
 

@@ -6,10 +6,12 @@ rows under two batch compositions. fp32 layers: on the CPU torch's fp32 GEMM giv
 at other row counts (MKL, M = 1, 2, 3, 7 against 130), which is what the default path shows.
 """
 
+import copy
 import dataclasses
 import functools
 
 import builders
+import drivers_v41
 import pytest
 import torch
 
@@ -113,6 +115,98 @@ def test_a_batch_dependent_gemm_put_back_is_caught(monkeypatch):
     assert not torch.equal(_serve(CSA, "fp8", BUSY), alone)
 
 
+# ---- V4.1: every role of the tiny stack (sliding, source+indexer, reindex, reuse, candidate source,
+# reindex inside the pool) in one run; its 20 tokens see 10 ratio-2 entries (index_topk 8) and 20
+# ratio-1 entries (a 16-entry candidate pool), so the selections decide what a query sees.
+CFG41 = DSV41AttentionConfig.tiny()
+BLOCK41 = 7  # odd: slots cross pages
+
+
+def _serve41(schedule, invariant=True):
+    """Request "a"'s outputs [num_layers, 20, hidden] through `schedule` on a fresh fp32 stack and
+    cache (QAT formats); padding tokens get random rows and positions (they must change nothing)."""
+    stack = testing.randomize_(DeepseekV41AttentionStack(CFG41, CacheFormats.v41()), seed=3)
+    cfg = CacheConfig(max_requests=4, max_context=48, max_step_tokens=32, block_size=BLOCK41,
+                      formats=CacheFormats.v41(), exact_dtype=torch.float32, batch_invariant=invariant)
+    manager = V41CacheManager(CFG41, cfg)
+    stack.attach_cache(manager)
+    g = torch.Generator().manual_seed(0)
+    inputs = {r: torch.randn(CFG41.num_layers, n, CFG41.hidden_size, generator=g) for r, n in LENGTHS.items()}
+    served = {r: inputs[r] for r in dict.fromkeys(r for spec in schedule for r in spec)}
+    outs, _, _ = drivers_v41.serve_schedule(stack, manager, served, schedule, garbage=torch.Generator().manual_seed(9))
+    return outs["a"]
+
+
+@functools.cache
+def _alone41():
+    return _serve41(ALONE)
+
+
+def test_v41_request_outputs_do_not_depend_on_who_shares_the_steps():
+    alone = _alone41()
+    assert alone.shape == (CFG41.num_layers, LENGTHS["a"], CFG41.hidden_size) and alone.abs().sum() > 0
+    assert torch.equal(_serve41(BUSY), alone)
+
+
+def test_v41_a_batch_dependent_gemm_put_back_is_caught(monkeypatch):
+    alone = _alone41()
+    monkeypatch.setattr(inv_ref, "invariant_linear", _split_by_batch)
+    assert not torch.equal(_serve41(BUSY), alone)
+
+
+# Request 0's 7 tokens (3 closing ratio-2 entries) alone, then beside request 1's 30 (at positions
+# 3..32) whose entry slots are -1: they compute everything (the GEMM's M, the kernels' grids) and
+# store no entry, so every pool byte and request 0's state and latent rows must come out the same.
+ALONE_RUN, BUSY_RUNS = (0, 0, 7), ((0, 0, 7), (1, 3, 30))
+
+
+def _alone_and_busy(args, per_token):
+    busy = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    busy["entry_slots"][ALONE_RUN[2]:] = -1
+    alone = {k: v[:ALONE_RUN[2]].clone() if k in per_token else v.clone() if isinstance(v, torch.Tensor) else v
+             for k, v in args.items()}
+    return alone, busy
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+@pytest.mark.parametrize("ratio", [2, 1])
+def test_v41_compressor_rows_do_not_depend_on_the_other_tokens(path, ratio):
+    """dsv4::compressor_update as V4.1 runs it (no overlap, a latent out): a request's entries, state
+    and latent rows are the same whatever other tokens share the call. Row-wise on both paths, no
+    flag needed: one entry pools its own request's <= 2 rows, and the Triton pooling plan
+    (compressor/triton.py pool_plan) reads the token count only for spans >= 64 (V4's HCA)."""
+    from dsv4ops.compressor import triton as comp_triton
+
+    run = torch.ops.dsv4.compressor_update if path == "reference" else comp_triton.compressor_update
+    args = builders.compressor_update_args(dim=512, ratio=ratio, overlap=False, runs=BUSY_RUNS, pad=0, blocks=16,
+                                           latent=True)
+    args["inv_freq"] = builders.rope_table(64)
+    alone, busy = _alone_and_busy(args, ("kv", "score", "positions", "req_slots", "entry_slots", "latent_out"))
+    for a in (alone, busy):
+        run(**a)
+    assert alone["latent_out"].abs().sum() > 0
+    assert torch.equal(alone["cache"], busy["cache"]) and not torch.equal(alone["cache"], args["cache"])
+    assert torch.equal(alone["state"][0], busy["state"][0])
+    assert torch.equal(alone["latent_out"], busy["latent_out"][:ALONE_RUN[2]])
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_v41_index_keys_do_not_depend_on_the_other_tokens(path):
+    """dsv4::indexer_k_prep with batch_invariant: a request's keys are the same whatever other tokens
+    share the call. Its GEMM (latent @ wk^T over the step's closing tokens) is the op's one
+    batch-dependent part by default: MKL / cuBLAS pick their kernel by M."""
+    from dsv4ops.indexer import triton_prep
+
+    run = torch.ops.dsv4.indexer_k_prep if path == "reference" else triton_prep.indexer_k_prep
+    args = builders.indexer_k_prep_args(dim=512, di=128, runs=BUSY_RUNS, pad=0, blocks=16)
+    args["inv_freq"] = builders.rope_table(64)
+    alone, busy = _alone_and_busy(args, ("latent", "positions", "req_slots", "entry_slots"))
+    for a in (alone, busy):
+        run(**a, batch_invariant=True)
+    assert not torch.equal(alone["cache"], args["cache"])
+    assert torch.equal(alone["cache"], busy["cache"])
+
+
 @pytest.mark.parametrize("m", [1, 17])
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.bfloat16, torch.float32)])
@@ -134,6 +228,154 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(m, dtype, out_dtyp
             assert torch.equal(part, full[lo:lo + m]), (m, lo)
 
 
+# ---- the model around the layers: dsv4ops.invariant_mode ----------------------------------------
+def _split_mm(a, b):
+    """A batch-dependent mm: K summed in two halves once there is more than one row."""
+    if a.shape[0] == 1:
+        return a @ b
+    h = a.shape[1] // 2
+    return ((a[:, :h].double() @ b[:h].double()).float() + (a[:, h:].double() @ b[h:].double()).float()).to(a.dtype)
+
+
+_W = torch.randn(12, 40, generator=torch.Generator().manual_seed(2))
+
+
+def _grouped(x, w):
+    """Rows [0, 12) x group 0, [12, 18) x group 1, the rest x group 2 (of x's 37 rows; a part of them:
+    the offsets clamped to its rows)."""
+    offs = torch.tensor([12, 18, 37], dtype=torch.int32).clamp(max=x.shape[0])
+    if x.dtype == torch.float64:  # no fp64 grouped GEMM: the groups one by one
+        return torch.cat([x[lo:hi] @ w[4 * g:4 * g + 4].t() for g, (lo, hi) in enumerate(zip([0, *offs[:2]], offs))])
+    return torch._grouped_mm(x, w.view(3, 4, 40).transpose(1, 2), offs)
+
+
+MODE_OPS = {  # (x [37, 40], w [12, 40]) -> rows that must be those of each row alone
+    "linear": lambda x, w: torch.nn.functional.linear(x, w),
+    "linear+bias": lambda x, w: torch.nn.functional.linear(x, w, w[:, 0]),
+    "bmm": lambda x, w: torch.bmm(x.view(-1, 4, 10), w[:, :10].t().expand(x.shape[0], 10, 12)),
+    "baddbmm": lambda x, w: torch.baddbmm(w[:, 0], x.view(-1, 4, 10), w[:, :10].t().expand(x.shape[0], 10, 12)),
+    "grouped_mm": _grouped,
+    "sigmoid": lambda x, w: torch.sigmoid(x[:, :12] * 3),
+    "silu": lambda x, w: torch.nn.functional.silu(x[:, :12] * 3),
+    "softplus": lambda x, w: torch.nn.functional.softplus(x[:, :12] * 3),
+}
+
+
+@pytest.mark.parametrize("op", MODE_OPS)
+def test_invariant_mode_rows_do_not_depend_on_the_other_rows(op):
+    """Inside dsv4ops.invariant_mode.mode() each op's row bits are those of the row alone (37 rows
+    of 12 values: the CPU's SIMD remainder falls on some rows; a grouped GEMM's rows beside other
+    groups' or alone), its values torch's; outside, the ops are torch's again (the mode does not
+    leak)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from dsv4ops.invariant_mode import mode
+
+    fn = MODE_OPS[op]
+    x = torch.randn(37, 40, generator=torch.Generator().manual_seed(3))
+    with mode():
+        busy = fn(x, _W)
+        alone = {i: fn(x[i:i + 1].clone(), _W) for i in (0, 5, 11, 36)} if op != "grouped_mm" else {}
+        if op == "grouped_mm":  # rows 12 .. 17 (group 1) alone: an empty group 0 before them
+            part = torch._grouped_mm(x[12:18], _W.view(3, 4, 40).transpose(1, 2), torch.tensor([0, 6, 6]).int())
+            assert torch.equal(part, busy[12:18])
+    assert _get_current_dispatch_mode() is None
+    testing.assert_close_to_ref(busy, fn(x.double(), _W.double()), [fn(x, _W)], what=op)
+    for i, row in alone.items():
+        assert torch.equal(row[0], busy[i]), i
+
+
+def test_invariant_mode_refuses_what_it_cannot_make_invariant():
+    from dsv4ops.invariant_mode import mode
+
+    with mode(), pytest.raises(NotImplementedError, match=r"aten._grouped_mm of a 3-D and a 3-D operand has no "
+                                                           r"row-invariant form"):
+        torch._grouped_mm(torch.randn(2, 3, 8), torch.randn(2, 8, 4), torch.tensor([1, 2], dtype=torch.int32))
+    out = torch.full((3, 4), 7.0)
+    with mode(), pytest.raises(NotImplementedError, match=r"aten.mm.out has no row-invariant form here"):
+        torch.mm(torch.randn(3, 8), torch.randn(8, 4), out=out)
+    assert (out == 7.0).all()
+
+
+# A 2-layer model (CSA, sliding), its hash MoE and hyper-connections: prompt 0 alone, then left-padded
+# beside two others (shorter and longer).
+GEN_LENS = (7, 3, 10)
+
+
+@functools.cache
+def _gen_model():
+    from transformers import DeepseekV4ForCausalLM
+
+    hc = testing.hf_config(DSV4AttentionConfig.tiny(num_layers=2, compress_ratios=(4, 0)), moe_intermediate_size=32,
+                           pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(hc).eval()
+    for layer in model.model.layers:
+        testing.randomize_(layer.self_attn, seed=layer.layer_idx)
+    return model
+
+
+def _generate(rows, new=3):
+    """(tokens [rows, new], logits [rows, new, vocab]) of greedy generate() on a fresh patched copy."""
+    from dsv4ops.integrations.transformers import patch_model
+
+    model = patch_model(copy.deepcopy(_gen_model()), CacheConfig(max_requests=4, max_context=32, max_step_tokens=64,
+                                                                  batch_invariant=True))
+    w = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), w, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, w - len(r):], mask[i, w - len(r):] = r, 1
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.sequences[:, w:], torch.stack(out.logits, 1)
+
+
+@functools.cache
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randint(2, 64, (n,), generator=g) for n in GEN_LENS)
+
+
+@functools.cache
+def _alone_generated(new):
+    return _generate(_prompts()[:1], new)
+
+
+def test_patch_model_generate_alone_equals_in_a_padded_batch():
+    """Issue: greedy generate() of a prompt alone gives the same tokens and logits, bitwise, as inside
+    a left-padded batch of others (patch_model with CacheConfig(batch_invariant=True)). Without the
+    mode around the model (its GEMMs and sigmoids torch's) the logits differ (1e-6 here)."""
+    tokens, logits = _alone_generated(3)
+    busy_tokens, busy_logits = _generate(_prompts())
+    assert logits.abs().sum() > 0
+    assert torch.equal(busy_tokens[0], tokens[0]) and torch.equal(busy_logits[0], logits[0])
+
+
+def test_patch_model_generate_with_a_batch_dependent_mm_put_back_is_caught(monkeypatch):
+    from dsv4ops import invariant_mode
+
+    _, logits = _alone_generated(3)
+    monkeypatch.setitem(invariant_mode._GEMMS, torch.ops.aten.mm.default, _split_mm)
+    _, busy_logits = _generate(_prompts(), new=1)  # the prefill's logits already differ
+    assert not torch.equal(busy_logits[0, 0], logits[0, 0])
+
+
+def test_patch_model_compiled_layers_run_outside_the_mode():
+    """compile= with a batch-invariant cache: Dynamo does not trace under a dispatch mode (fullgraph
+    found no frame), so the compiled layers run with the mode suspended; with the aot_eager backend
+    (the same ops) the logits are those of the eager run, bit for bit."""
+    from dsv4ops.integrations.transformers import patch_model
+
+    model = patch_model(copy.deepcopy(_gen_model()), CacheConfig(max_requests=4, max_context=32, max_step_tokens=64,
+                                                                  batch_invariant=True), compile={"backend": "aot_eager"})
+    with torch.no_grad():
+        out = model.generate(_prompts()[0][None], max_new_tokens=2, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    assert torch.equal(torch.stack(out.logits, 1)[0], _alone_generated(3)[1][0, :2])
+
+
 def test_patch_model_gives_the_flag_to_every_layers_cache():
     """patch_model(model, CacheConfig(batch_invariant=True)): the manager it makes and every patched
     layer's cache compute batch-invariantly; its default cache config keeps the fast schedules."""
@@ -152,16 +394,7 @@ def test_patch_model_gives_the_flag_to_every_layers_cache():
 def test_bad_input_is_refused():
     with pytest.raises(TypeError, match="batch_invariant: expected a bool, got str"):
         CacheConfig(max_requests=1, max_context=8, max_step_tokens=4, batch_invariant="yes")
-    # The V4.1 stack keeps its batch-dependent schedules: refused at attach, nothing attached.
     # (Tensor and context parallelism: test_tp.py / test_dcp.py's bad-use bodies.)
-    cfg41 = DSV41AttentionConfig.tiny()
-    manager = V41CacheManager(cfg41, CacheConfig(max_requests=1, max_context=16, max_step_tokens=4, block_size=7,
-                                                 formats=CacheFormats.v41(), batch_invariant=True))
-    stack = DeepseekV41AttentionStack(cfg41)
-    with pytest.raises(NotImplementedError, match=r"manager: CacheConfig\(batch_invariant=True\) is not supported by "
-                                                  r"the V4.1 stack"):
-        stack.attach_cache(manager)
-    assert stack._modules.get("cache") is None and not list(manager._caches)
     x, w = torch.randn(3, 8), torch.randn(5, 8, dtype=torch.bfloat16)
     out = torch.full((3, 5), 7.0)
     with pytest.raises(RuntimeError, match=r"weight: expected dtype in \[torch.float32\], got torch.bfloat16"):

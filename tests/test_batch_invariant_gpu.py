@@ -1,17 +1,22 @@
 """Batch-invariant serving on the GPU (CacheConfig(batch_invariant=True)): at V4-Flash dims (FP8
 cache, block-FP8 projections as keep_fp8 loads them), request "a" served alone and beside 1 to 31
-others of random lengths (up to 4K) gets bitwise the same outputs, eager and compiled (fullgraph); and the
-kernel of dsv4::invariant_linear gives a row the same bits whatever rows share its call. The CPU
-twin: tests/test_batch_invariant.py."""
+others of random lengths (up to 4K) gets bitwise the same outputs, eager and compiled (fullgraph); the
+same for the V4.1 stack (every role, V4.1-Flash widths, QAT cache formats); and the kernel of
+dsv4::invariant_linear and the router's batch-invariant gate give a row the same bits whatever rows
+share their call. The CPU twin: tests/test_batch_invariant.py."""
 
 import pytest
 import torch
 
-from dsv4ops import DSV4AttentionConfig
+from dsv4ops import DSV4AttentionConfig, testing
 from dsv4ops.bench import layer_step
 from dsv4ops.bench.attention import FP8, new_layer
 from dsv4ops.cache import CacheConfig, KVCacheManager
+from dsv4ops.cache.v41 import V41CacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
+from dsv4ops.config_v41 import DSV41AttentionConfig
+from dsv4ops.layers_v41 import DeepseekV41AttentionStack
+from dsv4ops.router import api as router_api
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -99,3 +104,87 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count(dtype, out_dtype):
             part = torch.full((m, 1024), float("nan"), device="cuda", dtype=out_dtype)
             full(x[lo:lo + m], w, part)
             assert torch.equal(part, out[lo:lo + m]), (lo, m)
+
+
+# V4.1: the tiny preset's 10 roles (sliding, sources, reindex, reuse, candidate source, reindex in
+# the pool) at V4.1-Flash widths; a 512-entry candidate pool (64 blocks of 8), so a 4K context's
+# ratio-1 entries are chosen inside it.
+_F41 = DSV41AttentionConfig.v41_flash()
+V41 = DSV41AttentionConfig.tiny(hidden_size=_F41.hidden_size, num_heads=_F41.num_heads, q_lora_rank=_F41.q_lora_rank,
+                                o_groups=_F41.o_groups, o_lora_rank=_F41.o_lora_rank, window=_F41.window,
+                                index_n_heads=_F41.index_n_heads, index_topk=_F41.index_topk,
+                                candidate_topk_blocks=64, candidate_block_size=8)
+
+
+def _serve41(stack, forward, others: int, seed: int) -> torch.Tensor:
+    """_serve for the V4.1 stack: "a"'s outputs [num_layers, tokens, hidden]."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = {f"o{i}": n for i, n in enumerate(torch.randint(1, MAX_CONTEXT - 64, (others,), generator=gen).tolist())}
+    cfg = CacheConfig(exact_dtype=torch.bfloat16, max_requests=others + 1, max_context=MAX_CONTEXT,
+                      max_step_tokens=2048, batch_invariant=True)
+    manager = V41CacheManager(V41, cfg, device="cuda")
+    stack.attach_cache(manager)
+    n_layers, hidden = V41.num_layers, V41.hidden_size
+    xa = torch.randn(n_layers, sum(A_CHUNKS), hidden, generator=torch.Generator().manual_seed(0))
+    xa = xa.to("cuda", torch.bfloat16)
+
+    def rows(r, n, done=0):
+        if r == "a":
+            return xa[:, done:done + n]
+        return torch.randn(n_layers, n, hidden, generator=gen).to("cuda", torch.bfloat16)
+
+    def step(spec: dict, run, done=0):
+        with manager.step(spec) as st:
+            x = torch.cat([rows(r, n, done) for r, n in spec.items()], 1)
+            return run(torch.cat([x, x.new_zeros(n_layers, st.positions.shape[0] - x.shape[1], hidden)], 1), st)
+
+    outs, done = [], 0
+    with torch.no_grad():
+        for r, n in lengths.items():  # the others' earlier steps, without "a"
+            manager.admit(r)
+            for lo in range(0, n, 2048):
+                step({r: min(2048, n - lo)}, stack)
+        manager.admit("a")
+        for n in A_CHUNKS:
+            spec = {"a": n}
+            for r, length in list(lengths.items()):
+                k = int(torch.randint(1, 49, (1,), generator=gen))
+                if length + k <= MAX_CONTEXT and sum(spec.values()) + k <= 2048:
+                    spec[r] = k
+                    lengths[r] = length + k
+            order = [list(spec)[i] for i in torch.randperm(len(spec), generator=gen).tolist()]
+            y = step({r: spec[r] for r in order}, forward, done)
+            at = sum(spec[r] for r in order[:order.index("a")])
+            outs.append(y[:, at:at + n])
+            done += n
+    del stack.cache, stack.cache_manager
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_v41_request_gets_the_same_bits_whoever_shares_its_steps(compiled):
+    stack = testing.randomize_(DeepseekV41AttentionStack(V41), seed=0).to("cuda", torch.bfloat16)
+    forward = torch.compile(stack, fullgraph=True) if compiled else stack
+    alone = _serve41(stack, forward, 0, 0)
+    assert alone.shape == (V41.num_layers, sum(A_CHUNKS), V41.hidden_size)
+    assert alone.isfinite().all() and alone.abs().sum() > 0
+    for others, seed in ((1, 1), (7, 2), (31, 3)):
+        busy = _serve41(stack, forward, others, seed)
+        diff = (busy.float() - alone.float()).abs().amax(dim=(1, 2)).tolist()
+        assert torch.equal(busy, alone), f"{others} others: max difference per layer {diff}"
+
+
+def test_batch_invariant_router_gate_rows_do_not_depend_on_the_token_count():
+    """router_gate(batch_invariant=True) at V4-Flash's gate (256 experts, top-6): row i of a call on
+    x[lo:lo + m] is bitwise row lo + i of the call on all 300 rows, m across the fused decode gate's
+    64-token limit (the default switches kernels there)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, FLASH.hidden_size, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(256, FLASH.hidden_size, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(256, device="cuda", generator=gen) * 0.01
+    full = router_api.router_gate(x, w, bias, 6, 2.5, batch_invariant=True)
+    for lo in (0, 37):
+        for m in (1, 2, 7, 64, 65, 200):
+            part = router_api.router_gate(x[lo:lo + m], w, bias, 6, 2.5, batch_invariant=True)
+            for got, want in zip(part, full):
+                assert torch.equal(got, want[lo:lo + m]), (lo, m)

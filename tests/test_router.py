@@ -14,6 +14,7 @@ from expecttest import assert_expected_inline
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dsv4ops  # noqa: F401  (defines the dsv4:: ops)
+from dsv4ops import testing
 from dsv4ops.config import DSV4AttentionConfig
 from dsv4ops.router import api, reference
 from dsv4ops.router import cuda as router_cuda
@@ -248,6 +249,54 @@ def test_k_equals_number_of_experts():
     assert torch.equal(indices.sort(-1).values, torch.arange(12).expand(4, 12))
     assert_topk_matches(indices, reference.sqrt_softplus(logits) + bias, 12)
     torch.testing.assert_close(weights.sum(-1), torch.full((4,), 2.0), atol=0, rtol=4 * EPS32)
+
+
+# ---- batch invariance ----------------------------------------------------------------------------
+# 12 experts: not a multiple of the CPU's SIMD width, so a row alone and a row inside a 37-row call
+# meet ATen's softplus on different paths unless the reference pads them (reference.sqrt_softplus).
+def _rows_alone(fn, *rows_args):
+    """fn over each row of the per-token arguments alone, stacked per output."""
+    outs = [fn(*(a[i:i + 1].clone() for a in rows_args)) for i in range(rows_args[0].shape[0])]
+    return [torch.cat(parts) for parts in zip(*outs)]
+
+
+def test_reference_routing_rows_do_not_depend_on_the_other_tokens():
+    """gate_topk and hash_route (the CPU kernels): a token's weights and indices are bitwise those of
+    the token alone."""
+    g = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(37, 12, generator=g) * 3, torch.randn(12, generator=g) * 0.1
+    ids, tid2eid = torch.randint(0, 50, (37,), generator=g), torch.randint(0, 12, (50, 4), generator=g)
+    busy = api.gate_topk(logits, bias, 4, 1.5)
+    for got, want in zip(busy, _rows_alone(lambda lg: api.gate_topk(lg, bias, 4, 1.5), logits)):
+        assert torch.equal(got, want)
+    busy = api.hash_route(logits, ids, tid2eid, 1.5)
+    for got, want in zip(busy, _rows_alone(lambda lg, i: api.hash_route(lg, i, tid2eid, 1.5), logits, ids)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_gate_rows_do_not_depend_on_the_other_tokens(dtype):
+    """router_gate / gate_logits and the modules with batch_invariant: a token's logits, weights and
+    indices are bitwise those of the token alone (the default gate GEMM is torch.mm's, whose rows
+    change with the row count on the CPU: MKL picks its kernel by M). The logits stay the fp32 GEMM."""
+    config = DSV4AttentionConfig.tiny(hidden_size=64, n_routed_experts=12, num_experts_per_tok=4)
+    router, hashed = DeepseekV4Router(config, batch_invariant=True), DeepseekV4HashRouter(config, batch_invariant=True)
+    torch.nn.init.normal_(router.weight, std=0.2)
+    router.e_score_correction_bias.normal_(std=0.1)
+    hashed.weight.data.copy_(router.weight)
+    hashed.tid2eid.copy_(torch.randint(0, 12, hashed.tid2eid.shape))
+    router.to(dtype), hashed.to(dtype)
+    x, ids = torch.randn(37, 64).to(dtype), torch.randint(0, config.vocab_size, (37,))
+    with torch.no_grad():
+        busy = router(x)
+        w = router.weight
+        testing.assert_close_to_ref(busy[0], x.double() @ w.double().t(), [x.float() @ w.float().t()], what="logits")
+        for got, want in zip(busy, _rows_alone(router, x)):
+            assert torch.equal(got, want)
+        for got, want in zip(hashed(x, ids), _rows_alone(hashed, x, ids)):
+            assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="batch_invariant: expected a bool, got str"):
+        DeepseekV4Router(config, batch_invariant="yes")
 
 
 # ---- bad inputs ----------------------------------------------------------------------------------

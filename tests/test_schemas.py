@@ -52,7 +52,7 @@ def test_indexer_q_prep():
 
 
 def test_indexer_k_prep():
-    assert_expected_inline(_schema("indexer_k_prep"), """dsv4::indexer_k_prep(Tensor latent, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor wk, Tensor k_norm_weight, Tensor inv_freq, Tensor(a7!) cache, SymInt ratio, float eps, str fmt) -> ()""")
+    assert_expected_inline(_schema("indexer_k_prep"), """dsv4::indexer_k_prep(Tensor latent, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor wk, Tensor k_norm_weight, Tensor inv_freq, Tensor(a7!) cache, SymInt ratio, float eps, str fmt, bool batch_invariant=False) -> ()""")
 
 
 def test_indexer_topk():

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv4ops.invariant_linear.reference import invariant_linear
 from dsv4ops.quant import codecs, formats
 from dsv4ops.quant.reference import pack_kv, rotate, unpack_kv
 from dsv4ops.reference.functional import apply_rope, candidate_blocks, rms_norm, rope_angles, stable_topk
@@ -66,12 +67,18 @@ def closing_tokens(positions: Tensor, req_slots: Tensor, ratio: int) -> Tensor:
 
 
 def indexer_k_prep(latent: Tensor, positions: Tensor, req_slots: Tensor, entry_slots: Tensor, wk: Tensor,
-                   k_norm_weight: Tensor, inv_freq: Tensor, cache: Tensor, ratio: int, eps: float, fmt: str) -> None:
+                   k_norm_weight: Tensor, inv_freq: Tensor, cache: Tensor, ratio: int, eps: float, fmt: str,
+                   batch_invariant: bool = False) -> None:
     close = closing_tokens(positions, req_slots, ratio)
     if not close.numel():
         return
     lat = latent[close]
-    k = rms_norm(F.linear(lat, wk.to(lat.dtype)), k_norm_weight, eps)
+    if batch_invariant:  # the CPU's GEMM picks its kernel by M, here the step's closing tokens
+        k = torch.empty(lat.shape[0], wk.shape[0], dtype=lat.dtype, device=lat.device)
+        invariant_linear(lat, wk.to(lat.dtype), k)
+    else:
+        k = F.linear(lat, wk.to(lat.dtype))
+    k = rms_norm(k, k_norm_weight, eps)
     cos, sin = rope_angles((positions[close].long() // ratio) * ratio, inv_freq, k.dtype)
     pack_kv(apply_rope(k, cos, sin), entry_slots[close], cache, fmt)
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from dsv4ops.indexer import checks as _checks
+from dsv4ops.invariant_linear.triton import invariant_linear
 from dsv4ops.quant.reference import INDEXER_DIM, MAIN_ROPE, capacity
 from dsv4ops.quant.triton import (
     block_size,
@@ -111,10 +112,12 @@ def _k_prep_kernel(k_ptr, pos_ptr, req_ptr, eslot_ptr, w_ptr, freq_ptr, cache_pt
 
 
 def indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio: int,
-                   eps: float, fmt: str) -> None:
+                   eps: float, fmt: str, batch_invariant: bool = False) -> None:
     """Launcher of `dsv4::indexer_k_prep` (same arguments): the key projection of every token as
     one GEMM in latent's dtype (fp32 accumulation, as the reference's F.linear; tokens that close no
-    entry are a few wasted rows), then one program per token for the norm, RoPE and the store."""
+    entry are a few wasted rows; batch_invariant: dsv4::invariant_linear's kernel, whose schedule
+    does not follow the token count as cuBLAS's does), then one program per token for the norm,
+    RoPE and the store."""
     _checks.indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight, inv_freq, cache, ratio, eps,
                            fmt)
     code = fmt_code("indexer_k_prep", "fmt", fmt)
@@ -122,7 +125,11 @@ def indexer_k_prep(latent, positions, req_slots, entry_slots, wk, k_norm_weight,
     require_layout("indexer_k_prep", wk.shape[0], inv_freq.shape[0], dims=(INDEXER_DIM,))
     if t == 0:
         return
-    k = torch.nn.functional.linear(latent, wk.to(latent.dtype))
+    if batch_invariant:
+        k = torch.empty(t, wk.shape[0], dtype=latent.dtype, device=latent.device)
+        invariant_linear(latent, wk.to(latent.dtype), k)
+    else:
+        k = torch.nn.functional.linear(latent, wk.to(latent.dtype))
     launch(_k_prep_kernel, (t,),
            (k, positions, req_slots, entry_slots, k_norm_weight, inv_freq, cache, k.stride(0), capacity(cache, fmt),
             ratio, block_size(cache, fmt), eps),

@@ -30,6 +30,7 @@ runs through `dsv4ops.DeepseekV41AttentionStack`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 from transformers import Cache
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from dsv4ops import checkpoint
+from dsv4ops import checkpoint, invariant_mode
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import CacheFullError, KVCacheManager
 from dsv4ops.cache.step import StepMeta
@@ -98,9 +99,11 @@ def patch_model(model: nn.Module, cache_config: CacheConfig | None = None, *, ro
         attn.attach_cache(manager)
         decoder_layer.self_attn = attn
         if routers:
-            decoder_layer.mlp.gate = _router(decoder_layer.mlp.gate, inner.config)
+            decoder_layer.mlp.gate = _router(decoder_layer.mlp.gate, inner.config, cache_config.batch_invariant)
     inner._dsv4ops_patch = patch
     inner.forward = _patched_forward(inner, patch)
+    if cache_config.batch_invariant:  # the model's own GEMMs and pointwise ops too (lm_head's included)
+        model.forward = _invariant_forward(model.forward)
     inner.config._attn_implementation = ATTN_IMPLEMENTATION
     return model
 
@@ -291,8 +294,12 @@ def _compiled(layer: TransformersAttention, patch: _Patch):
     manager = patch.manager
     limit = max(8, manager.model.num_layers * len(manager.cfg.buckets))
 
+    # A batch-invariant model runs inside invariant_mode.mode(), under which Dynamo does not trace;
+    # the layer's own ops are invariant by its cache's flag.
+    outside = invariant_mode.suspended if manager.cfg.batch_invariant else contextlib.nullcontext
+
     def serve(x: Tensor, step: StepMeta) -> Tensor:
-        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)):
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=max(256, limit)), outside():
             return fn(x, step)
 
     return serve
@@ -341,6 +348,17 @@ def _patched_forward(inner: nn.Module, patch: _Patch):
         return out
 
     return forward
+
+
+def _invariant_forward(forward):
+    """forward inside dsv4ops.invariant_mode.mode(): every row of the call gets the bits it gets alone."""
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with invariant_mode.mode():
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _run(patch: _Patch, call: _Call, original, kwargs):
@@ -433,13 +451,13 @@ def _fp8_block(config) -> int:
     return int(size[0])
 
 
-def _router(gate: nn.Module, config) -> nn.Module:
+def _router(gate: nn.Module, config, batch_invariant: bool) -> nn.Module:
     """dsv4ops' router with the weights (and tensors, dtypes kept) of transformers' `gate`."""
     kind = DeepseekV4HashRouter if isinstance(gate, hf.DeepseekV4HashRouter) else DeepseekV4Router
     if not isinstance(gate, (hf.DeepseekV4HashRouter, hf.DeepseekV4TopKRouter)):
         raise TypeError(f"gate: expected a transformers DeepSeek-V4 router, got {type(gate).__name__}")
     with torch.device("meta"):
-        ours = kind(config)
+        ours = kind(config, batch_invariant)
     ours.load_state_dict(gate.state_dict(), strict=True, assign=True)
     return ours
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from dsv4ops import ops as _ops  # noqa: F401  (defines the dsv4:: ops called below)
+from dsv4ops.invariant_linear.api import invariant_linear
 from dsv4ops.router.cuda import bind_cuda_kernel
 
 _gate_topk = torch.ops.dsv4.gate_topk.default
@@ -86,21 +87,33 @@ def hash_route(
     return weights, indices
 
 
-def gate_logits(x: Tensor, weight: Tensor) -> Tensor:
-    """fp32 logits x @ weight.T [tokens, experts], accumulated in fp32 (the hash layers' gate GEMM)."""
+def gate_logits(x: Tensor, weight: Tensor, batch_invariant: bool = False) -> Tensor:
+    """fp32 logits x @ weight.T [tokens, experts], accumulated in fp32 (the hash layers' gate GEMM).
+    batch_invariant: a token's logits do not depend on the other tokens (dsv4::invariant_linear:
+    torch.mm picks its kernel by the token count, on the CPU and in cuBLAS)."""
+    if batch_invariant:
+        return invariant_linear(x, weight, torch.float32)
     if x.device.type == "cuda" and x.dtype != torch.float32:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)  # cuBLAS writes fp32: no bf16 rounding
     return F.linear(x.float(), weight.float())
 
 
 def router_gate(
-    x: Tensor, weight: Tensor, bias: Tensor, k: int, routed_scaling_factor: float
+    x: Tensor, weight: Tensor, bias: Tensor, k: int, routed_scaling_factor: float, batch_invariant: bool = False
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x [tokens, hidden], weight [experts, hidden] (same float dtype), bias [experts] fp32 ->
     (logits [tokens, experts] fp32, weights [tokens, k] fp32, indices [tokens, k] int64): the gate
-    GEMM and gate_topk, fused into one kernel for decode-sized batches on sm_90."""
+    GEMM and gate_topk, fused into one kernel for decode-sized batches on sm_90.
+
+    batch_invariant: a token's outputs are bitwise the same whatever other tokens share the call.
+    The gate GEMM is the one part that depends on them (the CPU's GEMM and cuBLAS pick their kernel
+    by the token count; on CUDA the fused kernel serves <= 64 tokens, cuBLAS more): here it runs
+    dsv4::invariant_linear, then gate_topk (row-wise on every backend)."""
     if not torch.compiler.is_compiling():
         _check_k(k, weight.shape[0])
+    if batch_invariant:
+        logits = gate_logits(x, weight, batch_invariant=True)
+        return (logits, *gate_topk(logits, bias, k, routed_scaling_factor))
     _prepare(x)
     logits = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
     weights = x.new_empty((x.shape[0], k), dtype=torch.float32)

@@ -22,11 +22,16 @@ def _check_scoring(config):
 
 
 class _Gate(nn.Module):
-    """The learned gate both routers share: `weight` [experts, hidden] and the routing numbers."""
+    """The learned gate both routers share: `weight` [experts, hidden] and the routing numbers.
+    batch_invariant: a token's outputs do not depend on the other tokens of the call (the gate
+    GEMM by dsv4::invariant_linear; dsv4ops.router.api.router_gate)."""
 
-    def __init__(self, config):
+    def __init__(self, config, batch_invariant: bool = False):
         super().__init__()
         _check_scoring(config)
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"batch_invariant: expected a bool, got {type(batch_invariant).__name__}")
+        self.batch_invariant = batch_invariant
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.n_routed_experts
         self.hidden_dim = config.hidden_size
@@ -42,26 +47,26 @@ class _Gate(nn.Module):
 class DeepseekV4Router(_Gate):
     """Learned top-k gate: scores sqrt(softplus(x @ weight.T)), experts by score + e_score_correction_bias."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, batch_invariant: bool = False):
+        super().__init__(config, batch_invariant)
         self.e_score_correction_bias = nn.Buffer(torch.zeros(self.num_experts))
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         flat = hidden_states.reshape(-1, self.hidden_dim)
         # .float(): a model cast to bf16 casts this buffer too; the selection key is fp32.
         bias = self.e_score_correction_bias.float()
-        return api.router_gate(flat, self.weight, bias, self.top_k, self.routed_scaling_factor)
+        return api.router_gate(flat, self.weight, bias, self.top_k, self.routed_scaling_factor, self.batch_invariant)
 
 
 class DeepseekV4HashRouter(_Gate):
     """Hash routing of the first MoE layers: experts = tid2eid[input_ids] (a frozen table), weighted by
     the learned gate's renormalised scores."""
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, batch_invariant: bool = False):
+        super().__init__(config, batch_invariant)
         self.tid2eid = nn.Buffer(torch.zeros(config.vocab_size, self.top_k, dtype=torch.long), persistent=True)
 
     def forward(self, hidden_states: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        logits = api.gate_logits(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        logits = api.gate_logits(hidden_states.reshape(-1, self.hidden_dim), self.weight, self.batch_invariant)
         weights, indices = api.hash_route(logits, input_ids.reshape(-1), self.tid2eid, self.routed_scaling_factor)
         return logits, weights, indices

@@ -1,14 +1,34 @@
 """Pure-PyTorch V4 router kernels: the CPU kernels of the `dsv4::` router ops and the oracle for
-every router backend. Semantics follow transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter."""
+every router backend. Semantics follow transformers' DeepseekV4TopKRouter / DeepseekV4HashRouter.
+
+Row-invariant: a token's weights and indices are bitwise the same whatever other tokens share the
+call (gate_topk, hash_route; router_gate's GEMM is not: dsv4ops.router.api.router_gate's
+batch_invariant)."""
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# ATen's CPU softplus runs 2 x SIMD width elements at a time (Sleef's exp / log1p) and a call's last
+# < 2 x width elements, and those before each thread's chunk boundary (calls of >= 32768 elements),
+# one at a time (libm's): the two differ by an ulp, so a token's scores would follow its place in
+# the batch (12 experts, 37 tokens: 3 of 37 rows differ from the row alone, x86-64 AVX2). Rows
+# padded to a multiple of 64 values, in calls of < 32768 values, run every element on the SIMD path.
+_ROW_PAD = 64
+_GRAIN = 32768
+
 
 def sqrt_softplus(logits: Tensor) -> Tensor:
-    """The V4 router score: sqrt(softplus(x)), computed in fp32."""
-    return F.softplus(logits.float()).sqrt()
+    """The V4 router score: sqrt(softplus(x)), computed in fp32, each row's bits its own."""
+    x = logits.float()
+    e = x.shape[-1]
+    if x.numel() == 0:
+        return x
+    rows = x.reshape(-1, e)
+    padded = F.pad(rows, (0, -e % _ROW_PAD))
+    per_call = max(1, (_GRAIN - 1) // padded.shape[1])
+    out = torch.cat([F.softplus(chunk) for chunk in padded.split(per_call)])
+    return out[:, :e].sqrt().view(x.shape)
 
 
 def stable_topk(values: Tensor, k: int) -> Tensor:
