@@ -124,7 +124,8 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
     """The ops of one layer, called directly (the step planner checked every value; the public
     functions' eager value checks would sync the host each step). No data-dependent branch."""
     cfg, role, ops = layer.config, layer.role, torch.ops.dsv4
-    pos, req = live_tokens(step, cache)
+    # comp_lens: the top-k's first min(visible, k) columns (it lists the entries first); none when sliding.
+    pos, req, _, lens = live_tokens(step, cache, role.ratio, 0 if role.sliding else cfg.index_topk)
     t, i = x.shape[0], layer.layer_idx
     fmt = cache.fmt
     px = projections.project_x(layer, x)
@@ -137,18 +138,15 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
         _select(layer, px["indexer.weights_proj"], qr, step, pos, req, cache, shared)
     if role.sliding:
         comp, comp_fmt = window, fmt[f"window_{i}"]
-        comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
-        comp_lens = torch.zeros_like(pos)
+        comp_idx, comp_lens = torch.empty(t, 0, dtype=torch.int32, device=x.device), lens
     else:
         comp, comp_fmt = getattr(cache, f"comp_{role.kv_source}"), fmt[f"comp_{role.kv_source}"]
         if ("topk", role.index_source) not in shared:
             raise RuntimeError(f"layer {i} reads the top-k of index source {role.index_source}, which has not run in "
                                f"this step: run the layers of a step in order (a stale top-k would be read)")
         comp_idx = shared["topk", role.index_source]
-        if cache.dcp.size == 1:
-            # The selection lists its entries first: the first min(visible, k) columns hold them all.
-            comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
-        else:  # the selection's entries in this rank's blocks, as its pool slots
+        comp_lens = lens
+        if cache.dcp.size > 1:  # the selection's entries in this rank's blocks, as its pool slots
             comp_idx, comp_lens = _dcp.front(_dcp.local_slots(comp_idx, req, step.block_table(role.ratio),
                                                               cache.cfg.block_size, cache.dcp))
     if cache.dcp.size == 1 or role.sliding:

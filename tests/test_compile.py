@@ -7,11 +7,14 @@ import drivers
 import expecttest
 import pytest
 import torch
+from test_serving import _pool_bytes
 from torch._dynamo.testing import AotEagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, reference, testing
+from dsv4ops.bench import layer_step
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
@@ -138,3 +141,43 @@ def test_inductor_cpu_matches_eager(kind):
     params = {k: v.double() for k, v in layer.named_parameters()}
     ref64 = reference.attention(params, CFG, LAYER[kind], x[None].double())[0]
     testing.assert_close_to_ref(runs[1], ref64, runs[0], what="inductor")
+
+
+# The kernels one compiled decode step of the tiny layer launches on the CPU (block-FP8 projections,
+# as tests/test_layer_gpu.py counts on the GPU): a proxy for the GPU count, held at what this build
+# reaches so a change that adds kernels fails here. Issue 51: the step's live-token check had each op
+# recompute its positions into a buffer of its own (sliding 13, CSA 24, HCA 19 kernels); now one
+# kernel computes positions, request slots, visible counts and comp_lens for the whole layer.
+KERNELS = {SLIDING: 12, CSA: 20, HCA: 16}
+
+
+def _kernels(code: str) -> list[str]:
+    """The launches of Inductor's (CPU) output code, in order: its fused C++ kernels, extern GEMMs and
+    op calls (the dsv4:: ops, and any aten fallback)."""
+    return re.findall(r"^ +(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+\.\w+)\(", code, re.M)
+
+
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_compiled_decode_step_kernels_and_a_stale_replay_writes_nothing(kind):
+    """Inductor's decode step launches at most KERNELS[kind]; the same compiled step replayed after its
+    commit (stale: its slots have new generations) on other inputs writes no pool and returns zeros."""
+    torch._dynamo.reset()
+    layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], formats=FP8), seed=0).bfloat16()
+    layer_step.to_block_fp8(layer)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=512, max_step_tokens=16))
+    layer.attach_cache(manager)
+    for r in (0, 1):
+        manager.admit(r)
+    compiled = torch.compile(layer, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        with manager.step({0: 1, 1: 1}) as step:
+            y, codes = run_and_get_code(compiled, torch.randn(2, CFG.hidden_size, generator=gen).bfloat16(), step)
+        launched = _kernels("\n".join(codes))
+        print(f"{kind}: {len(launched)} kernels: {launched}")
+        assert (y != 0).any(dim=1).all()
+        pools = _pool_bytes(layer)
+        stale = compiled(torch.randn(2, CFG.hidden_size, generator=gen).bfloat16(), step)
+    assert all(torch.equal(pools[k], v) for k, v in _pool_bytes(layer).items()), "a stale token wrote a pool"
+    assert (stale == 0).all()
+    assert len(launched) <= KERNELS[kind]
