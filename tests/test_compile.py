@@ -157,10 +157,23 @@ def _kernels(code: str) -> list[str]:
     return re.findall(r"^ +(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+\.\w+)\(", code, re.M)
 
 
+def token_args(code: str) -> dict[str, set[str]]:
+    """The expressions Inductor's output code passes the dsv4:: ops as `positions` and as `req_slots`."""
+    seen = {"positions": set(), "req_slots": set()}
+    for op, call in re.findall(r"torch\.ops\.dsv4\.(\w+)\.default\((.*)\)$", code, re.M):
+        names = [a.name for a in getattr(torch.ops.dsv4, op).default._schema.arguments]
+        args = drivers.split_args(call)
+        for name, exprs in seen.items():
+            if name in names:
+                exprs.add(args[names.index(name)])
+    return seen
+
+
 @pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
 def test_compiled_decode_step_kernels_and_a_stale_replay_writes_nothing(kind):
-    """Inductor's decode step launches at most KERNELS[kind]; the same compiled step replayed after its
-    commit (stale: its slots have new generations) on other inputs writes no pool and returns zeros."""
+    """Inductor's decode step launches at most KERNELS[kind], and every op reads the live check's one
+    positions buffer and one request-slots buffer; the same compiled step replayed after its commit
+    (stale: its slots have new generations) on other inputs writes no pool and returns zeros."""
     torch._dynamo.reset()
     layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], formats=FP8), seed=0).bfloat16()
     layer_step.to_block_fp8(layer)
@@ -175,6 +188,7 @@ def test_compiled_decode_step_kernels_and_a_stale_replay_writes_nothing(kind):
             y, codes = run_and_get_code(compiled, torch.randn(2, CFG.hidden_size, generator=gen).bfloat16(), step)
         launched = _kernels("\n".join(codes))
         print(f"{kind}: {len(launched)} kernels: {launched}")
+        assert {k: len(v) for k, v in token_args("\n".join(codes)).items()} == {"positions": 1, "req_slots": 1}
         assert (y != 0).any(dim=1).all()
         pools = _pool_bytes(layer)
         stale = compiled(torch.randn(2, CFG.hidden_size, generator=gen).bfloat16(), step)
