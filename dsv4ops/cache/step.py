@@ -106,10 +106,12 @@ def live_tokens(step, cache, ratio: int = 0, width: int = 0) -> tuple[Tensor, Te
     write, so eager and compiled forwards (CUDA graphs included) mark alike, and commit refuses a
     step that an attached cache did not run.
 
-    The four are rows of one [4, T] int32 tensor: Inductor computes them in one kernel and every op
-    of the layer reads that buffer. Returned as separate values, a cheap pointwise result is
-    recomputed into a fresh buffer for each op that takes it (an extern kernel's exact-stride
-    input), one small kernel per op: 4-6 a layer."""
+    The four are rows of one [4, T] int32 tensor, so Inductor computes them in one kernel into one
+    buffer that every op of the layer reads. Separate, each cheap pointwise result was recomputed
+    into a fresh buffer for every op taking it (an op's exact-stride input): positions in 3, 7 and 5
+    buffers of a sliding, CSA and HCA layer's compiled step (tests/test_compile.py). The check runs
+    in each layer's forward, not once for the model: a graph replayed with a stale step must compare
+    with its own cache's generations."""
     cache.ran_step.copy_(step.req_gens[:1])
     pos, req = step.positions, step.req_slots
     n = cache.generations.shape[0]
