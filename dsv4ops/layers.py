@@ -298,7 +298,7 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     # first min(visible, k) columns hold them all); every entry of the request's block table (HCA).
     width = (0 if kind == SLIDING else cfg.index_topk if kind == CSA
              else step.block_table(kind).shape[1] * cache.cfg.block_size)
-    pos, req, visible, comp_lens = live_tokens(step, cache, ratio, width)
+    pos, req, visible, comp_lens = live_tokens(step, cache, (ratio, width))
     inv = cache.cfg.batch_invariant  # every GEMM's rows independent of the step's other tokens
     px = projections.project_x(layer, x, inv)
     fmt = cache.fmt

@@ -114,18 +114,27 @@ class DeepseekV41Attention(AttentionLayer):
         others in x's dtype."""
         return compressor_dtype(self.role.ratio, dtype) if name.startswith("compressor.") else dtype
 
-    def forward(self, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
+    def forward(self, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict,
+                live: tuple[Tensor, ...] | None = None) -> Tensor:
         """x [T, hidden] (the step's flat batch) -> [T, hidden]. `shared` is the step's dict of
-        published top-k rows and candidate pool (written by sources, read by later layers)."""
-        return _attend(self, x, step, cache, shared)
+        published top-k rows and candidate pool (written by sources, read by later layers). `live`:
+        the step's (positions, req_slots, visible, comp_lens) at this layer's ratio, which the stack
+        computes once per step (live_counts); None: computed here."""
+        return _attend(self, x, step, cache, shared, live)
 
 
-def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
+def live_counts(cfg: DSV41AttentionConfig, ratio: int) -> tuple[int, int]:
+    """The (ratio, width) of live_tokens' visible and comp_lens rows for a layer of `ratio`: comp_lens
+    lists the top-k's first min(visible, k) columns (it lists the entries first); none when sliding."""
+    return ratio, 0 if ratio == 0 else cfg.index_topk
+
+
+def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict,
+            live: tuple[Tensor, ...] | None = None) -> Tensor:
     """The ops of one layer, called directly (the step planner checked every value; the public
     functions' eager value checks would sync the host each step). No data-dependent branch."""
     cfg, role, ops = layer.config, layer.role, torch.ops.dsv4
-    # comp_lens: the top-k's first min(visible, k) columns (it lists the entries first); none when sliding.
-    pos, req, _, lens = live_tokens(step, cache, role.ratio, 0 if role.sliding else cfg.index_topk)
+    pos, req, _, lens = live if live is not None else live_tokens(step, cache, live_counts(cfg, role.ratio))
     t, i = x.shape[0], layer.layer_idx
     fmt = cache.fmt
     px = projections.project_x(layer, x)
@@ -367,7 +376,12 @@ class DeepseekV41AttentionStack(nn.Module):
     def _serve(self, xs: Tensor, step: V41StepMeta, cache: V41StackCache, published: dict | None) -> Tensor:
         shared: dict = {} if published is None else published
         shared.clear()  # a step reads only what its own sources published
-        ys = torch.stack([layer(xs[i], step, cache, shared) for i, layer in enumerate(self.layers)])
+        # The live-token check once per step for every layer: each ratio's rows of one tensor.
+        ratios = sorted({layer.role.ratio for layer in self.layers})
+        rows = live_tokens(step, cache, *(live_counts(self.config, r) for r in ratios))
+        live = {r: (*rows[:2], *rows[2 + 2 * j:4 + 2 * j]) for j, r in enumerate(ratios)}
+        ys = torch.stack([layer(xs[i], step, cache, shared, live[layer.role.ratio])
+                          for i, layer in enumerate(self.layers)])
         if self.tp_group is not None:
             ys = all_reduce(ys, self.tp_group)
         if published is not None:
