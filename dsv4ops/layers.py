@@ -14,7 +14,7 @@ from dsv4ops._autograd import no_backward
 from dsv4ops.cache.config import CacheConfig, v4_numerics
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.cache.pools import LayerCache
-from dsv4ops.cache.step import StepMeta, live_tokens, visible_counts
+from dsv4ops.cache.step import StepMeta, live_tokens
 from dsv4ops.config import CSA, SLIDING, DSV4AttentionConfig
 from dsv4ops.fp8_linear.api import BlockFP8Linear
 from dsv4ops.layer_weights import Compressor, GroupedLinear, linear
@@ -293,8 +293,12 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     -> o` replaces dsv4::sparse_attn (one rank): the benchmark's seam for another library's kernel."""
     cfg, ops = layer.config, torch.ops.dsv4
     eps = cfg.rms_norm_eps
-    pos, req = live_tokens(step, cache)
-    t = x.shape[0]
+    t, kind, ratio = x.shape[0], layer.layer_type, cfg.compress_ratio(layer.layer_idx)
+    # comp_idx's columns: none (sliding); the indexer's top-k (CSA: it lists the entries first, so the
+    # first min(visible, k) columns hold them all); every entry of the request's block table (HCA).
+    width = (0 if kind == SLIDING else cfg.index_topk if kind == CSA
+             else step.block_table(kind).shape[1] * cache.cfg.block_size)
+    pos, req, visible, comp_lens = live_tokens(step, cache, (ratio, width))
     inv = cache.cfg.batch_invariant  # every GEMM's rows independent of the step's other tokens
     px = projections.project_x(layer, x, inv)
     fmt = cache.fmt
@@ -303,14 +307,12 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
 
     comp_cache, comp_fmt = cache.window, fmt["window"]
     comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
-    comp_lens = torch.zeros_like(pos)
     if layer.compressor is not None:
-        c, kind = layer.compressor, layer.layer_type
+        c = layer.compressor
         _compress(c, px["compressor.kv_proj"], px["compressor.gate_proj"], pos, req, step.entry_slots(kind),
                   layer.inv_freq, cache.state, cache.comp, fmt["comp"], eps)
         comp_cache, comp_fmt = cache.comp, fmt["comp"]
-        ratio, dcp = cfg.compress_ratio(layer.layer_idx), cache.dcp
-        visible = visible_counts(pos, req, ratio)
+        dcp = cache.dcp
         if kind == CSA:
             _compress(c.indexer, px["compressor.indexer.kv_proj"], px["compressor.indexer.gate_proj"], pos, req,
                       step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index, fmt["index"], eps,
@@ -319,19 +321,16 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
             if dcp.size == 1:
                 comp_idx = _select(c.indexer, w, qr, step, pos, req, layer, cache)
             else:
-                comp_idx, comp_lens, _ = _select_dcp(c.indexer, w, qr, step, pos, req, layer, cache)
+                comp_idx, comp_lens, _ = _select_dcp(c.indexer, w, qr, step, pos, req, layer, cache, visible)
         else:  # HCA: every complete entry of the token's request (context parallel: of this rank's blocks)
             table, bs = step.block_table(kind), cache.cfg.block_size
-            comp_idx = torch.empty(t, table.shape[1] * bs, dtype=torch.int32, device=x.device)
+            comp_idx = torch.empty(t, width, dtype=torch.int32, device=x.device)
             if dcp.size == 1:
                 ops.visible_entries(table, pos, req, comp_idx, ratio, bs)
             else:  # the rank's compact entries c < n_local, as ratio-1 entries of "position" n_local - 1
                 n_local = _dcp.owned_count(visible, bs, dcp)
                 ops.visible_entries(table, n_local - 1, req, comp_idx, 1, bs)
                 comp_lens = n_local.clamp(max=comp_idx.shape[1])
-        if dcp.size == 1:
-            # The selection lists its entries first, so the first min(visible, k) columns hold them all.
-            comp_lens = visible.clamp(max=comp_idx.shape[1])
 
     if core is not None and cache.dcp.size == 1:
         o = core(q_rot, comp_cache, comp_fmt, comp_idx, comp_lens)
@@ -388,14 +387,15 @@ def _select(indexer, w, qr, step, pos, req, layer, cache):
     return idx
 
 
-def _select_dcp(indexer, w, qr, step, pos, req, layer, cache):
+def _select_dcp(indexer, w, qr, step, pos, req, layer, cache, visible):
     """Context parallel (dsv4ops.parallel.dcp): the top-k of this rank's entries, merged over the group
     ("exact") or kept ("union") -> (this rank's key list [T, k] pool slots, valid first; their
-    count [T]; the selection as entries of the tokens' requests [T, k], -1 none)."""
+    count [T]; the selection as entries of the tokens' requests [T, k], -1 none). visible: the
+    tokens' complete CSA entries (live_tokens)."""
     cfg, t, g = layer.config, w.shape[0], cache.dcp
     bs, fmt, table = cache.cfg.block_size, cache.fmt["index"], step.block_table(CSA)
     q_out, w_out = _index_query(indexer, w, qr, pos, layer, cache)
-    n_local = _dcp.owned_count(visible_counts(pos, req, cfg.csa_ratio), bs, g)
+    n_local = _dcp.owned_count(visible, bs, g)
     idx = torch.empty(t, cfg.index_topk, dtype=torch.int32, device=w.device)
     torch.ops.dsv4.indexer_topk(q_out, w_out, n_local - 1, req, cache.index, table, None, idx, None,
                                 cache.topk_workspace, 1, 0, fmt)

@@ -114,17 +114,27 @@ class DeepseekV41Attention(AttentionLayer):
         others in x's dtype."""
         return compressor_dtype(self.role.ratio, dtype) if name.startswith("compressor.") else dtype
 
-    def forward(self, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
+    def forward(self, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict,
+                live: tuple[Tensor, ...] | None = None) -> Tensor:
         """x [T, hidden] (the step's flat batch) -> [T, hidden]. `shared` is the step's dict of
-        published top-k rows and candidate pool (written by sources, read by later layers)."""
-        return _attend(self, x, step, cache, shared)
+        published top-k rows and candidate pool (written by sources, read by later layers). `live`:
+        the step's (positions, req_slots, visible, comp_lens) at this layer's ratio, which the stack
+        computes once per step (live_counts); None: computed here."""
+        return _attend(self, x, step, cache, shared, live)
 
 
-def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict) -> Tensor:
+def live_counts(cfg: DSV41AttentionConfig, ratio: int) -> tuple[int, int]:
+    """The (ratio, width) of live_tokens' visible and comp_lens rows for a layer of `ratio`: comp_lens
+    lists the top-k's first min(visible, k) columns (it lists the entries first); none when sliding."""
+    return ratio, 0 if ratio == 0 else cfg.index_topk
+
+
+def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V41StackCache, shared: dict,
+            live: tuple[Tensor, ...] | None = None) -> Tensor:
     """The ops of one layer, called directly (the step planner checked every value; the public
     functions' eager value checks would sync the host each step). No data-dependent branch."""
     cfg, role, ops = layer.config, layer.role, torch.ops.dsv4
-    pos, req = live_tokens(step, cache)
+    pos, req, _, lens = live if live is not None else live_tokens(step, cache, live_counts(cfg, role.ratio))
     t, i = x.shape[0], layer.layer_idx
     fmt = cache.fmt
     inv = cache.cfg.batch_invariant  # every GEMM's rows independent of the step's other tokens
@@ -139,18 +149,15 @@ def _attend(layer: DeepseekV41Attention, x: Tensor, step: V41StepMeta, cache: V4
         _select(layer, px["indexer.weights_proj"], qr, step, pos, req, cache, shared)
     if role.sliding:
         comp, comp_fmt = window, fmt[f"window_{i}"]
-        comp_idx = torch.empty(t, 0, dtype=torch.int32, device=x.device)
-        comp_lens = torch.zeros_like(pos)
+        comp_idx, comp_lens = torch.empty(t, 0, dtype=torch.int32, device=x.device), lens
     else:
         comp, comp_fmt = getattr(cache, f"comp_{role.kv_source}"), fmt[f"comp_{role.kv_source}"]
         if ("topk", role.index_source) not in shared:
             raise RuntimeError(f"layer {i} reads the top-k of index source {role.index_source}, which has not run in "
                                f"this step: run the layers of a step in order (a stale top-k would be read)")
         comp_idx = shared["topk", role.index_source]
-        if cache.dcp.size == 1:
-            # The selection lists its entries first: the first min(visible, k) columns hold them all.
-            comp_lens = torch.where(req >= 0, (pos + 1) // role.ratio, 0).clamp(max=comp_idx.shape[1]).to(torch.int32)
-        else:  # the selection's entries in this rank's blocks, as its pool slots
+        comp_lens = lens
+        if cache.dcp.size > 1:  # the selection's entries in this rank's blocks, as its pool slots
             comp_idx, comp_lens = _dcp.front(_dcp.local_slots(comp_idx, req, step.block_table(role.ratio),
                                                               cache.cfg.block_size, cache.dcp))
     if cache.dcp.size == 1 or role.sliding:
@@ -372,7 +379,12 @@ class DeepseekV41AttentionStack(nn.Module):
     def _serve(self, xs: Tensor, step: V41StepMeta, cache: V41StackCache, published: dict | None) -> Tensor:
         shared: dict = {} if published is None else published
         shared.clear()  # a step reads only what its own sources published
-        ys = torch.stack([layer(xs[i], step, cache, shared) for i, layer in enumerate(self.layers)])
+        # The live-token check once per step for every layer: each ratio's rows of one tensor.
+        ratios = sorted({layer.role.ratio for layer in self.layers})
+        rows = live_tokens(step, cache, *(live_counts(self.config, r) for r in ratios))
+        live = {r: (*rows[:2], *rows[2 + 2 * j:4 + 2 * j]) for j, r in enumerate(ratios)}
+        ys = torch.stack([layer(xs[i], step, cache, shared, live[layer.role.ratio])
+                          for i, layer in enumerate(self.layers)])
         if self.tp_group is not None:
             ys = all_reduce(ys, self.tp_group)
         if published is not None:

@@ -127,3 +127,17 @@ def serve_step(fn, manager, inputs: dict, spec: dict, done: dict, outs: dict, ga
         i += n
     for r, (n, kept) in spec.items():
         manager.rewind(r, n - kept)
+
+
+def split_args(call: str) -> list[str]:
+    """Top-level arguments of a generated call (commas inside reinterpret_tensor(...) stay)."""
+    args, depth, cur = [], 0, ""
+    for ch in call:
+        depth += ch in "(["
+        depth -= ch in ")]"
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return args + [cur.strip()]

@@ -7,11 +7,14 @@ import drivers
 import expecttest
 import pytest
 import torch
+from test_serving import _pool_bytes
 from torch._dynamo.testing import AotEagerAndRecordGraphs, normalize_gm
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 from dsv4ops import CacheFormats, DeepseekV4Attention, DSV4AttentionConfig, reference, testing
+from dsv4ops.bench import layer_step
 from dsv4ops.cache.config import CacheConfig
 from dsv4ops.cache.manager import KVCacheManager
 from dsv4ops.config import CSA, HCA, SLIDING
@@ -65,38 +68,38 @@ def test_serving_forward_is_one_graph_with_the_ops_in_order(kind):
         return
     if kind == SLIDING:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_2, positions = where, req_slots = where_1, comp_idx = empty, comp_lens = zeros_like, window_ends = arg13_1, sinks = arg12_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', batch_invariant = False, _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_4, positions = where, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = getitem, req_slots = getitem_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_5, window_cache = getitem_6, comp_cache = getitem_6, positions = getitem, req_slots = getitem_1, comp_idx = empty, comp_lens = getitem_3, window_ends = arg13_1, sinks = arg12_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', batch_invariant = False, _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_8, positions = getitem, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
 copy_: "i32[1]" = torch.ops.aten.copy_.default(arg1_1, copy)
-copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_2)""")
+copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_6)""")
     elif kind == CSA:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_5, score = slice_6, ape = arg14_1, positions = where, req_slots = where_1, entry_slots = arg16_1, norm_weight = arg15_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg12_1, arg13_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_7, score = slice_8, ape = arg19_1, positions = where, req_slots = where_1, entry_slots = arg16_1, norm_weight = arg20_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_132', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg17_1, arg18_1])
-auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_q_prep.default, q = view_1, weights = slice_4, positions = where, inv_freq = arg11_1, fmt = 'fp8_132', hadamard = False, _q_out_base_index = 0, _w_out_base_index = 1, _all_bases = [empty_1, empty_2])
-auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_topk.default, q = getitem_10, weights = getitem_11, positions = where, req_slots = where_1, cache = getitem_8, block_table = arg23_1, cand = None, ratio = 4, cand_block = 0, fmt = 'fp8_132', _idx_out_base_index = 0, _cand_out_base_index = None, _workspace_base_index = 1, _all_bases = [empty_3, arg22_1])
-auto_functionalized_v2_5 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_13, comp_lens = clamp_1, window_ends = arg25_1, sinks = arg24_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', batch_invariant = False, _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
-auto_functionalized_v2_6 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_16, positions = where, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = getitem, req_slots = getitem_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_5, score = slice_6, ape = arg14_1, positions = getitem, req_slots = getitem_1, entry_slots = arg16_1, norm_weight = arg15_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg12_1, arg13_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_7, score = slice_8, ape = arg19_1, positions = getitem, req_slots = getitem_1, entry_slots = arg16_1, norm_weight = arg20_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_132', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg17_1, arg18_1])
+auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_q_prep.default, q = view_1, weights = slice_4, positions = getitem, inv_freq = arg11_1, fmt = 'fp8_132', hadamard = False, _q_out_base_index = 0, _w_out_base_index = 1, _all_bases = [empty_1, empty_2])
+auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.indexer_topk.default, q = getitem_14, weights = getitem_15, positions = getitem, req_slots = getitem_1, cache = getitem_12, block_table = arg23_1, cand = None, ratio = 4, cand_block = 0, fmt = 'fp8_132', _idx_out_base_index = 0, _cand_out_base_index = None, _workspace_base_index = 1, _all_bases = [empty_3, arg22_1])
+auto_functionalized_v2_5 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_5, window_cache = getitem_6, comp_cache = getitem_9, positions = getitem, req_slots = getitem_1, comp_idx = getitem_17, comp_lens = getitem_3, window_ends = arg25_1, sinks = arg24_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', batch_invariant = False, _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
+auto_functionalized_v2_6 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_20, positions = getitem, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
 copy_: "i32[1]" = torch.ops.aten.copy_.default(arg1_1, copy)
-copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_2)
-copy__2: "f32[2, 8, 2048]" = torch.ops.aten.copy_.default(arg12_1, getitem_4)
-copy__3: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg13_1, getitem_5)
-copy__4: "f32[2, 8, 512]" = torch.ops.aten.copy_.default(arg17_1, getitem_7)
-copy__5: "u8[6, 8448]" = torch.ops.aten.copy_.default(arg18_1, getitem_8)
-copy__6: "i32[2048]" = torch.ops.aten.copy_.default(arg22_1, getitem_14)""")
+copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_6)
+copy__2: "f32[2, 8, 2048]" = torch.ops.aten.copy_.default(arg12_1, getitem_8)
+copy__3: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg13_1, getitem_9)
+copy__4: "f32[2, 8, 512]" = torch.ops.aten.copy_.default(arg17_1, getitem_11)
+copy__5: "u8[6, 8448]" = torch.ops.aten.copy_.default(arg18_1, getitem_12)
+copy__6: "i32[2048]" = torch.ops.aten.copy_.default(arg22_1, getitem_18)""")
     else:
         expecttest.assert_expected_inline(ops, """\
-auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = where, req_slots = where_1, inv_freq = arg11_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg7_1])
-auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_4, score = slice_5, ape = arg14_1, positions = where, req_slots = where_1, entry_slots = arg16_1, norm_weight = arg15_1, inv_freq = arg11_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg12_1, arg13_1])
-auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.visible_entries.default, block_table = arg17_1, positions = where, req_slots = where_1, ratio = 128, block_size = 64, _out_base_index = 0, _all_bases = [empty_1])
-auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_1, window_cache = getitem_2, comp_cache = getitem_5, positions = where, req_slots = where_1, comp_idx = getitem_7, comp_lens = clamp_1, window_ends = arg19_1, sinks = arg18_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', batch_invariant = False, _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
-auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_9, positions = where, inv_freq = arg11_1, _out_base_index = 0, _all_bases = [empty_like_2])
-copy_: "i32[1]" = torch.ops.aten.copy_.default(arg1_1, copy)
-copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg7_1, getitem_2)
-copy__2: "f32[2, 128, 1024]" = torch.ops.aten.copy_.default(arg12_1, getitem_4)
-copy__3: "u8[3, 37440]" = torch.ops.aten.copy_.default(arg13_1, getitem_5)""")
+auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.qkv_prep.default, q = view, kv = mul_3, positions = getitem, req_slots = getitem_1, inv_freq = arg12_1, ring_size = 192, eps = 1e-06, q_norm = True, window_fmt = 'fp8_584', _q_out_base_index = 0, _window_cache_base_index = 1, _all_bases = [empty_like, arg8_1])
+auto_functionalized_v2_1 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.compressor_update.default, kv = slice_4, score = slice_5, ape = arg15_1, positions = getitem, req_slots = getitem_1, entry_slots = arg17_1, norm_weight = arg16_1, inv_freq = arg12_1, eps = 1e-06, fmt = 'fp8_584', hadamard = False, _state_base_index = 0, _cache_base_index = 1, _latent_out_base_index = None, _all_bases = [arg13_1, arg14_1])
+auto_functionalized_v2_2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.visible_entries.default, block_table = arg1_1, positions = getitem, req_slots = getitem_1, ratio = 128, block_size = 64, _out_base_index = 0, _all_bases = [empty_1])
+auto_functionalized_v2_3 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.sparse_attn.default, q = getitem_5, window_cache = getitem_6, comp_cache = getitem_9, positions = getitem, req_slots = getitem_1, comp_idx = getitem_11, comp_lens = getitem_3, window_ends = arg19_1, sinks = arg18_1, scale = 0.04419417382415922, window = 128, ring_size = 192, window_fmt = 'fp8_584', comp_fmt = 'fp8_584', batch_invariant = False, _out_base_index = 0, _lse_base_index = None, _all_bases = [empty_like_1])
+auto_functionalized_v2_4 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.dsv4.inv_rope.default, o = getitem_13, positions = getitem, inv_freq = arg12_1, _out_base_index = 0, _all_bases = [empty_like_2])
+copy_: "i32[1]" = torch.ops.aten.copy_.default(arg2_1, copy)
+copy__1: "u8[6, 37440]" = torch.ops.aten.copy_.default(arg8_1, getitem_6)
+copy__2: "f32[2, 128, 1024]" = torch.ops.aten.copy_.default(arg13_1, getitem_8)
+copy__3: "u8[3, 37440]" = torch.ops.aten.copy_.default(arg14_1, getitem_9)""")
 
 
 def test_no_recompile_across_decode_steps_crossing_block_boundaries():
@@ -138,3 +141,57 @@ def test_inductor_cpu_matches_eager(kind):
     params = {k: v.double() for k, v in layer.named_parameters()}
     ref64 = reference.attention(params, CFG, LAYER[kind], x[None].double())[0]
     testing.assert_close_to_ref(runs[1], ref64, runs[0], what="inductor")
+
+
+# The kernels one compiled decode step of the tiny layer launches on the CPU (block-FP8 projections,
+# as tests/test_layer_gpu.py counts on the GPU): a proxy for the GPU count, held at what this build
+# reaches so a change that adds kernels fails here. Issue 51: the step's live-token check had each op
+# recompute its positions into a buffer of its own (sliding 13, CSA 24, HCA 19 kernels); now one
+# kernel computes positions, request slots, visible counts and comp_lens for the whole layer.
+KERNELS = {SLIDING: 12, CSA: 20, HCA: 16}
+
+
+def _kernels(code: str) -> list[str]:
+    """The launches of Inductor's (CPU) output code, in order: its fused C++ kernels, extern GEMMs and
+    op calls (the dsv4:: ops, and any aten fallback)."""
+    return re.findall(r"^ +(?:\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+\.\w+)\(", code, re.M)
+
+
+def token_args(code: str) -> dict[str, set[str]]:
+    """The expressions Inductor's output code passes the dsv4:: ops as `positions` and as `req_slots`."""
+    seen = {"positions": set(), "req_slots": set()}
+    for op, call in re.findall(r"torch\.ops\.dsv4\.(\w+)\.default\((.*)\)$", code, re.M):
+        names = [a.name for a in getattr(torch.ops.dsv4, op).default._schema.arguments]
+        args = drivers.split_args(call)
+        for name, exprs in seen.items():
+            if name in names:
+                exprs.add(args[names.index(name)])
+    return seen
+
+
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_compiled_decode_step_kernels_and_a_stale_replay_writes_nothing(kind):
+    """Inductor's decode step launches at most KERNELS[kind], and every op reads the live check's one
+    positions buffer and one request-slots buffer; the same compiled step replayed after its commit
+    (stale: its slots have new generations) on other inputs writes no pool and returns zeros."""
+    torch._dynamo.reset()
+    layer = testing.randomize_(DeepseekV4Attention(CFG, LAYER[kind], formats=FP8), seed=0).bfloat16()
+    layer_step.to_block_fp8(layer)
+    manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=512, max_step_tokens=16))
+    layer.attach_cache(manager)
+    for r in (0, 1):
+        manager.admit(r)
+    compiled = torch.compile(layer, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        with manager.step({0: 1, 1: 1}) as step:
+            y, codes = run_and_get_code(compiled, torch.randn(2, CFG.hidden_size, generator=gen).bfloat16(), step)
+        launched = _kernels("\n".join(codes))
+        print(f"{kind}: {len(launched)} kernels: {launched}")
+        assert {k: len(v) for k, v in token_args("\n".join(codes)).items()} == {"positions": 1, "req_slots": 1}
+        assert (y != 0).any(dim=1).all()
+        pools = _pool_bytes(layer)
+        stale = compiled(torch.randn(2, CFG.hidden_size, generator=gen).bfloat16(), step)
+    assert all(torch.equal(pools[k], v) for k, v in _pool_bytes(layer).items()), "a stale token wrote a pool"
+    assert (stale == 0).all()
+    assert len(launched) <= KERNELS[kind]

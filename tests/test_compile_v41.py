@@ -67,6 +67,10 @@ def test_stack_serving_forward_is_one_graph_with_every_layer_in_order():
     # the stack cache's ran_step mark (the commit's proof that the step ran).
     text = normalize_gm(backend.fw_graphs[0].print_readable(print_output=False))
     assert text.count("torch.ops.aten.copy_.default") == CFG.num_layers + 3 * 3 + 1 + 1
+    # The live-token check once per step: every op of every layer reads one positions and one
+    # request-slots value (issue 51: each layer computed its own).
+    assert len(set(re.findall(r"\bpositions = (\w+)", text))) == 1
+    assert len(set(re.findall(r"\breq_slots = (\w+)", text))) == 1
     check = FileCheck()
     for i in range(CFG.num_layers):  # the source layers' writes come before their readers' attention
         check = check.check("dsv4.qkv_prep.default")

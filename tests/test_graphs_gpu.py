@@ -5,6 +5,7 @@ outputs equal to eager, and the Inductor code calls the ops on the cache buffers
 
 import re
 
+import drivers
 import pytest
 import torch
 from torch import nn
@@ -118,20 +119,6 @@ def test_reduce_overhead_stack_prefill_then_decode(monkeypatch):
         testing.assert_close_to_ref(outs[r], h[0], eager[r], what=f"request {r}")
 
 
-def _split_args(call: str) -> list[str]:
-    """Top-level arguments of a generated call (commas inside reinterpret_tensor(...) stay)."""
-    args, depth, cur = [], 0, ""
-    for ch in call:
-        depth += ch in "(["
-        depth -= ch in ")]"
-        if ch == "," and depth == 0:
-            args.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return args + [cur.strip()]
-
-
 def test_inductor_code_writes_caches_in_place():
     torch._dynamo.reset()
     manager = KVCacheManager(CFG, CacheConfig(max_requests=2, max_context=256, max_step_tokens=16), device="cuda")
@@ -155,6 +142,6 @@ def test_inductor_code_writes_caches_in_place():
     # stands in for a pool. (Activations may be cloned, e.g. the grouped output's flatten.)
     for op, positions in CACHE_ARGS.items():
         for call in re.findall(rf"torch\.ops\.dsv4\.{op}\.default\((.*)\)", code):
-            args = _split_args(call)
+            args = drivers.split_args(call)
             for i in positions:
                 assert re.fullmatch(r"arg\d+_1", args[i]), (op, i, call)

@@ -3,6 +3,8 @@ the kernels a compiled decode step launches."""
 
 import pytest
 import torch
+from test_compile import token_args
+from torch._inductor.utils import run_and_get_code
 
 from dsv4ops import DSV4AttentionConfig, packing
 from dsv4ops.bench import layer_step
@@ -80,3 +82,18 @@ def test_compiled_decode_step_kernels(kind):
 
 
 KERNELS = {CSA: 40, HCA: 30, SLIDING: 20}
+
+
+@pytest.mark.parametrize("kind", [SLIDING, CSA, HCA])
+def test_compiled_step_ops_read_one_positions_and_one_req_slots_buffer(kind):
+    """Issue 51: every dsv4:: op of a compiled V4-Flash decode step reads the live check's one
+    positions buffer and one req_slots buffer (Inductor's Triton code), not a recomputed copy of its
+    own (a small kernel per op: tests/test_compile.py shows the CPU code's)."""
+    layer = new_layer(kind, FLASH)
+    layer_step.to_block_fp8(layer)
+    case = Case(kind, 32, 4096, 1, model=FLASH, layer=layer)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(layer, fullgraph=True), case.x, case.step)
+    assert {k: len(v) for k, v in token_args("\n".join(codes)).items()} == {"positions": 1, "req_slots": 1}
+    case.release()

@@ -396,7 +396,9 @@ def test_every_table_write_reaches_the_device_tables_at_the_next_step():
 def test_live_tokens_is_the_elementwise_rule(compiled):
     """live_tokens (the compiled forward's only guard) against its rule written out token by token:
     live iff 0 <= p < max_context, 0 <= request slot < slots and the slot's generation is the
-    step's; a dead token gets request -1, and position 0 where p is outside [0, max_context)."""
+    step's; a dead token gets request -1, and position 0 where p is outside [0, max_context). A live
+    token sees (p + 1) // ratio entries (listed: at most width), a dead one none; ratio 0 (sliding):
+    none."""
     from types import SimpleNamespace
 
     from dsv4ops.cache.step import live_tokens
@@ -412,11 +414,16 @@ def test_live_tokens_is_the_elementwise_rule(compiled):
                                                  dtype=torch.int32))
     fn = torch.compile(live_tokens, backend="aot_eager", fullgraph=True) if compiled else live_tokens
     torch._dynamo.reset()
-    got_pos, got_req = fn(step, cache)
+    counts = ((4, 5), (128, 64), (0, 0))
+    got = [t.tolist() for t in fn(step, cache, *counts)]
     for i, (p, r, g) in enumerate(cases):
         in_range = 0 <= p < top
         live = in_range and 0 <= r < slots and g
-        assert (int(got_pos[i]), int(got_req[i])) == (p if in_range else 0, r if live else -1), (p, r, g)
+        want = [p if in_range else 0, r if live else -1]
+        for ratio, width in counts:
+            visible = (p + 1) // ratio if live and ratio else 0
+            want += [visible, min(visible, width)]
+        assert [row[i] for row in got] == want, (p, r, g)
 
 
 def test_a_step_that_no_layer_ran_is_refused_at_commit_and_rolled_back():

@@ -93,18 +93,35 @@ def visible_counts(positions: Tensor, req_slots: Tensor, ratio: int) -> Tensor:
     return torch.where(req_slots >= 0, (positions + 1) // ratio, 0).to(torch.int32)
 
 
-def live_tokens(step, cache) -> tuple[Tensor, Tensor]:
-    """(positions, req_slots) of `step` (a StepMeta or V41StepMeta) with every token that must not
-    run turned into padding, on the device and without a sync, against `cache` (its `generations`
-    and CacheConfig): request slot out of range, slot generation != the step's (a foreign, stale
-    or closed step), position outside [0, max_context). Every serving forward of a layer calls it
-    first, so it also marks the step as run on `cache` (`ran_step` = the step's first token's
-    generation, never padding, unique to the step): a device write, so eager and compiled forwards
-    (CUDA graphs included) mark alike, and commit refuses a step that an attached cache did not run."""
+def live_tokens(step, cache, *counts: tuple[int, int]) -> tuple[Tensor, ...]:
+    """(positions, req_slots, then visible and lens for each (ratio, width) of `counts`) of `step` (a
+    StepMeta or V41StepMeta) with every token that must not run turned into padding, on the device
+    and without a sync, against `cache` (its `generations` and CacheConfig): request slot out of
+    range, slot generation != the step's (a foreign, stale or closed step), position outside [0,
+    max_context). visible: the complete entries at compression `ratio` of each live token's request
+    (visible_counts; ratio 0: none), lens: visible cut at `width` (the comp_idx columns sparse_attn
+    reads).
+
+    Every serving forward calls it first, so it also marks the step as run on `cache` (`ran_step` =
+    the step's first token's generation, never padding, unique to the step): a device write, so
+    eager and compiled forwards (CUDA graphs included) mark alike, and commit refuses a step that an
+    attached cache did not run.
+
+    The values are rows of one [2 + 2 len(counts), T] int32 tensor, so Inductor computes them in one
+    kernel into one buffer that every op reads. Separate, each cheap pointwise result was recomputed
+    into a fresh buffer for every op taking it (an op's exact-stride input): positions in 3, 7 and 5
+    buffers of a sliding, CSA and HCA layer's compiled step (tests/test_compile.py). A V4 layer runs
+    the check in its own forward (a graph replayed with a stale step must compare with its own
+    cache's generations); the V4.1 stack runs it once per step for all its layers (one cache)."""
     cache.ran_step.copy_(step.req_gens[:1])
     pos, req = step.positions, step.req_slots
     n = cache.generations.shape[0]
     pos_ok = (pos >= 0) & (pos < cache.cfg.max_context)
     live = (req >= 0) & (req < n) & pos_ok
     live &= cache.generations[req.clamp(0, n - 1).long()] == step.req_gens
-    return torch.where(pos_ok, pos, 0), torch.where(live, req, -1)
+    pos, req = torch.where(pos_ok, pos, 0), torch.where(live, req, -1)
+    rows = [pos, req]
+    for ratio, width in counts:
+        visible = visible_counts(pos, req, ratio) if ratio else torch.zeros_like(pos)
+        rows += [visible, visible.clamp(max=width)]
+    return torch.stack(rows).unbind(0)
