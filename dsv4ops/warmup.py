@@ -82,7 +82,8 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                     ape = torch.zeros(ratio, coff * dim, dtype=torch.float32, device=device)
                     norm = torch.ones(dim, dtype=torch.float32, device=device)
                     state = torch.zeros(1, coff * ratio, 2 * coff * dim, dtype=torch.float32, device=device)
-                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, None, eps, fmt, hadamard)
+                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, None, eps, fmt, hadamard,
+                                          cache_cfg.batch_invariant)
                     calls += 1
                 if kind == CSA:
                     qi = torch.zeros(t, hi, di, dtype=dtype, device=device)
