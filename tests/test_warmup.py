@@ -87,3 +87,16 @@ def test_warmup_of_a_batch_invariant_cache_runs_every_invariant_gemm_shape(monke
             want.add((*layer.compressor.indexer.q_b_proj.weight.shape, False))
     assert seen == want
     assert fp8 and all(a == (1, True) or a == (CFG.o_groups, True) for a in fp8)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_warmup_runs_the_compressor_in_the_cache_mode(invariant, monkeypatch):
+    # A batch-invariant cache's layers pool V4's HCA entries in one plan for every step size
+    # (compressor/triton.py pool_plan): warmup compiles that launch, not the per-size ones.
+    from dsv4ops.cache import CacheConfig
+
+    seen, real = [], torch.ops.dsv4.compressor_update
+    monkeypatch.setattr(torch.ops.dsv4, "compressor_update", lambda *a: (seen.append(a[14:]), real(*a)))
+    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, batch_invariant=invariant)
+    dsv4ops.warmup(CFG, cache_cfg, "cpu")
+    assert seen and set(seen) == {(invariant,)}
