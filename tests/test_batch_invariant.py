@@ -241,7 +241,7 @@ def test_hca_entry_does_not_depend_on_the_step_size(path, threads):
         assert {comp_triton.pool_plan(128, t, 128, True) for t in (*HCA_TOKENS, 4096)} == {plans[0]}
     for invariant in modes:
         (pool, latent, state), *others = (_hca_entry(run, t, invariant) for t in HCA_TOKENS)
-        for tokens, (o_pool, o_latent, o_state) in zip(HCA_TOKENS[1:], others):
+        for tokens, (o_pool, o_latent, o_state) in zip(HCA_TOKENS[1:], others, strict=True):
             assert torch.equal(o_state, state)  # the state rows: the step's rows as they came
             same = torch.equal(o_pool, pool) and torch.equal(o_latent, latent)
             assert same == invariant, (tokens, invariant)

@@ -1,6 +1,7 @@
 """Triton kernels of `dsv4::compressor_update` (compressor/reference.py is the specification).
 
-Two launches on the current stream, in this order (three for an HCA decode or batch-invariant step, see pool_plan):
+Two launches on the current stream, in this order (three for an HCA decode step and for every
+batch-invariant HCA step, see pool_plan):
 1. `_compress_kernel`, one program per token (programs of tokens that do not close a block exit at
    once): pools positions [p - coff*m + 1, p] per channel with an online softmax over slot chunks
    (the step's own rows where the reference takes them, the state ring otherwise, -inf before 0;
@@ -207,8 +208,9 @@ def pool_plan(span: int, tokens: int, d: int, batch_invariant: bool = False) -> 
     The slots a loop step pools set the order of a channel's softmax sums, so the plan decides an
     entry's bits. batch_invariant: the decode plan (16 x 128 on 8 warps) at every token count, so
     a request's entries do not depend on how many tokens share its step. It keeps batch 1 as it is
-    (7.4 us; one program a token, the other fixed plan, is 31.6); at 32 to 256 tokens and at
-    prefill it replaces plans that were measured (32 x 64, one program a token) by one that was not."""
+    (7.4 us; one program a token, the simpler fixed plan, takes 31.6); from 17 tokens on it stands
+    in for the plans timed above (32 x 64: 11.6 and 42.3 us; one program a token at prefill: 41)
+    and has not been timed there itself. Its pooled rows take a [tokens, d] fp32 buffer."""
     if span >= 64 and (tokens <= 16 or batch_invariant):
         return 16, 128, 8
     if span >= 64 and tokens <= 256:
