@@ -310,12 +310,12 @@ def _attend(layer: DeepseekV4Attention, x: Tensor, step: StepMeta, cache: LayerC
     if layer.compressor is not None:
         c = layer.compressor
         _compress(c, px["compressor.kv_proj"], px["compressor.gate_proj"], pos, req, step.entry_slots(kind),
-                  layer.inv_freq, cache.state, cache.comp, fmt["comp"], eps)
+                  layer.inv_freq, cache.state, cache.comp, fmt["comp"], eps, inv)
         comp_cache, comp_fmt = cache.comp, fmt["comp"]
         dcp = cache.dcp
         if kind == CSA:
             _compress(c.indexer, px["compressor.indexer.kv_proj"], px["compressor.indexer.gate_proj"], pos, req,
-                      step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index, fmt["index"], eps,
+                      step.entry_slots(kind), layer.inv_freq, cache.index_state, cache.index, fmt["index"], eps, inv,
                       hadamard=indexer_rotates(layer.numerics))
             w = px["compressor.indexer.scorer.weights_proj"]
             if dcp.size == 1:
@@ -359,9 +359,9 @@ def indexer_rotates(numerics: Numerics) -> bool:
     return numerics.indexer == "mxfp4"
 
 
-def _compress(c, a, z, pos, req, entry_slots, inv_freq, state, pool, fmt, eps, hadamard=False):
+def _compress(c, a, z, pos, req, entry_slots, inv_freq, state, pool, fmt, eps, inv, hadamard=False):
     torch.ops.dsv4.compressor_update(a, z, c.position_bias, pos, req, entry_slots, c.kv_norm.weight, inv_freq, state,
-                                     pool, None, eps, fmt, hadamard)
+                                     pool, None, eps, fmt, hadamard, inv)
 
 
 def _index_query(indexer, w, qr, pos, layer, cache) -> tuple[Tensor, Tensor]:

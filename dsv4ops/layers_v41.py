@@ -193,7 +193,8 @@ def _compress(layer: DeepseekV41Attention, px: dict[str, Tensor], step: V41StepM
     if role.owns_index_keys:  # the entries before RoPE, in the pool's entry dtype
         latent = torch.empty(a.shape[0], a.shape[1], dtype=entry_dtype(fmt, comp.dtype), device=a.device)
     torch.ops.dsv4.compressor_update(a, score, c.ape, pos, req, slots, c.norm.weight,
-                                     layer.inv_freq, getattr(cache, f"state_{i}"), comp, latent, eps, fmt)
+                                     layer.inv_freq, getattr(cache, f"state_{i}"), comp, latent, eps, fmt, False,
+                                     cache.cfg.batch_invariant)
     if latent is not None:
         ix = layer.indexer
         torch.ops.dsv4.indexer_k_prep(latent, pos, req, slots, ix.wk.weight, ix.k_norm.weight,

@@ -128,16 +128,18 @@ def qkv_prep(q: Tensor, kv: Tensor, positions: Tensor, req_slots: Tensor, inv_fr
 @custom_op("dsv4::compressor_update", mutates_args=("state", "cache", "latent_out"))
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool = False) -> None:
+                      latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool = False,
+                      batch_invariant: bool = False) -> None:
     """Save every token's (a, z + ape) in its request's state ring; tokens that close a block pool
     it (CSA: 8-slot overlap; otherwise the m slots of the block), RMSNorm, RoPE at w*m and store
     the entry at entry_slots (pool format fmt; with `hadamard`, a byte format, the entry rotated by
     the orthonormal Hadamard first: V4's MXFP4 index keys). latent_out [T, d], if given, gets each
-    closing token's entry before RoPE (0 in the other rows)."""
+    closing token's entry before RoPE (0 in the other rows). batch_invariant: an entry's bits depend
+    on its own slots only (a pooling order fixed for every token count; on the CPU one entry at a time)."""
     _compressor_checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq,
                                          state, cache, latent_out, eps, fmt, hadamard)
     _compressor.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state,
-                                  cache, latent_out, eps, fmt, hadamard)
+                                  cache, latent_out, eps, fmt, hadamard, batch_invariant)
 
 
 # ---- indexer -----------------------------------------------------------------------------------

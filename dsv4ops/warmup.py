@@ -82,7 +82,8 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                     ape = torch.zeros(ratio, coff * dim, dtype=torch.float32, device=device)
                     norm = torch.ones(dim, dtype=torch.float32, device=device)
                     state = torch.zeros(1, coff * ratio, 2 * coff * dim, dtype=torch.float32, device=device)
-                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, None, eps, fmt, hadamard)
+                    ops.compressor_update(a, a, ape, pos, req, none, norm, freq, state, pool, None, eps, fmt, hadamard,
+                                          cache_cfg.batch_invariant)
                     calls += 1
                 if kind == CSA:
                     qi = torch.zeros(t, hi, di, dtype=dtype, device=device)
@@ -102,7 +103,7 @@ def warmup(model_cfg: DSV4AttentionConfig, cache_cfg: CacheConfig, device, dtype
                     calls += 1
             lens = torch.full((t,), idx.shape[1], dtype=torch.int32, device=device)
             ops.sparse_attn(q_rot, window, comp, pos, req, idx, lens, pos, sinks, o, d**-0.5, model_cfg.window, ring,
-                            main_fmt, main_fmt if kind == SLIDING else comp_fmt)
+                            main_fmt, main_fmt if kind == SLIDING else comp_fmt, None, cache_cfg.batch_invariant)
             ops.inv_rope(o, pos, freq, o_rot)
             calls += 3
             if dcp > 1 and kind != SLIDING:  # a shard's partial, and the merge of the ranks' partials

@@ -140,8 +140,9 @@ def entry_slots_of(positions: Tensor, req_slots: Tensor, ratio: int, per_request
 
 def compressor_update_args(dtype=torch.float32, fmt=None, dim=8, ratio=4, overlap=True, main=True,
                            runs=((0, 2, 5), (1, 0, 3)), pad=1, requests=2, blocks=4, block_size=4,
-                           latent=False, hadamard=False) -> dict:
-    """latent: a latent_out buffer (in the entry dtype) instead of None; hadamard: the op's flag."""
+                           latent=False, hadamard=False, batch_invariant=False) -> dict:
+    """latent: a latent_out buffer (in the entry dtype) instead of None; hadamard, batch_invariant: the
+    op's flags (the second only when set)."""
     from dsv4ops.compressor.checks import entry_dtype
 
     fmt = fmt or dtype
@@ -152,7 +153,7 @@ def compressor_update_args(dtype=torch.float32, fmt=None, dim=8, ratio=4, overla
     t = positions.shape[0]
     cache = fill_pool(page_pool(blocks, block_size, d, fmt), d, fmt)
     name = format_name(fmt, d)
-    return dict(
+    args = dict(
         kv=torch.randn(t, width, dtype=dtype), score=torch.randn(t, width, dtype=dtype),
         ape=torch.randn(ratio, width), positions=positions, req_slots=req_slots,
         entry_slots=entry_slots_of(positions, req_slots, ratio, blocks * block_size // requests),
@@ -161,6 +162,7 @@ def compressor_update_args(dtype=torch.float32, fmt=None, dim=8, ratio=4, overla
         latent_out=torch.empty(t, d, dtype=entry_dtype(cache, name)) if latent else None, eps=1e-6, fmt=name,
         hadamard=hadamard,
     )
+    return dict(args, batch_invariant=True) if batch_invariant else args
 
 
 def indexer_q_prep_args(dtype=torch.float32, fmt="exact", heads=2, dim=16, tokens=3, noncontig=False,

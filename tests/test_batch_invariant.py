@@ -168,26 +168,97 @@ def _alone_and_busy(args, per_token):
     return alone, busy
 
 
+@pytest.fixture
+def threads():
+    """torch.set_num_threads for the test, restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("path", ["reference", "triton"])
 @pytest.mark.parametrize("ratio", [2, 1])
-def test_v41_compressor_rows_do_not_depend_on_the_other_tokens(path, ratio):
-    """dsv4::compressor_update as V4.1 runs it (no overlap, a latent out): a request's entries, state
-    and latent rows are the same whatever other tokens share the call. Row-wise on both paths, no
-    flag needed: one entry pools its own request's <= 2 rows, and the Triton pooling plan
-    (compressor/triton.py pool_plan) reads the token count only for spans >= 64 (V4's HCA)."""
+def test_v41_compressor_rows_do_not_depend_on_the_other_tokens(path, ratio, threads):
+    """dsv4::compressor_update with batch_invariant as V4.1 runs it (no overlap, a latent out): a
+    request's entries, state and latent rows are the same whatever other tokens share the call. On 5
+    CPU threads the reference without the flag gives the ratio-2 entries other bits (3 closing
+    entries alone, 18 busy: torch's softmax takes the scalar exp at other columns); the Triton
+    kernel pools a span < 64 in one plan for every token count (compressor/triton.py pool_plan)."""
     from dsv4ops.compressor import triton as comp_triton
 
+    threads(5)
     run = torch.ops.dsv4.compressor_update if path == "reference" else comp_triton.compressor_update
     args = builders.compressor_update_args(dim=512, ratio=ratio, overlap=False, runs=BUSY_RUNS, pad=0, blocks=16,
                                            latent=True)
     args["inv_freq"] = builders.rope_table(64)
     alone, busy = _alone_and_busy(args, ("kv", "score", "positions", "req_slots", "entry_slots", "latent_out"))
     for a in (alone, busy):
-        run(**a)
+        run(**a, batch_invariant=True)
     assert alone["latent_out"].abs().sum() > 0
     assert torch.equal(alone["cache"], busy["cache"]) and not torch.equal(alone["cache"], args["cache"])
     assert torch.equal(alone["state"][0], busy["state"][0])
     assert torch.equal(alone["latent_out"], busy["latent_out"][:ALONE_RUN[2]])
+
+
+# V4's HCA pools 128 slots: request 0 closes entry 0 (position 127) in a step of 1, 17 or 257 tokens
+# (the smallest of each size class of compressor/triton.py pool_plan), the others request 1's from
+# position 112 on (they close entries 0 and 1 too, computed and stored nowhere: the pool's every
+# byte is request 0's entry or the fill).
+HCA_RUNS, HCA_TOKENS = ((0, 127, 1), (1, 112, 256)), (1, 17, 257)
+
+
+def _hca_entry(run, tokens: int, batch_invariant: bool) -> tuple:
+    """(pool, latent row, state) of request 0 after closing its entry 0 in a step of `tokens` tokens."""
+    torch.manual_seed(5)  # the same rows for every step size
+    args = builders.compressor_update_args(dim=128, ratio=128, overlap=False, runs=HCA_RUNS, pad=0, latent=True)
+    args["inv_freq"] = builders.rope_table(64)  # the kernel's V4 layout (d 128: the indexer's)
+    args["entry_slots"][1:] = -1
+    step = {k: v[:tokens] if k in ("kv", "score", "positions", "req_slots", "entry_slots", "latent_out") else v
+            for k, v in args.items()}
+    fill = args["cache"].clone()
+    run(**step, batch_invariant=batch_invariant)
+    assert not torch.equal(step["cache"], fill)  # the entry was stored
+    return step["cache"], step["latent_out"][0], step["state"][0]
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_hca_entry_does_not_depend_on_the_step_size(path, threads):
+    """dsv4::compressor_update with batch_invariant: an HCA entry's bits are the same in a step of 1,
+    17 and 257 tokens. Triton: without the flag they are not; pool_plan (channels x slots a loop step,
+    warps) gives 16 x 128 on 8 warps, 32 x 64 on 4 and one program a token with 8 slots a step at
+    these sizes, and the slots a step pools order the softmax sums; with the flag the first at every
+    size. The reference on 7 CPU threads (test_reference_pooling_is_not_row_wise says why it needs
+    the flag there)."""
+    from dsv4ops.compressor import triton as comp_triton
+
+    if path == "reference":
+        threads(7)
+        run, modes = torch.ops.dsv4.compressor_update, (True,)
+    else:
+        run, modes = comp_triton.compressor_update, (True, False)
+        plans = [comp_triton.pool_plan(128, t, 128) for t in HCA_TOKENS]
+        assert len(set(plans)) == 3
+        assert {comp_triton.pool_plan(128, t, 128, True) for t in (*HCA_TOKENS, 4096)} == {plans[0]}
+    for invariant in modes:
+        (pool, latent, state), *others = (_hca_entry(run, t, invariant) for t in HCA_TOKENS)
+        for tokens, (o_pool, o_latent, o_state) in zip(HCA_TOKENS[1:], others, strict=True):
+            assert torch.equal(o_state, state)  # the state rows: the step's rows as they came
+            same = torch.equal(o_pool, pool) and torch.equal(o_latent, latent)
+            assert same == invariant, (tokens, invariant)
+
+
+def test_reference_pooling_is_not_row_wise(threads):
+    """Why the reference compressor pools one entry at a time with batch_invariant: torch's CPU
+    softmax over the slot dim (reference.functional.pool_entry) splits the [entries x d] columns
+    between threads and takes the scalar exp, not the vector one, at the edge of each thread's
+    share, so on 3 threads an entry pooled beside 39 others gets other bits than alone."""
+    from dsv4ops.reference.functional import pool_entry
+
+    threads(3)
+    g = torch.Generator().manual_seed(0)
+    a, z = torch.randn(2, 40, 128, 128, generator=g)
+    alone = torch.cat([pool_entry(a[i:i + 1], z[i:i + 1]) for i in range(40)])
+    assert not torch.equal(pool_entry(a, z), alone)
 
 
 @pytest.mark.parametrize("path", ["reference", "triton"])

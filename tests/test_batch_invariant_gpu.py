@@ -1,6 +1,7 @@
 """Batch-invariant serving on the GPU (CacheConfig(batch_invariant=True)): at V4-Flash dims (FP8
 cache, block-FP8 projections as keep_fp8 loads them), request "a" served alone and beside 1 to 31
-others of random lengths (up to 4K) gets bitwise the same outputs, eager and compiled (fullgraph); the
+others of random lengths (up to 4K) gets bitwise the same outputs, eager and compiled (fullgraph), and
+the same bits from the HCA entries it closes in decode steps beside 100 decoding others; the
 same for the V4.1 stack (every role, V4.1-Flash widths, QAT cache formats); and the kernel of
 dsv4::invariant_linear and the router's batch-invariant gate give a row the same bits whatever rows
 share their call. The CPU twin: tests/test_batch_invariant.py."""
@@ -25,18 +26,18 @@ MAX_CONTEXT = 4096  # a few K: long enough for many CSA entries (index_topk 512 
 A_CHUNKS = [700, 300, 1, 1, 1, 1]  # "a": a prefill in two chunks, then decode steps
 
 
-def _serve(layer, forward, others: int, seed: int) -> torch.Tensor:
-    """The outputs of "a" (A_CHUNKS, through `forward`: the layer or its compiled form) on a fresh
+def _serve(layer, forward, others: int, seed: int, a_chunks=A_CHUNKS, other_chunk: int = 48) -> torch.Tensor:
+    """The outputs of "a" (a_chunks, through `forward`: the layer or its compiled form) on a fresh
     batch-invariant cache; with `others` requests first prefilled (eager) to random lengths up to
-    MAX_CONTEXT - 64, then sharing each step of "a" with random chunks of 1 to 48 tokens, "a" at a
-    random place in the step."""
+    MAX_CONTEXT - 64, then sharing each step of "a" with random chunks of 1 to other_chunk tokens, "a"
+    at a random place in the step."""
     gen = torch.Generator().manual_seed(seed)
     lengths = {f"o{i}": n for i, n in enumerate(torch.randint(1, MAX_CONTEXT - 64, (others,), generator=gen).tolist())}
     cfg = CacheConfig(formats=FP8, exact_dtype=torch.bfloat16, max_requests=others + 1, max_context=MAX_CONTEXT,
                       max_step_tokens=2048, batch_invariant=True)
     manager = KVCacheManager(FLASH, cfg, device="cuda")
     layer.attach_cache(manager)
-    xa = torch.randn(sum(A_CHUNKS), FLASH.hidden_size, generator=torch.Generator().manual_seed(0))
+    xa = torch.randn(sum(a_chunks), FLASH.hidden_size, generator=torch.Generator().manual_seed(0))
     xa = xa.to("cuda", torch.bfloat16)
 
     def rows(r, n, done=0):
@@ -56,10 +57,10 @@ def _serve(layer, forward, others: int, seed: int) -> torch.Tensor:
             for lo in range(0, n, 2048):
                 step({r: min(2048, n - lo)}, layer)
         manager.admit("a")
-        for n in A_CHUNKS:
+        for n in a_chunks:
             spec = {"a": n}
             for r, length in list(lengths.items()):
-                k = int(torch.randint(1, 49, (1,), generator=gen))
+                k = int(torch.randint(1, other_chunk + 1, (1,), generator=gen))
                 if length + k <= MAX_CONTEXT and sum(spec.values()) + k <= 2048:
                     spec[r] = k
                     lengths[r] = length + k
@@ -84,6 +85,26 @@ def test_a_request_gets_the_same_bits_whoever_shares_its_steps(kind, compiled):
         busy = _serve(layer, forward, others, seed)
         diff = (busy.float() - alone.float()).abs().max().item()
         assert torch.equal(busy, alone), f"{kind}, {others} others: max difference {diff:.3e}"
+
+
+# "a"'s HCA entry 7 (positions 896..1023) closes in its fourth step, a decode step.
+A_HCA_CHUNKS = [700, 322, 1, 1, 1]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_hca_entries_closed_in_decode_steps_do_not_depend_on_the_step_size(compiled):
+    """V4's HCA pools 128 slots, where the compressor's Triton plan follows the step's token count by
+    default (compressor/triton.py pool_plan: 16 channels x 128 slots up to 16 tokens, 32 x 64 up to
+    256): "a"'s decode steps alone (1 token) and beside 100 decoding requests (101 tokens), the entry
+    closed in one of them and read by it and the next, give "a" the same bits."""
+    layer = new_layer(HCA, FLASH)
+    layer_step.to_block_fp8(layer)
+    forward = torch.compile(layer, fullgraph=True) if compiled else layer
+    alone = _serve(layer, forward, 0, 0, A_HCA_CHUNKS, 1)
+    assert alone.shape == (sum(A_HCA_CHUNKS), FLASH.hidden_size) and alone.isfinite().all()
+    busy = _serve(layer, forward, 100, 4, A_HCA_CHUNKS, 1)
+    diff = (busy.float() - alone.float()).abs().max().item()
+    assert torch.equal(busy, alone), f"100 others: max difference {diff:.3e}"
 
 
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])

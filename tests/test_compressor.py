@@ -564,7 +564,7 @@ def _pool_plan(monkeypatch, split: bool):
     """split: every pool on (token, channel block) programs of d / 4 channels, 4 slots a loop step,
     and the norm / store launch (the HCA decode path; the tiny shapes here take it only when forced)."""
     if split:
-        monkeypatch.setattr(compressor_tt, "pool_plan", lambda span, tokens, d: (d // 4, 4, 4))
+        monkeypatch.setattr(compressor_tt, "pool_plan", lambda span, tokens, d, batch_invariant: (d // 4, 4, 4))
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-program", "channel-split"])

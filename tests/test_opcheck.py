@@ -58,6 +58,8 @@ SAMPLES = {
         partial(builders.compressor_update_args, BF16, ratio=1, overlap=False, latent=True),
         partial(builders.compressor_update_args, FP32, "mxfp4_68", block_size=7, hadamard=True),  # V4's MXFP4 keys
         partial(builders.compressor_update_args, BF16, "fp4_288", ratio=128, overlap=False, runs=((1, 125, 4),), pad=0),
+        partial(builders.compressor_update_args, FP32, ratio=128, overlap=False, runs=((0, 125, 4), (1, 120, 8)), pad=0,
+                batch_invariant=True),  # two HCA entries, the reference one at a time
     ],
     "indexer_q_prep": [
         partial(builders.indexer_q_prep_args, FP32),

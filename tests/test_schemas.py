@@ -44,7 +44,7 @@ def test_qkv_prep():
 
 
 def test_compressor_update():
-    assert_expected_inline(_schema("compressor_update"), """dsv4::compressor_update(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor norm_weight, Tensor inv_freq, Tensor(a8!) state, Tensor(a9!) cache, Tensor(a10!)? latent_out, float eps, str fmt, bool hadamard=False) -> ()""")
+    assert_expected_inline(_schema("compressor_update"), """dsv4::compressor_update(Tensor kv, Tensor score, Tensor ape, Tensor positions, Tensor req_slots, Tensor entry_slots, Tensor norm_weight, Tensor inv_freq, Tensor(a8!) state, Tensor(a9!) cache, Tensor(a10!)? latent_out, float eps, str fmt, bool hadamard=False, bool batch_invariant=False) -> ()""")
 
 
 def test_indexer_q_prep():

@@ -87,3 +87,20 @@ def test_warmup_of_a_batch_invariant_cache_runs_every_invariant_gemm_shape(monke
             want.add((*layer.compressor.indexer.q_b_proj.weight.shape, False))
     assert seen == want
     assert fp8 and all(a == (1, True) or a == (CFG.o_groups, True) for a in fp8)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_warmup_runs_the_compressor_and_sparse_attn_in_the_cache_mode(invariant, monkeypatch):
+    # A batch-invariant cache's layers pool V4's HCA entries in one plan for every step size
+    # (compressor/triton.py pool_plan), and split a query's keys by its list's static width (Triton's
+    # split count is a constexpr): warmup compiles those launches, not the per-size ones.
+    from dsv4ops.cache import CacheConfig
+
+    seen, attn = [], []
+    real, real_attn = torch.ops.dsv4.compressor_update, torch.ops.dsv4.sparse_attn
+    monkeypatch.setattr(torch.ops.dsv4, "compressor_update", lambda *a: (seen.append(a[14:]), real(*a)))
+    monkeypatch.setattr(torch.ops.dsv4, "sparse_attn", lambda *a: (attn.append(a[16:] or (False,)), real_attn(*a)))
+    cache_cfg = CacheConfig(max_requests=2, max_context=256, max_step_tokens=4, batch_invariant=invariant)
+    dsv4ops.warmup(CFG, cache_cfg, "cpu")
+    assert seen and set(seen) == {(invariant,)}
+    assert attn and set(attn) == {(invariant,)}

@@ -17,7 +17,8 @@ _compressor_update = torch.ops.dsv4.compressor_update.default
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      eps: float, fmt: str, latent: bool = False, hadamard: bool = False) -> Tensor | None:
+                      eps: float, fmt: str, latent: bool = False, hadamard: bool = False,
+                      batch_invariant: bool = False) -> Tensor | None:
     """One compressor step over a flat batch of T tokens; mutates `state` and `cache`.
 
     kv, score [T, coff * d] (float, contiguous last dim): the a and z projections (coff = 2 with the
@@ -42,6 +43,10 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     latent=True returns latent [T, d] in the entry dtype: each closing token's entry after the
     RMSNorm and before RoPE (V4.1's index keys are made from it), 0 for the other tokens.
 
+    batch_invariant=True: an entry's bits do not depend on the other tokens of the call or their
+    count (CacheConfig(batch_invariant=True)): the GPU pools in one order for every token count,
+    the CPU one entry at a time.
+
     Checked in eager mode: positions >= 0; req_slots in [-1, requests); the tokens of a request are
     one contiguous run with consecutive positions (the pooling finds rows of the call by offset);
     entry_slots in [-1, pool slots), distinct among the closing tokens, each at its entry's offset in
@@ -61,5 +66,5 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
         check_slots("entry_slots", entry_slots, cache, fmt, f"-1 or a slot of the pool's {pool_slots(cache, fmt)}")
         _values.closing_slots(entry_slots, positions, req_slots, m, block_size(cache, fmt))
     _compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                       latent_out, eps, fmt, hadamard)
+                       latent_out, eps, fmt, hadamard, batch_invariant)
     return latent_out

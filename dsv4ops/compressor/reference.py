@@ -24,10 +24,10 @@ from dsv4ops.reference.functional import apply_rope, pool_entry, rms_norm, rope_
 
 def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor, req_slots: Tensor,
                       entry_slots: Tensor, norm_weight: Tensor, inv_freq: Tensor, state: Tensor, cache: Tensor,
-                      latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool = False) -> None:
+                      latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool = False,
+                      batch_invariant: bool = False) -> None:
     t, width = kv.shape
-    d, m = norm_weight.shape[0], ape.shape[0]
-    span, rows = (width // d) * m, state.shape[1]
+    m, rows = ape.shape[0], state.shape[1]
     pos, req = positions.long(), req_slots.long()
     # Padding: request -1, or any slot past the state (kernels never index out of range), or a
     # negative position. A closing token's entry slot past the pool stores nothing (pack_kv).
@@ -39,28 +39,12 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     if latent_out is not None:
         latent_out.zero_()
     if close.numel():
-        p, r = pos[close, None], req[close, None]
-        q = p - (span - 1) + torch.arange(span, device=kv.device)  # [n, span] positions pooled
-        src = close[:, None] - (span - 1) + torch.arange(span, device=kv.device)
-        src_ok = src >= 0
-        src = src.clamp(min=0)
-        in_step = src_ok & (req[src] == r) & (pos[src] == q)
-        held = state[r, q % rows]  # [n, span, 2 * width]
-        rows_a = torch.where(in_step[..., None], a[src], held[..., :width])
-        rows_z = torch.where(in_step[..., None], z[src], held[..., width:])
-        before_start = (q < 0)[..., None]
-        rows_a = rows_a.masked_fill(before_start, 0.0)
-        rows_z = rows_z.masked_fill(before_start, float("-inf"))
-        if width == 2 * d:  # CSA: previous window's a-stream, current window's b-stream
-            rows_a = torch.cat([rows_a[:, :m, :d], rows_a[:, m:, d:]], 1)
-            rows_z = torch.cat([rows_z[:, :m, :d], rows_z[:, m:, d:]], 1)
-        edt = entry_dtype(cache, fmt)
-        entry = rms_norm(pool_entry(rows_a, rows_z).to(edt), norm_weight, eps)
-        if latent_out is not None:
-            latent_out[close] = entry
-        cos, sin = rope_angles((pos[close] // m) * m, inv_freq, edt)
-        entry = apply_rope(entry, cos, sin)
-        pack_kv(rotate(entry) if hadamard else entry, entry_slots[close], cache, fmt)
+        # batch_invariant: one entry at a time. torch's CPU softmax over the slot dim splits the
+        # [entries x d] columns between threads and takes the scalar exp (not the vector one) at a
+        # chunk's edge: with 3 threads an entry's bits change with how many entries share the call.
+        for group in close.split(1) if batch_invariant else (close,):
+            _store_entries(group, a, z, pos, req, entry_slots, norm_weight, inv_freq, m, state, cache, latent_out,
+                           eps, fmt, hadamard)
 
     nxt = torch.arange(t, device=kv.device) + rows
     later = nxt < t
@@ -68,3 +52,33 @@ def compressor_update(kv: Tensor, score: Tensor, ape: Tensor, positions: Tensor,
     later &= (req[nxt] == req) & (pos[nxt] == pos + rows)
     keep = live & ~later
     state[req[keep], pos[keep] % rows] = torch.cat([a[keep], z[keep]], -1)
+
+
+def _store_entries(close: Tensor, a: Tensor, z: Tensor, pos: Tensor, req: Tensor, entry_slots: Tensor,
+                   norm_weight: Tensor, inv_freq: Tensor, m: int, state: Tensor, cache: Tensor,
+                   latent_out: Tensor | None, eps: float, fmt: str, hadamard: bool) -> None:
+    """The entries closed by the tokens `close` of the step (a, z: its rows; state: before the step)."""
+    width, d = a.shape[1], norm_weight.shape[0]
+    span, rows = (width // d) * m, state.shape[1]
+    p, r = pos[close, None], req[close, None]
+    q = p - (span - 1) + torch.arange(span, device=a.device)  # [n, span] positions pooled
+    src = close[:, None] - (span - 1) + torch.arange(span, device=a.device)
+    src_ok = src >= 0
+    src = src.clamp(min=0)
+    in_step = src_ok & (req[src] == r) & (pos[src] == q)
+    held = state[r, q % rows]  # [n, span, 2 * width]
+    rows_a = torch.where(in_step[..., None], a[src], held[..., :width])
+    rows_z = torch.where(in_step[..., None], z[src], held[..., width:])
+    before_start = (q < 0)[..., None]
+    rows_a = rows_a.masked_fill(before_start, 0.0)
+    rows_z = rows_z.masked_fill(before_start, float("-inf"))
+    if width == 2 * d:  # CSA: previous window's a-stream, current window's b-stream
+        rows_a = torch.cat([rows_a[:, :m, :d], rows_a[:, m:, d:]], 1)
+        rows_z = torch.cat([rows_z[:, :m, :d], rows_z[:, m:, d:]], 1)
+    edt = entry_dtype(cache, fmt)
+    entry = rms_norm(pool_entry(rows_a, rows_z).to(edt), norm_weight, eps)
+    if latent_out is not None:
+        latent_out[close] = entry
+    cos, sin = rope_angles((pos[close] // m) * m, inv_freq, edt)
+    entry = apply_rope(entry, cos, sin)
+    pack_kv(rotate(entry) if hadamard else entry, entry_slots[close], cache, fmt)

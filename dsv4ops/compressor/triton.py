@@ -1,6 +1,7 @@
 """Triton kernels of `dsv4::compressor_update` (compressor/reference.py is the specification).
 
-Two launches on the current stream, in this order (three for an HCA decode step, see pool_plan):
+Two launches on the current stream, in this order (three for an HCA decode step and for every
+batch-invariant HCA step, see pool_plan):
 1. `_compress_kernel`, one program per token (programs of tokens that do not close a block exit at
    once): pools positions [p - coff*m + 1, p] per channel with an online softmax over slot chunks
    (the step's own rows where the reference takes them, the state ring otherwise, -inf before 0;
@@ -196,14 +197,21 @@ def _save_kernel(kv_ptr, score_ptr, ape_ptr, pos_ptr, req_ptr, state_ptr, n_toke
         tl.store(row + W + c, z)
 
 
-def pool_plan(span: int, tokens: int, d: int) -> tuple[int, int, int]:
+def pool_plan(span: int, tokens: int, d: int, batch_invariant: bool = False) -> tuple[int, int, int]:
     """(channels per pooling program, slots it pools per loop step, warps) for `tokens` tokens
     whose entries pool `span` slots of d channels. Channels per program < d: the pooling runs on
     (token, channel block) programs and a second launch norms and stores. HCA (128 slots), H100,
     graph-timed, against one program a token: decode 1 x 4K 7.4 us (31.6) with 16 channels x 128
     slots on 8 warps, 32 x 4K 11.6 (32.9) and 128 x 4K 42.3 (54.6) with 32 x 64 on 4; a 4096-token
-    prefill (32 closing tokens) stays on one program a token: 41 us, 53 split."""
-    if span >= 64 and tokens <= 16:
+    prefill (32 closing tokens) stays on one program a token: 41 us, 53 split.
+
+    The slots a loop step pools set the order of a channel's softmax sums, so the plan decides an
+    entry's bits. batch_invariant: the decode plan (16 x 128 on 8 warps) at every token count, so
+    a request's entries do not depend on how many tokens share its step. It keeps batch 1 as it is
+    (7.4 us; one program a token, the simpler fixed plan, takes 31.6); from 17 tokens on it stands
+    in for the plans timed above (32 x 64: 11.6 and 42.3 us; one program a token at prefill: 41)
+    and has not been timed there itself. Its pooled rows take a [tokens, d] fp32 buffer."""
+    if span >= 64 and (tokens <= 16 or batch_invariant):
         return 16, 128, 8
     if span >= 64 and tokens <= 256:
         return 32, 64, 4
@@ -211,8 +219,8 @@ def pool_plan(span: int, tokens: int, d: int) -> tuple[int, int, int]:
 
 
 def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
-                      latent_out, eps: float, fmt: str, hadamard: bool = False) -> None:
-    """Launcher of `dsv4::compressor_update` (same arguments)."""
+                      latent_out, eps: float, fmt: str, hadamard: bool = False, batch_invariant: bool = False) -> None:
+    """Launcher of `dsv4::compressor_update` (same arguments). batch_invariant: pool_plan's fixed plan."""
     _checks.compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_weight, inv_freq, state, cache,
                               latent_out, eps, fmt, hadamard)
     code = fmt_code("compressor_update", "fmt", fmt)
@@ -224,7 +232,7 @@ def compressor_update(kv, score, ape, positions, req_slots, entry_slots, norm_we
     overlap = width == 2 * d
     rows = state.shape[1]
     edt = cache.dtype if code == 0 else torch.bfloat16
-    db, rb, warps = pool_plan((width // d) * ratio, t, d)
+    db, rb, warps = pool_plan((width // d) * ratio, t, d, batch_invariant)
     latent = cache if latent_out is None else latent_out
     s_lat = 0 if latent_out is None else latent_out.stride(0)
     finish = (capacity(cache, fmt), s_lat, ratio, block_size(cache, fmt), eps)
