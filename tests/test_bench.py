@@ -666,13 +666,13 @@ def test_v41_role_stack_holds_every_role_of_v41_flash_at_its_shapes():
 
 
 def test_layer_bench_runs_v41_rows_and_the_cli_keeps_v41_to_them(monkeypatch, capsys):
-    from dsv4ops.bench import cli, layer_step, layer_step_v41
+    from dsv4ops.bench import cli, layer_rows, layer_step, layer_step_v41
 
     got = []
     monkeypatch.setattr(layer_step, "measured_rates", lambda timer: (2e12, 5e14))
     monkeypatch.setattr(layer_step_v41, "run", lambda *a: (got.append(a), [{"model": "v41"}])[1])
     timer = lambda fn: 1.0  # noqa: E731
-    assert layer_step.run(models=("v41",), timer=timer, points=[(3, 500)], device="cpu") == [{"model": "v41"}]
+    assert layer_rows.run(models=("v41",), timer=timer, points=[(3, 500)], device="cpu") == [{"model": "v41"}]
     assert got == [(print, "cpu", timer, (2e12, 5e14), [(3, 500)])]
     assert cli.build_parser().parse_args(["--only", "layer", "--model", "v41"]).model == "v41"
     with pytest.raises(SystemExit) as exit_:

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from dsv4ops.bench import layer_step, memory, sweep
+from dsv4ops.bench import layer_rows, layer_step, memory, sweep
 from dsv4ops.config import CSA, HCA, SLIDING, DSV4AttentionConfig
 
 KINDS = {"swa": SLIDING, "sliding": SLIDING, "csa": CSA, "hca": HCA}
@@ -178,7 +178,7 @@ def main(argv=None):
         print(table(out["fp4_cache"], ["batch", "context", "cache", "op", "us", "per_token_us", "bytes_per_token",
                                        "vs_fp8"]))
     if "layer" in parts:
-        out["layer"] = layer_step.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
+        out["layer"] = layer_rows.run(quick=args.quick, progress=lambda r: print("row", json.dumps(r), flush=True),
                                       models=(args.model,))
         print(table(out["layer"], layer_step.COLUMNS))
     if "router" in parts:
@@ -212,7 +212,7 @@ def main(argv=None):
 
 
 def _sweep(args) -> dict:
-    from dsv4ops.bench import flashmla, layer_step, sweep
+    from dsv4ops.bench import flashmla, layer_rows, layer_step, sweep
 
     if not torch.cuda.is_available():
         raise SystemExit("bench --sweep: needs a CUDA GPU")
@@ -223,7 +223,7 @@ def _sweep(args) -> dict:
     quick = args.sweep_quick
     progress = lambda r: print("row", json.dumps(r), flush=True)  # noqa: E731
     out["sweep"] = sweep.run(quick=quick, progress=progress)
-    out["layer_step"] = layer_step.run(quick=quick, progress=progress)
+    out["layer_step"] = layer_rows.run(quick=quick, progress=progress)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

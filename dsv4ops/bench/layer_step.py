@@ -182,22 +182,11 @@ def step_columns(timer, eager, compiled, nbytes: int, gemm_flops: float, batch: 
 
 
 @torch.no_grad()
-def run(quick: bool = False, progress=print, device="cuda", timer=None, models=("flash", "pro", "v41"),
-        kinds=(SLIDING, CSA, HCA), points=None) -> list[dict]:
-    """The rows of `models` (flash, pro: per layer kind; v41: per V4.1-Flash role, bench/layer_step_v41)
-    at `points` (default POINTS, QUICK_POINTS with `quick`), each model's stack rows after its own."""
-    from dsv4ops.bench.timing import graph_time_us
-
-    timer = timer or graph_time_us
-    rates = measured_rates(timer)
-    points = points or (QUICK_POINTS if quick else POINTS)
+def run(progress, device, timer, rates, points, models=("flash", "pro"), kinds=(SLIDING, CSA, HCA)) -> list[dict]:
+    """The rows of the V4 `models` (flash, pro) per layer kind at `points`, each model's stack rows
+    after its own (bench/layer_rows.py runs V4.1's beside them). rates: measured_rates(timer)."""
     rows = []
     for model in models:
-        if model == "v41":
-            from dsv4ops.bench import layer_step_v41
-
-            rows += layer_step_v41.run(progress, device, timer, rates, points)
-            continue
         for kind in kinds:
             cfg = model_config(model, kind)
             layer = new_layer(kind, cfg, device)
